@@ -7,7 +7,10 @@ import logging
 import sys
 
 from models.data import DataError
-from node import baseline
+from node import baseline, serve, status
+from node.daemon import NodeError
+from node.dht import DHTStartError
+from node.files import IdentityInUseError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("baseline", help="train the whole model in one process (the reference)")
     baseline.add_arguments(b)
     b.set_defaults(handler=baseline.run)
+    n = sub.add_parser("node", help="run a node daemon: join (or start) a run and serve a stage")
+    serve.add_arguments(n)
+    n.set_defaults(handler=serve.run)
+    s = sub.add_parser("status", help="show the peers and stages of a run")
+    status.add_arguments(s)
+    s.set_defaults(handler=status.run)
     return parser
 
 
@@ -30,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.handler(args)
-    except (DataError, ValueError) as e:
+    except (DataError, ValueError, NodeError, IdentityInUseError, DHTStartError) as e:
         print(f"swarmtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,97 @@
+"""What this machine can do: its device, its compute throughput per stage, its bandwidth.
+
+Throughput is measured once per device and model (forward + backward of a micro-batch
+through each stage) and cached, since a ``base`` stage takes a while on a CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.stages import Stage
+from node.files import write_atomic
+from protocol.run_spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # "cpu", "cuda", "mps"
+    description: str  # shown to others, e.g. "cuda:NVIDIA H200"
+
+    @property
+    def torch(self) -> torch.device:
+        return torch.device(self.name)
+
+    def autocast(self):
+        """bf16 autocast on CUDA (halves activation memory, uses tensor cores); none elsewhere."""
+        if self.name == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+
+def pick_device(choice: str = "auto") -> Device:
+    """``auto`` picks CUDA, then MPS, then the CPU; an explicit choice must be available."""
+    if choice not in ("auto", "cpu", "cuda", "mps"):
+        raise ValueError(f"device must be auto, cpu, cuda or mps, got {choice!r}")
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    if choice == "cuda" and not cuda or choice == "mps" and not mps:
+        raise ValueError(f"--device {choice} requested but torch sees no {choice} device")
+    if choice == "cuda" or choice == "auto" and cuda:
+        return Device("cuda", f"cuda:{torch.cuda.get_device_name()}"[:64])
+    if choice == "mps" or choice == "auto" and mps:
+        return Device("mps", "mps")
+    return Device("cpu", f"cpu:{torch.get_num_threads()}t")
+
+
+def measure_stage(spec: RunSpec, stage: int, device: Device, min_time_s: float = 0.5) -> float:
+    """Samples/s of forward + backward of one micro-batch through ``stage`` on ``device``."""
+    model, optim = spec.model, spec.optim
+    module = Stage(model, spec.stage_range(stage)).to(device.torch)
+    b, t = optim.micro_batch_size, model.block_size
+    if module.takes_tokens:
+        x = torch.randint(0, model.vocab_size, (b, t), device=device.torch)
+    else:
+        x = torch.randn(b, t, model.n_embd, device=device.torch, requires_grad=True)
+    y = torch.randint(0, model.vocab_size, (b, t), device=device.torch)
+
+    def step() -> None:
+        with device.autocast():
+            out = module(x, y) if module.returns_loss else module(x)
+        out.backward(torch.ones_like(out))
+
+    step()  # warm-up: allocations, kernel selection
+    n, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < min_time_s or n < 2:
+        step()
+        n += 1
+    if device.name == "cuda":
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+    return n * b / elapsed
+
+
+def stage_throughputs(spec: RunSpec, device: Device, cache_dir: Path | None) -> list[float]:
+    """Throughput of every stage of ``spec`` on ``device``, from the cache when measured before."""
+    key = hashlib.sha256(
+        json.dumps([device.description, spec.arch, spec.boundaries, spec.optimizer]).encode()
+    ).hexdigest()[:16]
+    cache = cache_dir / "throughput.json" if cache_dir else None
+    cached = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    if key in cached:
+        return cached[key]
+    logger.info("measuring compute throughput of %d stages on %s", spec.n_stages, device.name)
+    result = [round(measure_stage(spec, s, device), 3) for s in range(spec.n_stages)]
+    if cache:
+        cached[key] = result
+        write_atomic(cache, json.dumps(cached, indent=1).encode())
+    return result

@@ -1,0 +1,222 @@
+"""The node daemon's lifecycle: join -> measure -> announce -> take a stage -> serve -> leave.
+
+``Node`` owns every background task it starts (an ``asyncio.TaskGroup``); ``run`` returns
+only after they are all cancelled and awaited, and ``close`` announces the departure and
+stops the DHT (and its ``p2pd``) so that nothing outlives the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivemind.utils import get_dht_time
+
+from node.capacity import Device, pick_device, stage_throughputs
+from node.dht import SwarmDHT
+from node.files import load_or_create_identity, write_atomic
+from protocol.assignment import least_served_stage
+from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
+from protocol.run_spec import RunSpec, make_run_spec
+
+logger = logging.getLogger(__name__)
+
+SPEC_REFRESH_S = 300.0
+
+
+class NodeError(RuntimeError):
+    """The node cannot start or continue, for a reason a person can act on."""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    run: str
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity: Path | None = None  # default: ~/.swarmtrain/<run>/identity.key
+    device: str = "auto"
+    stage: int | None = None  # pin a stage instead of choosing one
+    # Used only by the node that starts a new run (no initial peers): the run's spec.
+    preset: str = "tiny"
+    n_stages: int = 2
+    compression: str = "none"
+    update_period_s: float = 5.0  # records expire after 3 periods without a refresh
+    throughput: float | None = None  # declared samples/s for every stage (skips measuring)
+    bandwidth_mbps: float | None = None  # declared up and down
+    cache_dir: Path | None = field(default_factory=lambda: Path("~/.cache/swarmtrain").expanduser())
+    spec_timeout_s: float = 30.0
+
+    @property
+    def record_ttl_s(self) -> float:
+        return 3 * self.update_period_s
+
+    def identity_path(self) -> Path:
+        return self.identity or Path(f"~/.swarmtrain/{self.run}/identity.key").expanduser()
+
+
+class Node:
+    """One volunteer's membership in one run."""
+
+    def __init__(self, settings: NodeSettings, dht: SwarmDHT, key, lock_fd: int) -> None:
+        self.settings = settings
+        self.dht = dht
+        self.key = key
+        self._lock_fd = lock_fd
+        self.spec: RunSpec | None = None
+        self.device: Device | None = None
+        self.throughput: tuple[float, ...] = ()
+        self.stage: int | None = None
+        self.state = PeerState.JOINING
+        self._changed = asyncio.Event()
+
+    @classmethod
+    async def create(cls, settings: NodeSettings) -> Node:
+        """Start the DHT with this node's identity; fetch (or, for a new run, write) the spec;
+        measure capacity. On failure everything started so far is stopped."""
+        key, lock_fd = load_or_create_identity(settings.identity_path())
+        try:
+            dht = SwarmDHT.start(
+                settings.run,
+                initial_peers=settings.initial_peers,
+                host_maddrs=settings.host_maddrs,
+                announce_maddrs=settings.announce_maddrs,
+                identity_path=settings.identity_path(),
+            )
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        node = cls(settings, dht, key, lock_fd)
+        try:
+            await node._load_spec()
+            node._measure()
+        except BaseException:
+            await node.close()
+            raise
+        return node
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id
+
+    async def _load_spec(self) -> None:
+        s = self.settings
+        if not s.initial_peers:
+            self.spec = make_run_spec(s.run, s.preset, s.n_stages, compression=s.compression)
+            await self.dht.publish_spec(self.spec)
+            logger.info("started run %s: preset %s, %d stages", s.run, s.preset, s.n_stages)
+            return
+        deadline = time.monotonic() + s.spec_timeout_s
+        while (spec := await self.dht.spec()) is None:
+            if time.monotonic() > deadline:
+                raise NodeError(
+                    f"no valid spec for run {s.run!r} found through {', '.join(s.initial_peers)} "
+                    f"within {s.spec_timeout_s:.0f} s: is the run name right, and is a node of "
+                    "that run reachable?"
+                )
+            await asyncio.sleep(0.5)
+        self.spec = spec
+        if s.stage is not None and not 0 <= s.stage < spec.n_stages:
+            raise NodeError(f"--stage {s.stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
+
+    def _measure(self) -> None:
+        assert self.spec is not None
+        self.device = pick_device(self.settings.device)
+        if self.settings.throughput is not None:
+            self.throughput = (float(self.settings.throughput),) * self.spec.n_stages
+        else:
+            cache = self.settings.cache_dir
+            self.throughput = tuple(stage_throughputs(self.spec, self.device, cache))
+        logger.info("throughput per stage (samples/s): %s", self.throughput)
+
+    def info(self, state: PeerState | None = None) -> PeerInfo:
+        """This node's record as of now."""
+        assert self.spec is not None and self.device is not None
+        declared_bw = self.settings.bandwidth_mbps
+        return PeerInfo(
+            peer_id=self.peer_id,
+            run=self.settings.run,
+            version=PROTOCOL_VERSION,
+            device=self.device.description,
+            throughput=self.throughput,
+            throughput_source="declared" if self.settings.throughput is not None else "measured",
+            bandwidth_up_mbps=declared_bw or 0.0,
+            bandwidth_down_mbps=declared_bw or 0.0,
+            bandwidth_source="declared" if declared_bw is not None else "unknown",
+            stage=self.stage,
+            state=state or self.state,
+            load=0,
+            timestamp=get_dht_time(),
+        )
+
+    def set_state(self, state: PeerState) -> None:
+        """Change state and re-announce at once."""
+        self.state = state
+        self._changed.set()
+
+    async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
+        """Announce, take a stage, serve, until ``stop`` is set; then cancel every task."""
+        async with asyncio.TaskGroup() as tasks:
+            background = [
+                tasks.create_task(self._announce_loop(), name="announce"),
+                tasks.create_task(self._spec_loop(), name="refresh-spec"),
+            ]
+            await self._take_stage()
+            if on_ready is not None:
+                on_ready()
+            await stop.wait()
+            for task in background:
+                task.cancel()
+
+    async def _take_stage(self) -> None:
+        assert self.spec is not None
+        if self.settings.stage is not None:
+            self.stage = self.settings.stage
+        else:
+            peers = [p for p in await self.dht.peers() if p.peer_id != self.peer_id]
+            self.stage = least_served_stage(peers, self.spec.n_stages, seed=self.peer_id)
+        self.set_state(PeerState.LOADING)
+        logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
+        self.set_state(PeerState.SERVING)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            self._changed.clear()
+            await self._publish(self.info(), self.settings.record_ttl_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.settings.update_period_s)
+
+    async def _publish(self, info: PeerInfo, ttl_s: float) -> None:
+        try:
+            if not await self.dht.publish_peer(info, self.key, ttl_s):
+                logger.warning("the DHT did not store our record (no reachable peer?)")
+        except Exception as e:  # a DHT hiccup must not stop the node; the next period retries
+            logger.warning("publishing our record failed: %s", e)
+
+    async def _spec_loop(self) -> None:
+        assert self.spec is not None
+        while True:
+            await asyncio.sleep(SPEC_REFRESH_S)
+            await self.dht.publish_spec(self.spec)
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Announce ``leaving`` (best effort, within ``grace_s``), stop the DHT, free the key."""
+        try:
+            if self.spec is not None and self.device is not None:
+                leaving = self.info(PeerState.LEAVING)
+                await asyncio.wait_for(self._publish(leaving, self.settings.record_ttl_s), grace_s)
+        except TimeoutError:
+            logger.warning("could not announce our departure within %.0f s", grace_s)
+        finally:
+            await self.dht.shutdown()
+            os.close(self._lock_fd)
+
+
+def write_maddrs(path: Path, maddrs: list[str]) -> None:
+    write_atomic(path, ("\n".join(maddrs) + "\n").encode())

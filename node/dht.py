@@ -1,0 +1,177 @@
+"""The node's view of the DHT: hivemind's ``DHT`` behind a small surface.
+
+Only this module (and the servicers that attach to its P2P) touch hivemind's DHT. Every
+record read is validated here; invalid ones are dropped and logged, never returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import hivemind
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+from protocol.keys import peers_key, spec_key
+from protocol.records import (
+    MAX_RECORD_AGE_S,
+    PeerInfo,
+    RecordError,
+    decode_peer_info,
+    encode_peer_info,
+)
+from protocol.run_spec import RunSpec, decode_run_spec, encode_run_spec
+
+logger = logging.getLogger(__name__)
+
+SPEC_TTL_S = 3600.0  # every node re-stores the spec, so it outlives its creator
+
+
+class DHTStartError(RuntimeError):
+    """The DHT process did not come up."""
+
+
+class RunRecordValidator(RecordValidatorBase):
+    """Refuses to store or return a run's records that do not validate (hivemind calls this
+    in the DHT process for every record it is asked to store or receives from a peer)."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
+        self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in (self._peers_id, self._spec_id):
+            return True  # other subsystems' keys (e.g. averaging) are theirs to check
+        try:
+            value = DHTProtocol.serializer.loads(record.value)
+            if record.key == self._spec_id:
+                decode_run_spec(value, run=self.run)
+            else:
+                subkey = DHTProtocol.serializer.loads(record.subkey)
+                decode_peer_info(
+                    value,
+                    subkey=subkey,
+                    run=self.run,
+                    now=get_dht_time(),
+                    max_age_s=MAX_RECORD_AGE_S,
+                )
+        except (RecordError, ValueError, TypeError) as e:
+            logger.warning("refused a DHT record of run %s: %s", self.run, e)
+            return False
+        return True
+
+
+class SwarmDHT:
+    """A node's (or a client's) membership in one run's DHT."""
+
+    def __init__(self, dht: hivemind.DHT, run: str) -> None:
+        self.dht = dht
+        self.run = run
+
+    @classmethod
+    def start(
+        cls,
+        run: str,
+        *,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+        announce_maddrs: Sequence[str] = (),
+        identity_path: Path | None = None,
+        client_mode: bool = False,
+        startup_timeout_s: float = 60.0,
+    ) -> SwarmDHT:
+        """Start hivemind's DHT (in its own process) and join ``initial_peers``, if any.
+
+        Blocking, and to be called from the main thread: the DHT process is forked, and a
+        fork from a worker thread of a running uvloop can leave the child unable to start
+        its ``p2pd`` (seen as a node that hangs at start)."""
+        kwargs = {
+            "initial_peers": list(initial_peers),
+            "host_maddrs": list(host_maddrs),
+            "announce_maddrs": list(announce_maddrs) or None,
+            "client_mode": client_mode,
+            "record_validators": [RunRecordValidator(run)],
+            "start": False,
+        }
+        if identity_path is not None:
+            # hivemind's "identity taken" check only understands RSA keys; ours are Ed25519.
+            kwargs.update(identity_path=str(identity_path), check_if_identity_free=False)
+        dht = hivemind.DHT(**kwargs)
+        try:
+            dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            dht.terminate()
+            raise DHTStartError(
+                f"hivemind's DHT did not start within {startup_timeout_s:.0f} s"
+            ) from None
+        return cls(dht, run)
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    async def replicate_p2p(self) -> hivemind.P2P:
+        """A P2P handle in this process on the DHT's daemon: same peer id, for RPCs."""
+        return await self.dht.replicate_p2p()
+
+    async def publish_peer(self, info: PeerInfo, key: Ed25519PrivateKey, ttl_s: float) -> bool:
+        return await self.dht.store(
+            peers_key(self.run),
+            subkey=info.peer_id,
+            value=encode_peer_info(info, key),
+            expiration_time=get_dht_time() + ttl_s,
+            return_future=True,
+        )
+
+    async def peers(self) -> list[PeerInfo]:
+        """The run's peer records that validate; the rest are logged and dropped."""
+        found = await self.dht.get(peers_key(self.run), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now, result = get_dht_time(), []
+        for subkey, item in found.value.items():
+            try:
+                result.append(
+                    decode_peer_info(
+                        item.value,
+                        subkey=subkey,
+                        run=self.run,
+                        now=now,
+                        max_age_s=MAX_RECORD_AGE_S,
+                    )
+                )
+            except RecordError as e:
+                logger.warning("dropped a peer record: %s", e)
+        return result
+
+    async def publish_spec(self, spec: RunSpec) -> bool:
+        return await self.dht.store(
+            spec_key(self.run),
+            value=encode_run_spec(spec),
+            expiration_time=get_dht_time() + SPEC_TTL_S,
+            return_future=True,
+        )
+
+    async def spec(self) -> RunSpec | None:
+        found = await self.dht.get(spec_key(self.run), latest=True, return_future=True)
+        if found is None:
+            return None
+        try:
+            return decode_run_spec(found.value, run=self.run)
+        except RecordError as e:
+            logger.warning("dropped the run spec: %s", e)
+            return None
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.dht.shutdown)

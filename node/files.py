@@ -1,0 +1,56 @@
+"""Local state on disk, always written atomically: a crash leaves the old file or the new
+one, never half of either."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from protocol.identity import decode_private_key, encode_private_key
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class IdentityInUseError(RuntimeError):
+    """Another running node holds this identity file."""
+
+
+def load_or_create_identity(path: Path) -> tuple[Ed25519PrivateKey, int]:
+    """The node's Ed25519 key at ``path`` (created, mode 0600, on first start), and an open
+    file descriptor holding a lock on it: two nodes with one identity would fight over one
+    peer id, so the second one is refused."""
+    path = path.expanduser()
+    if not path.exists():
+        write_atomic(path, encode_private_key(Ed25519PrivateKey.generate()), mode=0o600)
+    lock_fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise IdentityInUseError(
+            f"identity {path} is in use by another node on this machine; give this node its "
+            "own with --identity PATH"
+        ) from None
+    return decode_private_key(path.read_bytes()), lock_fd

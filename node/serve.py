@@ -1,0 +1,111 @@
+"""``swarmtrain node``: run a node daemon until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from node.daemon import Node, NodeSettings, write_maddrs
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="the run's name")
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of nodes of the run; none starts a new run",
+    )
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="where to listen (default: every interface, a free TCP port)",
+    )
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="addresses others should dial, e.g. behind port forwarding",
+    )
+    p.add_argument(
+        "--identity", type=Path, help="key file (default ~/.swarmtrain/RUN/identity.key)"
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--stage", type=int, help="serve this stage instead of choosing one")
+    p.add_argument("--preset", default="tiny", help="new run only: model preset")
+    p.add_argument("--stages", type=int, default=2, help="new run only: number of stages")
+    p.add_argument(
+        "--compression",
+        default="none",
+        choices=["none", "float16", "uint8"],
+        help="new run only: compression of activations and gradients",
+    )
+    p.add_argument("--throughput", type=float, help="declare samples/s instead of measuring")
+    p.add_argument("--bandwidth-mbps", type=float, help="declare up/down bandwidth in Mbit/s")
+    p.add_argument(
+        "--update-period",
+        type=float,
+        default=5.0,
+        help="seconds between record refreshes (records expire after 3)",
+    )
+    p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
+
+
+def settings_from(args: argparse.Namespace) -> NodeSettings:
+    return NodeSettings(
+        run=args.run,
+        initial_peers=tuple(args.initial_peers),
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        identity=args.identity,
+        device=args.device,
+        stage=args.stage,
+        preset=args.preset,
+        n_stages=args.stages,
+        compression=args.compression,
+        throughput=args.throughput,
+        bandwidth_mbps=args.bandwidth_mbps,
+        update_period_s=args.update_period,
+    )
+
+
+async def serve(settings: NodeSettings, maddrs_file: Path | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    node = await Node.create(settings)
+    try:
+        maddrs = node.dht.visible_maddrs()
+        if maddrs_file:
+            write_maddrs(maddrs_file, maddrs)
+        print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
+        for m in maddrs:
+            print(f"  --initial-peers {m}", flush=True)
+
+        def on_ready() -> None:
+            print(
+                f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}",
+                flush=True,
+            )
+
+        await node.run(stop, on_ready)
+    finally:
+        await node.close()
+    print("node stopped", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    return uvloop.run(serve(settings_from(args), args.maddrs_file))

@@ -1,0 +1,195 @@
+"""The calls a trainer makes to stage servers: forward, the last stage's loss, backward.
+
+Every failure raises a ``StageCallError``: ``StageRefused`` when the server refused the
+request (it is malformed for the stage: do not retry it anywhere), ``StageUnavailable``
+when the peer could not serve it (unreachable, gone, failed, timed out, answered
+nonsense: retry on another peer of the stage).
+
+Gradients follow ``models.training``'s convention: the last stage back-propagates
+``loss * B``, so every gradient that comes back is a sum over the micro-batch's samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import torch
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+from hivemind.proto import runtime_pb2
+
+from node.stage_server import StageServer
+from node.stage_wire import (
+    FAILED,
+    REFUSED,
+    Assembler,
+    decode_response_meta,
+    deserialize,
+    generic_header_check,
+    serialize,
+    split_message,
+)
+from protocol.stage_messages import BACKWARD, FORWARD, StageMeta, StageRequestError
+
+DEFAULT_TIMEOUT = 30.0
+MAX_RESPONSE_BYTES = 2**30
+
+
+class StageCallError(Exception):
+    """A stage call that returned no result."""
+
+    retry_elsewhere = True
+
+    def __init__(self, peer_id: PeerID, message: str) -> None:
+        super().__init__(f"peer {peer_id}: {message}")
+        self.peer_id = peer_id
+        self.reason = message
+
+
+class StageRefused(StageCallError):
+    """The server refused the request as malformed; any peer of the stage would."""
+
+    retry_elsewhere = False
+
+
+class StageUnavailable(StageCallError):
+    """The peer did not serve the request: unreachable, gone, failed or answered nonsense."""
+
+
+class StageTimeout(StageUnavailable):
+    """No complete response within the timeout."""
+
+
+async def call(
+    p2p: P2P,
+    peer_id: PeerID,
+    kind: str,
+    metadata: bytes,
+    tensors: list[runtime_pb2.Tensor],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
+) -> list[torch.Tensor]:
+    """Send one raw request to ``peer_id``'s ``rpc_<kind>`` and return the response's tensors."""
+    if kind not in (FORWARD, BACKWARD):
+        raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
+    stub = StageServer.get_stub(p2p, peer_id)
+    method = stub.rpc_forward if kind == FORWARD else stub.rpc_backward
+
+    async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        for message in split_message(runtime_pb2.ExpertRequest, metadata, tensors):
+            yield message
+
+    assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
+    try:
+        async with asyncio.timeout(timeout):
+            responses = await method(requests())
+            n_tensors = None
+            async with contextlib.aclosing(responses):  # closing tells the server we are done
+                async for response in responses:
+                    if n_tensors is None:
+                        n_tensors = decode_response_meta(response.metadata)
+                    assembler.add(response)
+                    if assembler.complete(n_tensors):
+                        return [deserialize(t) for t in assembler.tensors()]
+            raise StageUnavailable(peer_id, "the stream closed before the response was complete")
+    except TimeoutError:
+        raise StageTimeout(peer_id, f"no response within {timeout} s") from None
+    except P2PHandlerError as e:
+        message = str(e)
+        if REFUSED in message:
+            raise StageRefused(peer_id, message.split(REFUSED, 1)[1]) from None
+        raise StageUnavailable(peer_id, message.split(FAILED, 1)[-1]) from None
+    except StageRequestError as e:
+        raise StageUnavailable(peer_id, f"malformed response: {e}") from None
+    except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:
+        raise StageUnavailable(peer_id, f"unreachable: {type(e).__name__}: {e}") from None
+
+
+def _meta(run_id: str, stage: int, kind: str, micro_batch: int, train: bool = False) -> bytes:
+    return StageMeta(run_id, stage, kind, micro_batch, train).encode()
+
+
+def _expect(
+    peer_id: PeerID, tensors: list[torch.Tensor], shapes: list[tuple[int, ...]]
+) -> Iterator[torch.Tensor]:
+    """Check a response's tensors: as many as expected, with these shapes, finite floats."""
+    got = [tuple(t.shape) for t in tensors]
+    if got != shapes:
+        raise StageUnavailable(peer_id, f"malformed response: expected shapes {shapes}, got {got}")
+    for t in tensors:
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise StageUnavailable(peer_id, "malformed response: a non-finite or non-float tensor")
+    return iter(tensors)
+
+
+async def forward(
+    p2p: P2P,
+    peer_id: PeerID,
+    inputs: torch.Tensor,
+    *,
+    run_id: str,
+    stage: int,
+    micro_batch: int = 0,
+    compression: str = "none",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
+    """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, C) ->
+    hidden states (B, T, C)."""
+    meta = _meta(run_id, stage, FORWARD, micro_batch)
+    out = await call(p2p, peer_id, FORWARD, meta, [serialize(inputs, compression)], timeout=timeout)
+    b, t = inputs.shape[:2]
+    if len(out) != 1 or out[0].dim() != 3:
+        raise StageUnavailable(peer_id, f"malformed response: {[tuple(o.shape) for o in out]}")
+    return next(_expect(peer_id, out, [(b, t, out[0].shape[2])]))
+
+
+async def loss(
+    p2p: P2P,
+    peer_id: PeerID,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    run_id: str,
+    stage: int,
+    train: bool,
+    micro_batch: int = 0,
+    compression: str = "none",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The last stage: the mean loss over the micro-batch and, with ``train``, the
+    gradient of ``loss * B`` w.r.t. ``inputs`` (None without ``train``, or when the last
+    stage is also the first and its inputs are token ids). ``train`` also accumulates the
+    stage's parameter gradients on the server; without it nothing changes there."""
+    meta = _meta(run_id, stage, FORWARD, micro_batch, train)
+    tensors = [serialize(inputs, compression), serialize(targets)]
+    out = await call(p2p, peer_id, FORWARD, meta, tensors, timeout=timeout)
+    with_grad = train and inputs.is_floating_point()
+    shapes = [()] + ([tuple(inputs.shape)] if with_grad else [])
+    got = _expect(peer_id, out, shapes)
+    return next(got), next(got) if with_grad else None
+
+
+async def backward(
+    p2p: P2P,
+    peer_id: PeerID,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    *,
+    run_id: str,
+    stage: int,
+    micro_batch: int = 0,
+    compression: str = "none",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> torch.Tensor | None:
+    """Stage ``stage`` (not the last) recomputes its forward on ``inputs`` (exactly what
+    its forward got), accumulates its parameter gradients and returns the gradient w.r.t.
+    ``inputs`` (None at stage 0, whose inputs are token ids)."""
+    meta = _meta(run_id, stage, BACKWARD, micro_batch)
+    tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
+    out = await call(p2p, peer_id, BACKWARD, meta, tensors, timeout=timeout)
+    if not inputs.is_floating_point():
+        _expect(peer_id, out, [])
+        return None
+    return next(_expect(peer_id, out, [tuple(inputs.shape)]))

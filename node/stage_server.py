@@ -1,0 +1,351 @@
+"""Serving one pipeline stage over hivemind's P2P layer: forward and stateless backward.
+
+Handlers (``StageServer.rpc_forward`` / ``rpc_backward``) are hivemind stream handlers:
+a request and its response are each a stream of protobufs carrying tensors in 64 KiB
+chunks (``node.stage_wire``). hivemind's unary calls cannot carry activations: a unary
+message travels through the daemon's persistent connection, which holds 4 MiB
+(``DEFAULT_MAX_MSG_SIZE``; hivemind's own MoE client streams anything above
+``MAX_UNARY_PAYLOAD_SIZE``, 2 MiB). Over that, a unary request fails at the caller
+(``P2PDaemonError``), and a unary response never arrives: hivemind 1.1.12 builds the
+error reply with a field that does not exist, and the caller waits for its timeout. The
+``small`` preset's activations (8 x 256 x 384 float32 = 3 MiB) come close, ``base``'s are
+24 MiB. One code path for every size costs little: on loopback (2 cores, median of 300;
+``python scripts/bench_stage_rpc.py``) a round trip of a 4 x 16 float32 tensor took
+0.6-0.7 ms unary and 1.3-1.5 ms as a stream; a ``tiny`` stage-0 forward of 8 x 64 tokens
+took about 6 ms served against 2.3 ms locally; a 3 MiB echo took about 17 ms whatever
+the chunk size (64 KiB to 1 MiB).
+
+A backward is stateless: the caller re-sends the stage's inputs with the gradient of its
+outputs and the server recomputes the forward, so any peer of the stage can serve the
+backward of a forward that ran elsewhere (``ModelConfig.dropout`` 0 makes the recomputed
+forward exact). Each served backward adds its parameter gradients, summed over samples,
+into the stage's ``.grad``; the server steps (``on_accumulated``) once its optimizer has
+seen ``target_batch_size`` samples.
+
+Every request is checked (``protocol.stage_messages``) before it touches any state, and
+gradients are computed into fresh tensors and checked finite before they are added, so a
+bad request leaves parameters, gradients and counters as they were (but ``rejected``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+# hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
+from typing import AsyncIterator  # noqa: UP035
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from models.stages import Stage
+from models.training import StageOptimizer
+from node.stage_wire import (
+    FAILED,
+    REFUSED,
+    Assembler,
+    compression_name,
+    compression_type,
+    deserialize,
+    encode_response_meta,
+    serialize,
+    split_message,
+)
+from protocol.stage_messages import (
+    BACKWARD,
+    FORWARD,
+    BackwardRequest,
+    ForwardRequest,
+    StageContract,
+    StageMeta,
+    StageRequestError,
+    check_header,
+    check_meta,
+    parse_request,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageCounters:
+    forward: int  # forward requests served (a last-stage train call counts here too)
+    backward: int  # backward passes served (rpc_backward and last-stage train calls)
+    rejected: int  # requests refused
+    steps: int  # optimizer steps taken
+    samples: int  # samples accumulated since the last step
+
+
+class StageServer(ServicerBase):
+    """Serves one stage of a run on a ``hivemind.P2P``; build with ``await create(...)``.
+
+    Compute runs one request at a time on a worker thread holding ``lock``; the event
+    loop only moves bytes. ``load`` counts requests being received, queued or computed.
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        optimizer: StageOptimizer,
+        contract: StageContract,
+        run_id: str,
+        *,
+        compression: str = "none",
+        receive_timeout: float = 60.0,
+        close_grace: float = 10.0,
+    ) -> None:
+        if stage.range != contract.blocks:
+            raise ValueError(f"stage holds blocks {stage.range}, the contract {contract.blocks}")
+        compression_type(compression)  # rejects unknown names now, not at the first response
+        self.stage = stage
+        self.optimizer = optimizer
+        self.contract = contract
+        self.run_id = run_id
+        self.compression = compression  # of the activations and gradients this server sends
+        self.receive_timeout = receive_timeout  # for a whole request to arrive
+        self.close_grace = close_grace  # for a caller to close the stream after a response
+        self.lock = threading.Lock()  # held while parameters or gradients are read or changed
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self._p2p: P2P | None = None
+        self._load = 0
+        self._forward = self._backward = self._rejected = 0
+
+    @classmethod
+    async def create(
+        cls,
+        p2p: P2P,
+        stage: Stage,
+        optimizer: StageOptimizer,
+        contract: StageContract,
+        run_id: str,
+        **settings,
+    ) -> StageServer:
+        self = cls(stage, optimizer, contract, run_id, **settings)
+        await self.add_p2p_handlers(p2p)
+        self._p2p = p2p
+        return self
+
+    async def shutdown(self) -> None:
+        """Stop taking requests and wait for the computation in progress."""
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):  # the daemon may already be gone
+                await self.remove_p2p_handlers(self._p2p)
+            self._p2p = None
+        await asyncio.to_thread(self._executor.shutdown)
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # hivemind names handlers after the concrete class: pin the name, so that a subclass
+        # (one that averages, one that injects faults) serves where clients call.
+        name = f"StageServer.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
+
+    @property
+    def p2p(self) -> P2P | None:
+        """The P2P this server serves on (None once shut down)."""
+        return self._p2p
+
+    @property
+    def peer_id(self) -> PeerID | None:
+        return None if self._p2p is None else self._p2p.peer_id
+
+    @property
+    def load(self) -> int:
+        return self._load
+
+    @property
+    def counters(self) -> StageCounters:
+        return StageCounters(
+            forward=self._forward,
+            backward=self._backward,
+            rejected=self._rejected,
+            steps=self.optimizer.step_count,
+            samples=self.optimizer.samples,
+        )
+
+    def on_accumulated(self) -> None:
+        """Called on the compute thread, holding ``lock``, after a micro-batch's gradients
+        were added to ``.grad``. Steps locally once ``target_batch_size`` samples are in;
+        averaging among the stage's peers replaces this."""
+        if self.optimizer.samples >= self.optimizer.config.target_batch_size:
+            self.optimizer.step()
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Inputs -> outputs; at the last stage inputs and targets -> loss (and, with
+        ``train``, the gradient of ``loss * B`` w.r.t. the inputs)."""
+        for message in await self._serve(FORWARD, requests, context):
+            yield message
+        await self._linger()
+
+    async def rpc_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Inputs and grad_outputs -> gradient w.r.t. the inputs (none at stage 0)."""
+        for message in await self._serve(BACKWARD, requests, context):
+            yield message
+        await self._linger()
+
+    async def _linger(self) -> None:
+        # Keep the stream open until the caller, holding the whole response, closes it
+        # (hivemind then cancels this handler): closing first can cut the last chunk short.
+        await asyncio.sleep(self.close_grace)
+
+    async def _serve(
+        self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> list[runtime_pb2.ExpertResponse]:
+        self._load += 1
+        try:
+            async with asyncio.timeout(self.receive_timeout):
+                meta, serialized = await self._receive(kind, requests)
+            loop = asyncio.get_running_loop()
+            outputs = await loop.run_in_executor(self._executor, self._compute, meta, serialized)
+        except StageRequestError as e:
+            self._rejected += 1
+            logger.warning(f"refused a {kind} request from {context.remote_id}: {e}")
+            raise StageRequestError(REFUSED + str(e)) from None
+        except TimeoutError:
+            self._rejected += 1
+            logger.warning(f"a {kind} request from {context.remote_id} did not arrive in time")
+            raise StageRequestError(
+                f"{REFUSED}request not received within {self.receive_timeout} s"
+            ) from None
+        except Exception as e:
+            logger.exception(f"failed to serve a {kind} request from {context.remote_id}")
+            raise RuntimeError(f"{FAILED}{type(e).__name__}: {e}") from None
+        finally:
+            self._load -= 1
+        meta = encode_response_meta(len(outputs))
+        return list(split_message(runtime_pb2.ExpertResponse, meta, outputs))
+
+    async def _receive(
+        self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+    ) -> tuple[StageMeta, list[runtime_pb2.Tensor]]:
+        """Read a request's messages, refusing it at the first part that breaks the contract."""
+        meta: StageMeta | None = None
+        batch: tuple[int, int] | None = None
+        roles: tuple[str, ...] = ()
+
+        def check(index: int, header: runtime_pb2.Tensor) -> int:
+            nonlocal batch
+            if index >= len(roles):
+                raise StageRequestError(
+                    f"a {kind} request to stage {self.contract.stage_index} carries "
+                    f"{len(roles)} tensors {list(roles)}, got more"
+                )
+            bt, nbytes = check_header(
+                self.contract,
+                roles[index],
+                dtype=header.dtype,
+                shape=tuple(header.size),
+                compression=compression_name(header.compression),
+                batch=batch,
+            )
+            batch = bt
+            return nbytes
+
+        assembler = Assembler(self.contract.max_message_bytes, check)
+        try:
+            async for message in requests:
+                if meta is None:
+                    if not message.metadata:
+                        raise StageRequestError("the first message must carry metadata")
+                    meta = StageMeta.decode(message.metadata)
+                    check_meta(self.contract, meta, run_id=self.run_id, kind=kind)
+                    roles = self.contract.roles(kind)
+                assembler.add(message)
+        except StageRequestError:
+            await self._discard(requests, assembler.received)
+            raise
+        if meta is None:
+            raise StageRequestError("empty request")
+        return meta, assembler.tensors()
+
+    async def _discard(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], received: int
+    ) -> None:
+        """Read and drop the rest of a refused request, up to the message size limit.
+
+        Replying while the caller still sends can make the daemons reset the stream, and
+        the caller then sees a reset, not the refusal (2 to 5 in 20 refused 3 MiB requests
+        on loopback). Draining avoids that for any request within the limits; past them,
+        a refusal may still reach the caller as a reset (``StageUnavailable``)."""
+        async for message in requests:
+            received += message.ByteSize()
+            if received > self.contract.max_message_bytes:
+                return
+
+    def _compute(
+        self, meta: StageMeta, serialized: list[runtime_pb2.Tensor]
+    ) -> list[runtime_pb2.Tensor]:
+        """On the compute thread: decode, check, and only then run the stage."""
+        request = parse_request(self.contract, meta, [deserialize(s) for s in serialized])
+        with self.lock:
+            if isinstance(request, ForwardRequest):
+                return self._run_forward(request)
+            return self._run_backward(request)
+
+    def _run_forward(self, request: ForwardRequest) -> list[runtime_pb2.Tensor]:
+        x = request.inputs  # (B, T) token ids or (B, T, C) hidden states
+        if not self.contract.returns_loss:
+            with torch.no_grad():
+                out = self.stage(x)  # (B, T, C)
+            self._forward += 1
+            return [serialize(out, self.compression)]
+        if not request.meta.train:
+            with torch.no_grad():
+                loss = self.stage(x, request.targets)
+            self._forward += 1
+            return [serialize(loss)]
+        wrt_inputs = not self.contract.takes_tokens
+        if wrt_inputs:
+            x.requires_grad_()
+        loss = self.stage(x, request.targets)
+        grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x))
+        self._forward += 1
+        self._backward += 1
+        loss_out = [serialize(loss.detach())]  # the loss itself travels exact
+        return loss_out + ([serialize(grad_x, self.compression)] if wrt_inputs else [])
+
+    def _run_backward(self, request: BackwardRequest) -> list[runtime_pb2.Tensor]:
+        x = request.inputs
+        wrt_inputs = not self.contract.takes_tokens
+        if wrt_inputs:
+            x.requires_grad_()
+        out = self.stage(x)  # recomputed: this peer may not have served the forward
+        grad_x = self._accumulate(out, request.grad_outputs, x if wrt_inputs else None, len(x))
+        self._backward += 1
+        return [serialize(grad_x, self.compression)] if wrt_inputs else []
+
+    def _accumulate(
+        self,
+        outputs: torch.Tensor,
+        grad_outputs: torch.Tensor | None,
+        inputs: torch.Tensor | None,
+        batch_size: int,
+    ) -> torch.Tensor | None:
+        """Back-propagate into fresh tensors, check them, then add the parameters' share
+        to ``.grad`` and count ``batch_size`` samples. Returns the gradient w.r.t.
+        ``inputs``."""
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        wrt = params + ([inputs] if inputs is not None else [])
+        grads = torch.autograd.grad(outputs, wrt, grad_outputs=grad_outputs, allow_unused=True)
+        n_bad = sum(int((~torch.isfinite(g)).sum()) for g in grads if g is not None)
+        if n_bad:
+            raise StageRequestError(f"the request's gradients have {n_bad} non-finite values")
+        for p, g in zip(params, grads, strict=False):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.contiguous()
+            else:
+                p.grad.add_(g)
+        self.optimizer.accumulated(batch_size)
+        self.on_accumulated()
+        return grads[-1] if inputs is not None else None

@@ -1,0 +1,15 @@
+"""Where a run's records live in the DHT. Subkeys are peer ids, so each peer owns one slot."""
+
+from __future__ import annotations
+
+from protocol.records import check_run_name
+
+
+def spec_key(run: str) -> str:
+    """The run's ``RunSpec``."""
+    return f"swarmtrain/{check_run_name(run)}/spec"
+
+
+def peers_key(run: str) -> str:
+    """The run's ``PeerInfo`` records, one subkey per peer id."""
+    return f"swarmtrain/{check_run_name(run)}/peers"

@@ -1,0 +1,105 @@
+"""``RunSpec``: what every peer of a run must agree on (model, stage cut, optimizer, data).
+
+Immutable once published. The first node of a run writes it to the DHT; every later
+node reads it from there and builds exactly the same stages. (Owner signatures for
+private runs come with the private-runs work; until then a spec is checked for schema,
+version and consistency, not for authorship.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from models.config import ModelConfig, OptimizerConfig, preset
+from models.stages import StageRange, even_boundaries, validate_boundaries
+from protocol.records import MAX_RECORD_BYTES, PROTOCOL_VERSION, RecordError, check_run_name
+
+Compression = Literal["none", "float16", "uint8"]
+
+
+class RunSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run: str
+    version: int = PROTOCOL_VERSION
+    arch: dict[str, Any]  # ModelConfig fields
+    optimizer: dict[str, Any]  # OptimizerConfig fields
+    boundaries: Annotated[tuple[tuple[int, int], ...], Field(min_length=1, max_length=256)]
+    compression: Compression = "none"  # of activations and gradients between stages
+    data: Annotated[str, Field(max_length=256)] = "stdlib"
+    seed: Annotated[int, Field(ge=0, lt=2**32)] = 0
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        return check_run_name(v)
+
+    @field_validator("arch", "optimizer")
+    @classmethod
+    def _plain_json(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(json.dumps(v))  # tuples become lists: equal after a round trip
+
+    def model_post_init(self, _context) -> None:
+        validate_boundaries(self.model, list(self.boundaries))  # also builds both configs
+        self.optim  # noqa: B018  (builds and validates OptimizerConfig)
+
+    @property
+    def model(self) -> ModelConfig:
+        return ModelConfig(**self.arch)
+
+    @property
+    def optim(self) -> OptimizerConfig:
+        fields = dict(self.optimizer)
+        if "betas" in fields:
+            fields["betas"] = tuple(fields["betas"])
+        return OptimizerConfig(**fields)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.boundaries)
+
+    def stage_range(self, stage: int) -> StageRange:
+        if not 0 <= stage < self.n_stages:
+            raise ValueError(f"stage {stage} out of range: the run has {self.n_stages} stages")
+        return StageRange(*self.boundaries[stage])
+
+
+def make_run_spec(run: str, preset_name: str, n_stages: int, **settings: Any) -> RunSpec:
+    """A spec from a model preset cut evenly into ``n_stages`` stages."""
+    model, optim = preset(preset_name)
+    optim_overrides = {k: settings.pop(k) for k in list(settings) if hasattr(optim, k)}
+    optim = dataclasses.replace(optim, **optim_overrides)
+    return RunSpec(
+        run=run,
+        arch=dataclasses.asdict(model),
+        optimizer=dataclasses.asdict(optim),
+        boundaries=tuple((r.start, r.end) for r in even_boundaries(model, n_stages)),
+        **settings,
+    )
+
+
+def encode_run_spec(spec: RunSpec) -> bytes:
+    return msgpack.packb({"spec": spec.model_dump_json().encode()})
+
+
+def decode_run_spec(raw: bytes, *, run: str) -> RunSpec:
+    """Validate a spec read from the DHT; ``RecordError`` if it is not a usable spec of ``run``."""
+    if not isinstance(raw, bytes) or len(raw) > MAX_RECORD_BYTES:
+        raise RecordError(f"run spec must be bytes of at most {MAX_RECORD_BYTES}")
+    try:
+        envelope = msgpack.unpackb(raw, raw=False)
+        spec = RunSpec.model_validate_json(envelope["spec"])
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException, ValidationError) as e:
+        raise RecordError(f"malformed run spec: {e}") from None
+    if spec.version != PROTOCOL_VERSION:
+        raise RecordError(
+            f"run {run!r} uses protocol version {spec.version}, we speak {PROTOCOL_VERSION}"
+        )
+    if spec.run != run:
+        raise RecordError(f"spec is for run {spec.run!r}, not {run!r}")
+    return spec

@@ -1,0 +1,114 @@
+"""Round-trip latency on loopback: hivemind unary vs stream calls, and a stage forward.
+
+    python scripts/bench_stage_rpc.py [--calls 300]
+
+Prints medians measured side by side in one run: an echo of a 4 x 16 float32 tensor as a
+unary call and as a stream call (what ``StageServer`` uses), then a ``StageServer``
+forward of the ``tiny`` preset's stage 0 against the same forward run locally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+# hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
+from typing import AsyncIterator  # noqa: UP035
+
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from models.config import tiny
+from models.stages import Stage, even_boundaries
+from models.training import StageOptimizer
+from node import stage_client
+from node.stage_server import StageServer
+from protocol.stage_messages import StageContract
+
+
+class Echo(ServicerBase):
+    async def rpc_unary(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        return runtime_pb2.ExpertResponse(tensors=request.tensors)
+
+    async def rpc_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for request in requests:
+            yield runtime_pb2.ExpertResponse(tensors=request.tensors)
+
+
+async def _median_ms(call, n: int) -> float:
+    for _ in range(n // 10):  # warm-up
+        await call()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        await call()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+async def main(n: int) -> None:
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs()
+    )
+    stage_server = None
+    try:
+        await Echo().add_p2p_handlers(server)
+        stub = Echo.get_stub(client, server.peer_id)
+        request = runtime_pb2.ExpertRequest(tensors=[serialize_torch_tensor(torch.randn(4, 16))])
+
+        async def unary():
+            await stub.rpc_unary(request)
+
+        async def stream():
+            async def one():
+                yield request
+
+            async for _ in await stub.rpc_stream(one()):
+                pass
+
+        unary_ms = await _median_ms(unary, n)
+        stream_ms = await _median_ms(stream, n)
+        print(f"4x16 float32 echo: unary {unary_ms:.2f} ms, stream {stream_ms:.2f} ms (median)")
+
+        model, optim = tiny()
+        blocks = even_boundaries(model, 2)[0]
+        stage = Stage(model, blocks)
+        contract = StageContract.for_stage(model, blocks, 0)
+        stage_server = await StageServer.create(
+            server, stage, StageOptimizer(stage, optim), contract, "bench"
+        )
+        x = torch.randint(0, model.vocab_size, (optim.micro_batch_size, model.block_size))
+
+        async def remote():
+            await stage_client.forward(client, server.peer_id, x, run_id="bench", stage=0)
+
+        async def local():
+            with torch.no_grad():
+                stage(x)
+
+        remote_ms = await _median_ms(remote, n)
+        local_ms = await _median_ms(local, n)
+        print(
+            f"tiny stage 0 forward ({tuple(x.shape)}): remote {remote_ms:.2f} ms, "
+            f"local {local_ms:.2f} ms, ratio {remote_ms / local_ms:.1f}"
+        )
+    finally:
+        if stage_server is not None:
+            await stage_server.shutdown()
+        await client.shutdown()
+        await server.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=300)
+    asyncio.run(main(parser.parse_args().calls))

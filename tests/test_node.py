@@ -1,0 +1,64 @@
+"""Node daemons on a real local swarm: discovery, status, departure, identity."""
+
+import signal
+import time
+
+from tests.swarm import launch_node, status, stop_all, wait_until
+
+
+def _present(view: dict) -> dict[str, int]:
+    return {p["peer_id"]: p["stage"] for p in view["peers"]}
+
+
+def test_three_nodes_discover_and_leave(tmp_path):
+    run = "discovery"
+    nodes = []
+    try:
+        a = launch_node(tmp_path, "a", run, extra=["--stage", "0"])
+        nodes.append(a)
+        for name in ("b", "c"):
+            nodes.append(launch_node(tmp_path, name, run, initial_peers=[a.maddr]))
+        stages = {n.peer_id: n.wait_serving() for n in nodes}
+        assert stages[a.peer_id] == 0
+
+        view = wait_until(
+            lambda: (v := status(run, a.maddr)) and _present(v) == stages and v,
+            30,
+            "status to list all three nodes with their stages",
+        )
+        assert all(p["state"] == "serving" for p in view["peers"])
+        assert sum(s["peers"] for s in view["stages"]) == 3
+        assert view["bottleneck_stage"] in (0, 1)
+
+        b, c = nodes[1], nodes[2]
+        started = time.monotonic()
+        assert b.stop(signal.SIGTERM) == 0
+        assert time.monotonic() - started < 10, "SIGTERM must stop a node within seconds"
+        assert "node stopped" in b.output()
+        assert b.peer_id not in _present(status(run, a.maddr)), "SIGTERM: gone at once"
+
+        c.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(
+            lambda: c.peer_id not in _present(status(run, a.maddr)),
+            30,
+            "a SIGKILLed node's record to expire",
+        )
+        assert time.monotonic() - killed >= 1.0  # it vanished by expiry, not by leaving
+        assert _present(status(run, a.maddr)) == {a.peer_id: 0}
+    finally:
+        stop_all(nodes)
+
+
+def test_identity_is_stable_across_restarts(tmp_path):
+    first = launch_node(tmp_path, "a", "identity")
+    try:
+        peer_id = first.peer_id
+        assert first.stop() == 0
+        assert oct((tmp_path / "a.key").stat().st_mode & 0o777) == "0o600"
+        (tmp_path / "a.maddrs").unlink()
+        second = launch_node(tmp_path, "a", "identity")
+        assert second.peer_id == peer_id
+        assert second.stop() == 0
+    finally:
+        stop_all([first])

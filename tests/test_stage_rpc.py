@@ -1,0 +1,552 @@
+"""Stage servers on real hivemind P2P daemons (loopback): the pipeline they compute is the
+local one, gradients accumulate as in ``models.training``, and bad requests are refused
+without touching state. The last part tests ``protocol.stage_messages`` alone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+
+from models.config import ModelConfig, OptimizerConfig
+from models.stages import Stage, StageRange, even_boundaries, validate_boundaries
+from models.training import StageOptimizer, pipeline_loss
+from node import stage_client
+from node.stage_client import StageRefused, StageTimeout, StageUnavailable
+from node.stage_server import StageServer
+from node.stage_wire import MAX_CHUNK_BYTES, Assembler, serialize, split_message
+from protocol.stage_messages import (
+    BACKWARD,
+    FORWARD,
+    GRAD_OUTPUTS,
+    INPUTS,
+    MAX_METADATA_BYTES,
+    TARGETS,
+    StageContract,
+    StageMeta,
+    StageRequestError,
+    check_header,
+    check_tensor,
+    parse_request,
+    wire_nbytes,
+)
+
+CFG = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+OPT = OptimizerConfig(micro_batch_size=4, target_batch_size=8, warmup_steps=0)
+TWO = even_boundaries(CFG, 2)  # [0, 2) [2, 4): embedding + block 1 | block 2 + head
+THREE = validate_boundaries(CFG, [(0, 1), (1, 3), (3, 4)])  # with a middle stage
+RUN = "rpc-test"
+B = 4
+MAX_TOKENS = B * CFG.block_size
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def _batch(b: int = B, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, CFG.vocab_size, (b, CFG.block_size), generator=g)
+    y = torch.randint(0, CFG.vocab_size, (b, CFG.block_size), generator=g)
+    return x, y
+
+
+def _run(body, timeout: float = 60.0):
+    return asyncio.run(asyncio.wait_for(body, timeout))
+
+
+@contextlib.asynccontextmanager
+async def _swarm(
+    cut: tuple[StageRange, ...],
+    stage_indices: list[int],
+    server_cls=StageServer,
+    cfg=CFG,
+    max_tokens=MAX_TOKENS,
+):
+    """One P2P and server per entry of ``stage_indices``, and a client P2P that knows them."""
+    p2ps: list[P2P] = []
+    servers: list[StageServer] = []
+    try:
+        for i in stage_indices:
+            p2p = await P2P.create(host_maddrs=[LOOPBACK])
+            p2ps.append(p2p)
+            stage = Stage(cfg, cut[i])
+            contract = StageContract.for_stage(cfg, cut[i], i, max_tokens=max_tokens)
+            opt = StageOptimizer(stage, OPT)
+            servers.append(await server_cls.create(p2p, stage, opt, contract, RUN))
+        maddrs = [m for p in p2ps for m in await p.get_visible_maddrs()]
+        client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+        p2ps.append(client)
+        yield client, servers
+    finally:
+        for server in servers:
+            await server.shutdown()
+        for p2p in p2ps:
+            await p2p.shutdown()
+
+
+def _peer(server: StageServer):
+    return server.peer_id
+
+
+def _local(cut: tuple[StageRange, ...]) -> list[Stage]:
+    return [Stage(CFG, r) for r in cut]
+
+
+def _grads(stage: Stage) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in stage.named_parameters()}
+
+
+def _params(stage: Stage) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in stage.named_parameters()}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    """Bitwise equal tensors (or both None), name by name."""
+    assert a.keys() == b.keys()
+    for name in a:
+        if a[name] is None or b[name] is None:
+            assert a[name] is None and b[name] is None, name
+        else:
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_pipeline_over_rpc_equals_local_pipeline():
+    x, y = _batch()
+    local = _local(THREE)
+    h0 = local[0](x)
+    h0.retain_grad()
+    h1 = local[1](h0)
+    h1.retain_grad()
+    ref = local[2](h1, y)
+    (ref * B).backward()
+    assert torch.equal(ref, pipeline_loss(_local(THREE), x, y))
+
+    async def body():
+        # s1a serves the middle stage's forward, s1b (same initial weights) its backward.
+        async with _swarm(THREE, [0, 1, 1, 2]) as (client, (s0, s1a, s1b, s2)):
+            kw = {"run_id": RUN, "micro_batch": 7}
+            a0 = await stage_client.forward(client, _peer(s0), x, stage=0, **kw)
+            a1 = await stage_client.forward(client, _peer(s1a), a0, stage=1, **kw)
+            assert torch.equal(a0, h0) and torch.equal(a1, h1)
+
+            loss, grad = await stage_client.loss(
+                client, _peer(s2), a1, y, stage=2, train=False, **kw
+            )
+            assert torch.equal(loss, ref) and grad is None
+            assert all(g is None for g in _grads(s2.stage).values())  # evaluation: no grads
+
+            loss, g1 = await stage_client.loss(client, _peer(s2), a1, y, stage=2, train=True, **kw)
+            assert torch.equal(loss, ref) and torch.equal(g1, h1.grad)
+            g0 = await stage_client.backward(client, _peer(s1b), a0, g1, stage=1, **kw)
+            assert torch.equal(g0, h0.grad)
+            none = await stage_client.backward(client, _peer(s0), x, g0, stage=0, **kw)
+            assert none is None
+
+            for server, ref_stage in [(s0, local[0]), (s1b, local[1]), (s2, local[2])]:
+                _assert_same(_grads(server.stage), _grads(ref_stage))
+                assert server.optimizer.samples == B
+            assert all(g is None for g in _grads(s1a.stage).values())  # it only ran forward
+            # The instance that ran the forward computes the same backward.
+            g0_again = await stage_client.backward(client, _peer(s1a), a0, g1, stage=1, **kw)
+            assert torch.equal(g0_again, g0)
+            _assert_same(_grads(s1a.stage), _grads(s1b.stage))
+
+            assert s1a.counters.forward == 1 and s1a.counters.backward == 1
+            assert s2.counters.forward == 2 and s2.counters.backward == 1
+            assert s0.load == 0 and s0.counters.rejected == 0
+
+    _run(body())
+
+
+# Tolerances: the activations' error (their std is about 0.03) and the loss's.
+@pytest.mark.parametrize(
+    "compression,atol,loss_tol", [("float16", 1e-4, 1e-4), ("uint8", 1e-2, 5e-3)]
+)
+def test_compressed_activations_and_gradients(compression, atol, loss_tol):
+    x, y = _batch()
+    local = _local(TWO)
+    h = local[0](x)
+    h.retain_grad()
+    ref = local[1](h, y)
+    (ref * B).backward()
+
+    async def body():
+        async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
+            for server in (s0, s1):
+                server.compression = compression
+            kw = {"run_id": RUN, "compression": compression}
+            a = await stage_client.forward(client, _peer(s0), x, stage=0, **kw)
+            loss, g = await stage_client.loss(client, _peer(s1), a, y, stage=1, train=True, **kw)
+            await stage_client.backward(client, _peer(s0), x, g, stage=0, **kw)
+            assert not torch.equal(a, h)  # compression did change the activations
+            torch.testing.assert_close(a, h, rtol=0, atol=atol)
+            assert abs(float(loss) - float(ref.detach())) < loss_tol
+            cos = torch.nn.functional.cosine_similarity(g.flatten(), h.grad.flatten(), dim=0)
+            assert cos > 0.99
+            for server, ref_stage in [(s0, local[0]), (s1, local[1])]:
+                for name, p in server.stage.named_parameters():
+                    r = dict(ref_stage.named_parameters())[name].grad
+                    cos = torch.nn.functional.cosine_similarity(
+                        p.grad.flatten(), r.flatten(), dim=0
+                    )
+                    assert cos > 0.98, (name, float(cos))
+
+    _run(body())
+
+
+def test_server_steps_at_target_batch_size():
+    local = _local(TWO)
+    local_opts = [StageOptimizer(s, OPT) for s in local]
+
+    async def body():
+        async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
+            before = _params(s0.stage)
+            for mb in range(OPT.target_batch_size // B):
+                assert s0.optimizer.step_count == 0 and s1.optimizer.step_count == 0
+                x, y = _batch(seed=mb)
+                kw = {"run_id": RUN, "micro_batch": mb}
+                a = await stage_client.forward(client, _peer(s0), x, stage=0, **kw)
+                _, g = await stage_client.loss(client, _peer(s1), a, y, stage=1, train=True, **kw)
+                await stage_client.backward(client, _peer(s0), x, g, stage=0, **kw)
+
+                (pipeline_loss(local, x, y) * B).backward()
+                for o in local_opts:
+                    o.accumulated(B)
+            for o in local_opts:
+                o.step()
+
+            for server, ref_stage in [(s0, local[0]), (s1, local[1])]:
+                assert server.counters.steps == 1 and server.counters.samples == 0
+                assert all(g is None for g in _grads(server.stage).values())
+                _assert_same(_params(server.stage), _params(ref_stage))
+            changed = [n for n, p in _params(s0.stage).items() if not torch.equal(p, before[n])]
+            assert len(changed) == len(before)
+
+    _run(body())
+
+
+def test_activations_beyond_the_unary_limit_travel_by_stream():
+    # A stage that is only the embedding: 96 x 64 x 256 float32 = 6 MiB of activations
+    # each way, over the 4 MiB a unary message may hold, for next to no compute.
+    wide = ModelConfig(block_size=64, n_layer=1, n_head=2, n_embd=256, vocab_size=16)
+    cut = validate_boundaries(wide, [(0, 1), (1, 3)])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, wide.vocab_size, (96, wide.block_size), generator=g)
+    with torch.no_grad():
+        ref = Stage(wide, cut[0])(x)
+    grad_out = torch.randn(ref.shape, generator=g)
+
+    async def body():
+        async with _swarm(cut, [0], cfg=wide, max_tokens=x.numel()) as (client, (s0,)):
+            h = await stage_client.forward(client, _peer(s0), x, run_id=RUN, stage=0)
+            assert h.numel() * 4 > 4 * 2**20 and torch.equal(h, ref)
+            await stage_client.backward(client, _peer(s0), x, grad_out, run_id=RUN, stage=0)
+            assert s0.counters.backward == 1 and s0.counters.steps == 1  # 96 >= 8 samples
+
+    _run(body())
+
+
+def _tensor(dtype: str, size: list[int], buffer: bytes = b"") -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor(dtype=dtype, size=size, buffer=buffer)
+
+
+def test_bad_requests_are_refused_and_leave_state_alone(caplog):
+    x, y = _batch()
+    hidden = torch.randn(B, CFG.block_size, CFG.n_embd)
+    nan_hidden = hidden.clone()
+    nan_hidden[1, 2, 3] = float("nan")
+    far = x.clone()
+    far[0, 0] = 300
+
+    def meta(stage, kind=FORWARD, **over):
+        return StageMeta(over.pop("run_id", RUN), stage, kind, 1, **over).encode()
+
+    s = serialize
+    # (name, stage, kind, metadata, tensors, expected words in the error)
+    cases = [
+        ("wrong shape", 1, FORWARD, meta(1), [s(hidden[..., :16]), s(y)], "(B, T, 32), got"),
+        ("wrong dtype", 1, FORWARD, meta(1), [s(hidden.double()), s(y)], "dtype float32, got"),
+        ("NaN input", 1, FORWARD, meta(1), [s(nan_hidden), s(y)], "1 non-finite"),
+        (
+            "NaN grad_outputs",
+            0,
+            BACKWARD,
+            meta(0, BACKWARD),
+            [s(x), s(nan_hidden)],
+            "grad_outputs contain 1 non-finite",
+        ),
+        (
+            "grads overflow",
+            0,
+            BACKWARD,
+            meta(0, BACKWARD),
+            [s(x), s(torch.full_like(hidden, 3e38))],
+            "gradients have",
+        ),
+        ("token out of range", 0, FORWARD, meta(0), [s(far)], "id 300, out of range [0, 256)"),
+        ("too many tokens", 0, FORWARD, meta(0), [s(_batch(B + 1)[0])], "80 tokens exceed"),
+        (
+            "huge declared shape",
+            0,
+            FORWARD,
+            meta(0),
+            [_tensor("int64", [10**6, 16], b"\0" * 8)],
+            "16000000 tokens exceed",
+        ),
+        (
+            "targets do not match",
+            1,
+            FORWARD,
+            meta(1),
+            [s(hidden), s(y[:2])],
+            "do not match the inputs",
+        ),
+        ("missing targets", 1, FORWARD, meta(1), [s(hidden)], "carries 2 tensors"),
+        ("extra tensor", 0, FORWARD, meta(0), [s(x), s(x)], "got more"),
+        ("wrong stage", 0, FORWARD, meta(1), [s(x)], "request for stage 1"),
+        ("wrong run", 0, FORWARD, meta(0, run_id="other"), [s(x)], "request for run 'other'"),
+        ("kind mismatch", 0, BACKWARD, meta(0), [s(x)], "a forward request sent to"),
+        ("backward at last", 1, BACKWARD, meta(1, BACKWARD), [s(hidden), s(hidden)], "last"),
+        (
+            "garbage tensor",
+            0,
+            FORWARD,
+            meta(0),
+            [_tensor("int64", [B, 16], b"garbage")],
+            "has 7 bytes, its header declares 512",
+        ),
+        ("unknown dtype", 0, FORWARD, meta(0), [_tensor("object", [B, 16])], "got object"),
+        (
+            "compressed token ids",
+            0,
+            FORWARD,
+            meta(0),
+            [serialize_torch_float16(x)],
+            "compression ['NONE'], got FLOAT16",
+        ),
+        ("malformed metadata", 0, FORWARD, b"\xc1\x00garbage", [s(x)], "malformed metadata"),
+        ("metadata not a map", 0, FORWARD, msgpack.packb([1, 2]), [s(x)], "must be a map"),
+        (
+            "unknown metadata key",
+            0,
+            FORWARD,
+            msgpack.packb({"run": RUN, "stage": 0, "kind": FORWARD, "mb": 1, "x": 1}),
+            [s(x)],
+            "unknown metadata keys ['x']",
+        ),
+        (
+            "oversized metadata",
+            0,
+            FORWARD,
+            msgpack.packb({"run": "r" * MAX_METADATA_BYTES}),
+            [s(x)],
+            "exceeds the limit of 256",
+        ),
+        ("no metadata", 0, FORWARD, b"", [s(x)], "must carry metadata"),
+    ]
+
+    async def body():
+        caplog.set_level(logging.WARNING, logger="node.stage_server")
+        async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
+            # One good micro-batch first, so that there are gradients to keep intact.
+            a = await stage_client.forward(client, _peer(s0), x, run_id=RUN, stage=0)
+            _, g = await stage_client.loss(client, _peer(s1), a, y, run_id=RUN, stage=1, train=True)
+            await stage_client.backward(client, _peer(s0), x, g, run_id=RUN, stage=0)
+            servers = {0: s0, 1: s1}
+            state = {i: (_params(v.stage), _grads(v.stage)) for i, v in servers.items()}
+
+            for name, stage, kind, metadata, tensors, words in cases:
+                peer = _peer(servers[stage])
+                with pytest.raises(StageRefused) as info:
+                    await stage_client.call(client, peer, kind, metadata, tensors, timeout=10)
+                assert words in info.value.reason, (name, info.value.reason)
+                assert not info.value.retry_elsewhere
+
+            for i, server in servers.items():
+                _assert_same(_params(server.stage), state[i][0])
+                _assert_same(_grads(server.stage), state[i][1])
+                assert server.optimizer.samples == B and server.load == 0
+            assert s0.counters.rejected + s1.counters.rejected == len(cases)
+            logged = [r.getMessage() for r in caplog.records if r.name == "node.stage_server"]
+            assert len(logged) == len(cases)
+            assert all(f"from {client.peer_id}" in line for line in logged), logged[:2]
+            assert s0.counters.backward == 1 and s1.counters.backward == 1
+            # Still serving.
+            a2 = await stage_client.forward(client, _peer(s0), x, run_id=RUN, stage=0)
+            assert torch.equal(a2, a)
+
+    _run(body())
+
+
+def serialize_torch_float16(t: torch.Tensor) -> runtime_pb2.Tensor:
+    wire = serialize(t.float(), "float16")
+    wire.dtype = "int64"
+    return wire
+
+
+class _StalledServer(StageServer):
+    """Fault: the compute thread hangs until ``release`` is set."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def _compute(self, meta, serialized):
+        self.release.wait(timeout=30)
+        return super()._compute(meta, serialized)
+
+
+def test_timeout_and_unreachable_peer_are_retryable():
+    x, _ = _batch()
+
+    async def body():
+        async with _swarm(TWO, [0, 0], server_cls=_StalledServer) as (client, (stalled, gone)):
+            try:
+                with pytest.raises(StageTimeout) as info:
+                    await stage_client.forward(
+                        client, _peer(stalled), x, run_id=RUN, stage=0, timeout=0.5
+                    )
+                assert info.value.retry_elsewhere
+            finally:
+                stalled.release.set()
+                gone.release.set()
+
+            gone_id = _peer(gone)
+            await gone.p2p.shutdown()
+            with pytest.raises(StageUnavailable) as info:
+                await stage_client.forward(client, gone_id, x, run_id=RUN, stage=0, timeout=10)
+            assert info.value.retry_elsewhere and not isinstance(info.value, StageTimeout)
+
+    _run(body())
+
+
+def test_assembler_refuses_oversized_input_at_the_first_chunk():
+    def declared(_, header):  # what a header check returns: the buffer's exact size
+        return len(header.buffer) if header.size == [1] else int(header.size[0]) * 4
+
+    big = serialize(torch.zeros(2**18))  # 1 MiB, sent as 16 chunks of 64 KiB
+    messages = split_message(runtime_pb2.ExpertRequest, b"m", [big])
+    assembler = Assembler(2**19, declared)
+    with pytest.raises(StageRequestError, match="request of 1048577 bytes exceeds"):
+        assembler.add(next(messages))
+    assert assembler.received == 1  # only the metadata: no tensor bytes were kept
+
+    fine = Assembler(2**21, declared)
+    for message in split_message(runtime_pb2.ExpertRequest, b"m", [big]):
+        fine.add(message)
+    (out,) = fine.tensors()
+    assert out.buffer == big.buffer and list(out.size) == [2**18]
+
+    for bad, words in [
+        (runtime_pb2.ExpertRequest(tensors=[_tensor("", [], b"x")]), "without a tensor header"),
+        (
+            runtime_pb2.ExpertRequest(
+                tensors=[_tensor("float32", [1], b"\0" * (MAX_CHUNK_BYTES + 1))]
+            ),
+            "exceeds 1048576 bytes",
+        ),
+    ]:
+        with pytest.raises(StageRequestError, match=words):
+            Assembler(2**30, declared).add(bad)
+    late = Assembler(2**30, declared)
+    late.add(runtime_pb2.ExpertRequest(metadata=b"m"))
+    with pytest.raises(StageRequestError, match="only allowed in the first"):
+        late.add(runtime_pb2.ExpertRequest(metadata=b"m"))
+    short = Assembler(2**30, declared)
+    short.add(runtime_pb2.ExpertRequest(tensors=[_tensor("float32", [8], b"\0" * 16)]))
+    with pytest.raises(StageRequestError, match="has 16 bytes, its header declares 32"):
+        short.tensors()
+
+
+# Pure checks of protocol/stage_messages.py.
+
+C0 = StageContract.for_stage(CFG, TWO[0], 0, max_tokens=MAX_TOKENS)
+C1 = StageContract.for_stage(CFG, TWO[1], 1, max_tokens=MAX_TOKENS)
+
+
+def test_contract_roles_and_defaults():
+    assert C0.takes_tokens and not C0.returns_loss and C1.returns_loss
+    assert C0.roles(FORWARD) == (INPUTS,) and C0.roles(BACKWARD) == (INPUTS, GRAD_OUTPUTS)
+    assert C1.roles(FORWARD) == (INPUTS, TARGETS)
+    with pytest.raises(StageRequestError, match="last stage"):
+        C1.roles(BACKWARD)
+    default = StageContract.for_stage(CFG, TWO[1], 1)
+    assert default.max_tokens == 32 * CFG.block_size
+    assert default.max_message_bytes >= 2 * default.max_tokens * CFG.n_embd * 4
+    with pytest.raises(ValueError, match="out of range"):
+        StageContract.for_stage(CFG, StageRange(2, 9), 1)
+
+
+def test_meta_round_trip_and_refusals():
+    meta = StageMeta(RUN, 1, FORWARD, 2**63 - 1, train=True)
+    assert StageMeta.decode(meta.encode()) == meta
+    assert StageMeta.decode(StageMeta(RUN, 0, BACKWARD, 0).encode()).train is False
+    bad = [
+        ({"run": "", "stage": 0, "kind": FORWARD, "mb": 0}, "run id"),
+        ({"run": RUN, "stage": True, "kind": FORWARD, "mb": 0}, "stage must be"),
+        ({"run": RUN, "stage": -1, "kind": FORWARD, "mb": 0}, "stage must be"),
+        ({"run": RUN, "stage": 0, "kind": "sideways", "mb": 0}, "kind must be"),
+        ({"run": RUN, "stage": 0, "kind": FORWARD, "mb": 2**64 - 1}, "micro-batch id"),
+        ({"run": RUN, "stage": 0, "kind": FORWARD, "mb": 1.5}, "micro-batch id"),
+        ({"run": RUN, "stage": 0, "kind": FORWARD, "mb": 0, "train": 1}, "train must be"),
+        ({"run": RUN, "stage": 0, "kind": BACKWARD, "mb": 0, "train": True}, "only meaningful"),
+        ({"run": RUN, "stage": 0, "kind": FORWARD}, r"lacks keys \['mb'\]"),
+    ]
+    for raw, words in bad:
+        with pytest.raises(StageRequestError, match=words):
+            StageMeta.decode(msgpack.packb(raw))
+    for data in [b"", b"\x93\x01", b"\xd9\x05ab", msgpack.packb({1: 2})]:
+        with pytest.raises(StageRequestError):
+            StageMeta.decode(data)
+
+
+def test_header_checks_give_byte_counts_before_reading():
+    bt, n = check_header(C0, INPUTS, dtype="int64", shape=(4, 16), compression="NONE")
+    assert bt == (4, 16) and n == 4 * 16 * 8
+    _, n = check_header(
+        C1, INPUTS, dtype="float32", shape=(2, 16, 32), compression="FLOAT16", batch=None
+    )
+    assert n == 2 * 16 * 32 * 2
+    assert wire_nbytes("UNIFORM_8BIT", "float32", 10) == 8 + 1024 + 10
+    refusals = [
+        (C1, INPUTS, "float32", (2, 16, 64), "NONE", None, r"hidden states \(B, T, 32\), got"),
+        (C0, INPUTS, "int64", (2, 16, 1), "NONE", None, r"token ids \(B, T\), got \(2, 16, 1\)"),
+        (C0, INPUTS, "int64", (0, 16), "NONE", None, "B >= 1"),
+        (C0, INPUTS, "int64", (1, 17), "NONE", None, "exceeds the block size 16"),
+        (C0, INPUTS, "int64", (5, 16), "NONE", None, "80 tokens exceed the limit of 64"),
+        (C0, INPUTS, "float32", (2, 16), "NONE", None, "dtype int64, got float32"),
+        (C1, INPUTS, "float32", (2, 16, 32), "MEANSTD_16BIT", None, "compression"),
+        (C1, TARGETS, "int64", (2, 8), "NONE", (2, 16), "do not match"),
+        (C0, GRAD_OUTPUTS, "float32", (3, 16, 32), "NONE", (2, 16), "do not match"),
+    ]
+    for contract, role, dtype, shape, comp, batch, words in refusals:
+        with pytest.raises(StageRequestError, match=words):
+            check_header(contract, role, dtype=dtype, shape=shape, compression=comp, batch=batch)
+
+
+def test_decoded_tensor_checks():
+    x, y = _batch(2)
+    h = torch.randn(2, 16, 32)
+    assert check_tensor(C0, INPUTS, x) == (2, 16)
+    negative = x.clone()
+    negative[1, 3] = -1
+    with pytest.raises(StageRequestError, match=r"id -1, out of range \[0, 256\)"):
+        check_tensor(C0, INPUTS, negative)
+    inf = h.clone()
+    inf[0, 0, :2] = float("inf")
+    with pytest.raises(StageRequestError, match="2 non-finite"):
+        check_tensor(C1, INPUTS, inf)
+
+    request = parse_request(C1, StageMeta(RUN, 1, FORWARD, 0, train=True), [h, y])
+    assert request.targets is y and request.inputs is h
+    request = parse_request(C0, StageMeta(RUN, 0, BACKWARD, 0), [x, h])
+    assert request.grad_outputs is h
+    with pytest.raises(StageRequestError, match="carries 2 tensors"):
+        parse_request(C0, StageMeta(RUN, 0, BACKWARD, 0), [x])
+    with pytest.raises(StageRequestError, match="grad_outputs"):
+        parse_request(C0, StageMeta(RUN, 0, BACKWARD, 0), [x, h[:, :8]])
