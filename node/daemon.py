@@ -12,18 +12,26 @@ import contextlib
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from models.data import Corpus, load_corpus
+from models.stages import Stage
+from models.training import StageOptimizer
 from node.capacity import Device, pick_device, stage_throughputs
 from node.dht import SwarmDHT
 from node.files import load_or_create_identity, write_atomic
+from node.stage_server import StageServer
+from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from protocol.assignment import least_served_stage
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.run_spec import RunSpec, make_run_spec
+from protocol.stage_messages import StageContract
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,8 @@ class NodeSettings:
     bandwidth_mbps: float | None = None  # declared up and down
     cache_dir: Path | None = field(default_factory=lambda: Path("~/.cache/swarmtrain").expanduser())
     spec_timeout_s: float = 30.0
+    train: bool = True  # run a trainer loop alongside the stage
+    trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
 
     @property
     def record_ttl_s(self) -> float:
@@ -75,11 +85,15 @@ class Node:
         self.stage: int | None = None
         self.state = PeerState.JOINING
         self._changed = asyncio.Event()
+        self.p2p: P2P | None = None
+        self.server: StageServer | None = None
+        self.corpus: Corpus | None = None
 
     @classmethod
-    async def create(cls, settings: NodeSettings) -> Node:
-        """Start the DHT with this node's identity; fetch (or, for a new run, write) the spec;
-        measure capacity. On failure everything started so far is stopped."""
+    def start(cls, settings: NodeSettings) -> Node:
+        """Load (or create) the identity and start the DHT. Call before any event loop runs:
+        hivemind forks the DHT's process, and forking a process with a running loop is
+        fragile."""
         key, lock_fd = load_or_create_identity(settings.identity_path())
         try:
             dht = SwarmDHT.start(
@@ -92,14 +106,14 @@ class Node:
         except BaseException:
             os.close(lock_fd)
             raise
-        node = cls(settings, dht, key, lock_fd)
-        try:
-            await node._load_spec()
-            node._measure()
-        except BaseException:
-            await node.close()
-            raise
-        return node
+        return cls(settings, dht, key, lock_fd)
+
+    async def prepare(self) -> None:
+        """Fetch (or, for a new run, write) the run's spec, and measure this machine."""
+        await self._load_spec()
+        self._measure()
+        if self.settings.train:
+            self.corpus = await asyncio.to_thread(load_corpus, self.spec.data)
 
     @property
     def peer_id(self) -> str:
@@ -151,7 +165,7 @@ class Node:
             bandwidth_source="declared" if declared_bw is not None else "unknown",
             stage=self.stage,
             state=state or self.state,
-            load=0,
+            load=self.server.load if self.server else 0,
             timestamp=get_dht_time(),
         )
 
@@ -162,6 +176,7 @@ class Node:
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
         """Announce, take a stage, serve, until ``stop`` is set; then cancel every task."""
+        self.p2p = await self.dht.replicate_p2p()
         async with asyncio.TaskGroup() as tasks:
             background = [
                 tasks.create_task(self._announce_loop(), name="announce"),
@@ -170,6 +185,8 @@ class Node:
             await self._take_stage()
             if on_ready is not None:
                 on_ready()
+            if self.settings.train:
+                background.append(tasks.create_task(self._train_loop(), name="trainer"))
             await stop.wait()
             for task in background:
                 task.cancel()
@@ -183,7 +200,41 @@ class Node:
             self.stage = least_served_stage(peers, self.spec.n_stages, seed=self.peer_id)
         self.set_state(PeerState.LOADING)
         logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
+        model = self.spec.model
+        module = Stage(model, self.spec.stage_range(self.stage))
+        self.server = await StageServer.create(
+            self.p2p,
+            module,
+            StageOptimizer(module, self.spec.optim),
+            StageContract.for_stage(model, module.range, self.stage),
+            self.spec.run,
+            compression=self.spec.compression,
+        )
         self.set_state(PeerState.SERVING)
+
+    async def _train_loop(self) -> None:
+        """Drive micro-batches through the swarm for as long as the node runs."""
+        assert self.spec is not None and self.p2p is not None
+        settings = replace(self.settings.trainer, stream=zlib.crc32(self.peer_id.encode()))
+        trainer = Trainer(self.dht, self.p2p, self.spec, self.corpus, settings)
+        losses: list[float] = []
+
+        def on_result(r: MicroBatchResult) -> None:
+            losses.append(r.loss)
+            if len(losses) == 50:
+                logger.info(
+                    "trained %d micro-batches; mean loss of the last 50: %.3f",
+                    trainer.stats.micro_batches,
+                    sum(losses) / len(losses),
+                )
+                losses.clear()
+
+        while True:
+            try:
+                await trainer.train(100, on_result)
+            except TrainerError as e:
+                logger.warning("training paused: %s", e)
+                await asyncio.sleep(self.settings.update_period_s)
 
     async def _announce_loop(self) -> None:
         while True:
@@ -214,6 +265,10 @@ class Node:
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
+            if self.server is not None:
+                await self.server.shutdown()
+            if self.p2p is not None:
+                await self.p2p.shutdown()
             await self.dht.shutdown()
             os.close(self._lock_fd)
 

@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds between record refreshes (records expire after 3)",
     )
+    p.add_argument("--no-train", action="store_true", help="serve only; run no trainer loop")
     p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
 
 
@@ -75,16 +76,18 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         throughput=args.throughput,
         bandwidth_mbps=args.bandwidth_mbps,
         update_period_s=args.update_period,
+        train=not args.no_train,
     )
 
 
-async def serve(settings: NodeSettings, maddrs_file: Path | None) -> int:
+async def serve(node: Node, maddrs_file: Path | None) -> int:
+    settings = node.settings
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    node = await Node.create(settings)
     try:
+        await node.prepare()
         maddrs = node.dht.visible_maddrs()
         if maddrs_file:
             write_maddrs(maddrs_file, maddrs)
@@ -108,4 +111,5 @@ async def serve(settings: NodeSettings, maddrs_file: Path | None) -> int:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    return uvloop.run(serve(settings_from(args), args.maddrs_file))
+    node = Node.start(settings_from(args))
+    return uvloop.run(serve(node, args.maddrs_file))

@@ -69,7 +69,13 @@ class NodeProcess:
 
 
 def launch_node(
-    tmp: Path, name: str, run: str, *, initial_peers: list[str] = (), extra: list[str] = ()
+    tmp: Path,
+    name: str,
+    run: str,
+    *,
+    initial_peers: list[str] = (),
+    extra: list[str] = (),
+    train: bool = False,
 ) -> NodeProcess:
     """Start ``swarmtrain node`` in its own process; returns once it has written its maddrs."""
     log = tmp / f"{name}.log"
@@ -94,6 +100,8 @@ def launch_node(
     ]
     if initial_peers:
         args += ["--initial-peers", *initial_peers]
+    if not train:
+        args.append("--no-train")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [*args, *extra], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env

@@ -1,0 +1,243 @@
+"""The trainer: reads the run's data and drives micro-batches through the swarm's stages.
+
+Each micro-batch takes its own route (``protocol.routing``): forward through stages
+0..n-2, the last stage computes the loss and its input gradient in one call, then the
+backward runs back through the same stages, each on any peer of that stage (backward is
+stateless: the saved stage input is re-sent). A call that fails because the peer is gone,
+times out or errs on its side is retried on another peer of the same stage, and that peer
+is banned for a while. Several micro-batches are in flight at once so that stages overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from models.data import eval_batches, sample_batches, stream_seed
+from node import stage_client
+from node.dht import SwarmDHT
+from node.stage_client import StageRefused, StageUnavailable
+from protocol.routing import BanList, Candidate, candidates_by_stage, choose_peer
+from protocol.run_spec import RunSpec
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class TrainerError(RuntimeError):
+    """Training cannot go on (a stage stayed empty, or peers refuse our requests)."""
+
+
+@dataclass
+class TrainerStats:
+    micro_batches: int = 0
+    samples: int = 0
+    calls: Counter = field(default_factory=Counter)  # (stage, peer_id) -> calls served
+    rerouted: Counter = field(default_factory=Counter)  # stage -> failed calls retried elsewhere
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    index: int
+    loss: float
+    samples: int
+    route: tuple[str, ...]  # the peer of each stage that served the forward
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    in_flight: int = 4  # micro-batches in the pipeline at once
+    call_timeout_s: float = 30.0
+    refresh_s: float = 2.0  # how often the swarm view is re-read from the DHT
+    ban_s: float = 15.0
+    stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
+    stream: int = 0  # which data stream of the run this trainer reads
+    seed: int = 0  # of the routing draws
+
+
+class Trainer:
+    def __init__(
+        self, dht: SwarmDHT, p2p: P2P, spec: RunSpec, corpus, settings: TrainerSettings
+    ) -> None:
+        self.dht, self.p2p, self.spec, self.settings = dht, p2p, spec, settings
+        self.corpus = corpus
+        self.stats = TrainerStats()
+        self._rng = random.Random(settings.seed)
+        self._bans = BanList(settings.ban_s)
+        self._view: list[list[Candidate]] = [[] for _ in range(spec.n_stages)]
+        self._in_flight: Counter = Counter()  # peer_id -> our calls running there
+        self._data: Iterator = sample_batches(
+            corpus.train,
+            spec.model.block_size,
+            spec.optim.micro_batch_size,
+            stream_seed(spec.seed, settings.stream),
+        )
+
+    async def refresh(self) -> None:
+        """Re-read the swarm's peers from the DHT."""
+        try:
+            self._view = candidates_by_stage(await self.dht.peers(), self.spec.n_stages)
+        except Exception as e:  # a DHT hiccup: keep the old view, retry next period
+            logger.warning("could not refresh the swarm view: %s", e)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            await self.refresh()
+
+    async def train(
+        self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None = None
+    ) -> None:
+        """Run ``n_micro_batches`` through the swarm, ``in_flight`` at a time."""
+        await self.refresh()
+        counter = iter(range(n_micro_batches))
+
+        async def worker() -> None:
+            for index in counter:
+                x, y = next(self._data)
+                result = await self._micro_batch(index, x, y)
+                self.stats.micro_batches += 1
+                self.stats.samples += result.samples
+                if on_result:
+                    on_result(result)
+
+        async with asyncio.TaskGroup() as tasks:
+            refresher = tasks.create_task(self._refresh_loop(), name="refresh-view")
+            async with asyncio.TaskGroup() as workers:
+                for _ in range(self.settings.in_flight):
+                    workers.create_task(worker())
+            refresher.cancel()
+
+    async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
+        n, last = self.spec.n_stages, self.spec.n_stages - 1
+        run, comp, timeout = self.spec.run, self.spec.compression, self.settings.call_timeout_s
+        inputs, route = [x], []
+        for s in range(last):
+
+            def fwd(peer: PeerID, s: int = s) -> Awaitable[torch.Tensor]:
+                return stage_client.forward(
+                    self.p2p,
+                    peer,
+                    inputs[s],
+                    run_id=run,
+                    stage=s,
+                    micro_batch=index,
+                    compression=comp,
+                    timeout=timeout,
+                )
+
+            hidden, peer = await self._call(s, fwd)
+            inputs.append(hidden)
+            route.append(peer)
+
+        def loss_call(peer: PeerID) -> Awaitable[tuple[torch.Tensor, torch.Tensor | None]]:
+            return stage_client.loss(
+                self.p2p,
+                peer,
+                inputs[last],
+                y,
+                run_id=run,
+                stage=last,
+                train=True,
+                micro_batch=index,
+                compression=comp,
+                timeout=timeout,
+            )
+
+        (loss, grad), peer = await self._call(last, loss_call)
+        route.append(peer)
+        for s in reversed(range(last)):
+
+            def bwd(peer: PeerID, s: int = s, grad: torch.Tensor = grad) -> Awaitable:
+                return stage_client.backward(
+                    self.p2p,
+                    peer,
+                    inputs[s],
+                    grad,
+                    run_id=run,
+                    stage=s,
+                    micro_batch=index,
+                    compression=comp,
+                    timeout=timeout,
+                )
+
+            grad, _ = await self._call(s, bwd)
+        assert n == len(route)
+        return MicroBatchResult(index, float(loss), len(x), tuple(route))
+
+    async def _call(self, stage: int, call: Callable[[PeerID], Awaitable[R]]) -> tuple[R, str]:
+        """``call`` on a peer of ``stage``; on a peer failure, ban it and try another."""
+        deadline = time.monotonic() + self.settings.stage_wait_s
+        while True:
+            candidates = [
+                Candidate(c.peer_id, c.throughput, c.load + self._in_flight[c.peer_id])
+                for c in self._view[stage]
+            ]
+            if not candidates:
+                if time.monotonic() > deadline:
+                    raise TrainerError(
+                        f"stage {stage} has had no serving peer for "
+                        f"{self.settings.stage_wait_s:.0f} s"
+                    )
+                await asyncio.sleep(0.5)
+                await self.refresh()
+                continue
+            peer = choose_peer(candidates, self._rng, self._bans.banned(time.monotonic()))
+            self._in_flight[peer] += 1
+            try:
+                result = await call(PeerID.from_base58(peer))
+            except StageRefused as e:
+                raise TrainerError(f"stage {stage} peer {peer} refused our request: {e}") from e
+            except StageUnavailable as e:
+                logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)
+                self._bans.ban(peer, time.monotonic())
+                self.stats.rerouted[stage] += 1
+                self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
+                continue
+            finally:
+                self._in_flight[peer] -= 1
+            self.stats.calls[(stage, peer)] += 1
+            return result, peer
+
+    async def evaluate(self, n_batches: int = 8) -> float:
+        """Mean validation loss over the run's fixed validation windows (no gradients)."""
+        model, optim = self.spec.model, self.spec.optim
+        last = self.spec.n_stages - 1
+        run, comp, timeout = self.spec.run, self.spec.compression, self.settings.call_timeout_s
+        losses = []
+        for x, y in eval_batches(
+            self.corpus.val, model.block_size, optim.micro_batch_size, n_batches
+        ):
+            h = x
+            for s in range(last):
+                h, _ = await self._call(
+                    s,
+                    lambda peer, s=s, h=h: stage_client.forward(
+                        self.p2p, peer, h, run_id=run, stage=s, compression=comp, timeout=timeout
+                    ),
+                )
+            (loss, _), _ = await self._call(
+                last,
+                lambda peer, h=h, y=y: stage_client.loss(
+                    self.p2p,
+                    peer,
+                    h,
+                    y,
+                    run_id=run,
+                    stage=last,
+                    train=False,
+                    compression=comp,
+                    timeout=timeout,
+                ),
+            )
+            losses.append(float(loss))
+        return sum(losses) / len(losses)
