@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/swarmtrain baseline --preset tiny --steps 200
+	$(BIN)/swarmtrain demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

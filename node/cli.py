@@ -7,7 +7,7 @@ import logging
 import sys
 
 from models.data import DataError
-from node import baseline, serve, status
+from node import baseline, demo, serve, status, train
 from node.daemon import NodeError
 from node.dht import DHTStartError
 from node.files import IdentityInUseError
@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="show the peers and stages of a run")
     status.add_arguments(s)
     s.set_defaults(handler=status.run)
+    t = sub.add_parser("train", help="train through a run's swarm without serving a stage")
+    train.add_arguments(t)
+    t.set_defaults(handler=train.run)
+    d = sub.add_parser("demo", help="a local swarm that trains and survives a kill -9")
+    demo.add_arguments(d)
+    d.set_defaults(handler=demo.run)
     return parser
 
 

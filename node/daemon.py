@@ -269,7 +269,7 @@ class Node:
                 await self.server.shutdown()
             if self.p2p is not None:
                 await self.p2p.shutdown()
-            await self.dht.shutdown()
+            await asyncio.to_thread(self.dht.shutdown)
             os.close(self._lock_fd)
 
 

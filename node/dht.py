@@ -6,9 +6,12 @@ record read is validated here; invalid ones are dropped and logged, never return
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
+import ctypes
 import logging
+import os
+import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,7 +34,8 @@ from protocol.run_spec import RunSpec, decode_run_spec, encode_run_spec
 
 logger = logging.getLogger(__name__)
 
-SPEC_TTL_S = 3600.0  # every node re-stores the spec, so it outlives its creator
+SPEC_TTL_S = 3600.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h  # every node re-stores the spec, so it outlives its creator
 
 
 class DHTStartError(RuntimeError):
@@ -69,6 +73,19 @@ class RunRecordValidator(RecordValidatorBase):
         return True
 
 
+class _OwnedDHT(hivemind.DHT):
+    """hivemind's DHT process, tied to the process that started it: when a node dies, even
+    by SIGKILL, its DHT process (and with it ``p2pd``) dies too, as a dead peer must."""
+
+    def run(self) -> None:
+        if sys.platform == "linux":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
+                os._exit(1)
+        super().run()
+
+
 class SwarmDHT:
     """A node's (or a client's) membership in one run's DHT."""
 
@@ -104,7 +121,7 @@ class SwarmDHT:
         if identity_path is not None:
             # hivemind's "identity taken" check only understands RSA keys; ours are Ed25519.
             kwargs.update(identity_path=str(identity_path), check_if_identity_free=False)
-        dht = hivemind.DHT(**kwargs)
+        dht = _OwnedDHT(**kwargs)
         try:
             dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
         except (TimeoutError, concurrent.futures.TimeoutError):
@@ -173,5 +190,6 @@ class SwarmDHT:
             logger.warning("dropped the run spec: %s", e)
             return None
 
-    async def shutdown(self) -> None:
-        await asyncio.to_thread(self.dht.shutdown)
+    def shutdown(self) -> None:
+        """Stop the DHT process and its ``p2pd`` (blocking, about a second)."""
+        self.dht.shutdown()

@@ -89,18 +89,19 @@ def render(view: dict) -> str:
     return "\n".join(lines)
 
 
-async def show(args: argparse.Namespace) -> int:
+async def fetch(dht: SwarmDHT) -> dict:
+    """The run's view as ``summarize`` returns it."""
+    spec = await dht.spec()
+    return summarize(await dht.peers(), spec.n_stages if spec else None, get_dht_time())
+
+
+def run(args: argparse.Namespace) -> int:
     dht = SwarmDHT.start(
         args.run, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, client_mode=True
     )
     try:
-        spec = await dht.spec()
-        view = summarize(await dht.peers(), spec.n_stages if spec else None, get_dht_time())
+        view = asyncio.run(fetch(dht))
     finally:
-        await dht.shutdown()
+        dht.shutdown()
     print(json.dumps(view, indent=1) if args.json else render(view))
     return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    return asyncio.run(show(args))

@@ -112,7 +112,7 @@ def decode_peer_info(
     try:
         info = PeerInfo.model_validate_json(payload)
     except ValidationError as e:
-        raise RecordError(f"malformed peer record: {_first_error(e)}") from None
+        raise RecordError(f"malformed peer record: {first_error(e)}") from None
     if subkey is not None and subkey != info.peer_id:
         raise RecordError(f"record of peer {info.peer_id} stored under another peer's key {subkey}")
     if not verify(info.peer_id, _PEER_DOMAIN, payload, signature):
@@ -155,7 +155,9 @@ def _unpack(raw: bytes) -> tuple[bytes, bytes]:
     return envelope["record"], envelope["sig"]
 
 
-def _first_error(e: ValidationError) -> str:
+def first_error(e: ValidationError, whole: str = "record") -> str:
+    """The first of pydantic's errors on one line: where (a field's path, or ``whole``) and
+    what, without echoing the input back."""
     err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "record"
+    where = ".".join(str(p) for p in err["loc"]) or whole
     return f"{where}: {err['msg']}"

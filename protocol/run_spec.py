@@ -17,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from models.config import ModelConfig, OptimizerConfig, preset
 from models.stages import StageRange, even_boundaries, validate_boundaries
-from protocol.records import MAX_RECORD_BYTES, PROTOCOL_VERSION, RecordError, check_run_name
+from protocol.records import (
+    MAX_RECORD_BYTES,
+    PROTOCOL_VERSION,
+    RecordError,
+    check_run_name,
+    first_error,
+)
 
 Compression = Literal["none", "float16", "uint8"]
 
@@ -93,9 +99,18 @@ def decode_run_spec(raw: bytes, *, run: str) -> RunSpec:
         raise RecordError(f"run spec must be bytes of at most {MAX_RECORD_BYTES}")
     try:
         envelope = msgpack.unpackb(raw, raw=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise RecordError(f"run spec is not valid msgpack: {e}") from None
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("spec"), bytes):
+        raise RecordError("run spec envelope must be a map with spec: bytes")
+    try:
         spec = RunSpec.model_validate_json(envelope["spec"])
-    except (ValueError, TypeError, KeyError, msgpack.UnpackException, ValidationError) as e:
-        raise RecordError(f"malformed run spec: {e}") from None
+    except ValidationError as e:
+        raise RecordError(f"malformed run spec: {first_error(e, 'spec')}") from None
+    except (ValueError, TypeError, ArithmeticError) as e:
+        # Raised by the model's own checks on settings pydantic let through as Any (e.g.
+        # 10**400 % 1.5 overflows): malformed all the same.
+        raise RecordError(f"malformed run spec: {type(e).__name__}: {e}") from None
     if spec.version != PROTOCOL_VERSION:
         raise RecordError(
             f"run {run!r} uses protocol version {spec.version}, we speak {PROTOCOL_VERSION}"

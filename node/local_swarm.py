@@ -1,0 +1,129 @@
+"""A swarm of node processes on this machine (127.0.0.1): for the demo, tests and benchmarks.
+
+Each node is a real ``swarmtrain node`` process with its own ``p2pd``; nothing is mocked.
+``LocalSwarm`` owns the processes it starts and kills whatever is left on ``close``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], timeout: float, what: str, every: float = 0.2) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    maddrs_file: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    @property
+    def maddr(self) -> str:
+        return self.maddrs_file.read_text().split()[0]
+
+    @property
+    def peer_id(self) -> str:
+        return self.maddr.rsplit("/p2p/", 1)[1]
+
+    def stage(self) -> int | None:
+        m = re.search(r"serving stage (\d+)", self.output())
+        return int(m.group(1)) if m else None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_serving(self, timeout: float = 60) -> int:
+        def serving() -> bool:
+            if not self.alive():
+                raise RuntimeError(f"node {self.name} exited early:\n{self.output()[-2000:]}")
+            return self.stage() is not None
+
+        wait_until(serving, timeout, f"node {self.name} to serve")
+        return self.stage()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.alive():
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def launch_node(
+    workdir: Path,
+    name: str,
+    run: str,
+    *,
+    initial_peers: Sequence[str] = (),
+    extra: Sequence[str] = (),
+    train: bool = False,
+    update_period: float = 1.0,
+    wait: bool = True,
+) -> NodeProcess:
+    """Start ``swarmtrain node`` in its own process; with ``wait``, return once it has
+    written its maddrs."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log, maddrs = workdir / f"{name}.log", workdir / f"{name}.maddrs"
+    maddrs.unlink(missing_ok=True)
+    args = [
+        sys.executable, "-m", "node.cli", "node", "--run", run, "--host-maddrs", LOCAL,
+        "--identity", str(workdir / f"{name}.key"), "--maddrs-file", str(maddrs),
+        "--update-period", str(update_period), "--throughput", "100",
+    ]  # fmt: skip
+    if initial_peers:
+        args += ["--initial-peers", *initial_peers]
+    if not train:
+        args.append("--no-train")
+    # One torch thread per node: several nodes share this machine's cores.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with log.open("w") as out:
+        proc = subprocess.Popen([*args, *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
+    node = NodeProcess(name, proc, log, maddrs)
+    if not wait:
+        return node
+
+    def started() -> bool:
+        if not node.alive():
+            raise RuntimeError(f"node {name} exited with {proc.returncode}:\n{node.output()}")
+        return maddrs.exists() and bool(maddrs.read_text().strip())
+
+    try:
+        wait_until(started, 60, f"node {name} to start")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return node
+
+
+def stop_all(nodes: Sequence[NodeProcess], timeout: float = 10) -> None:
+    """Kill every node still running and reap it."""
+    for n in nodes:
+        if n.alive():
+            n.proc.kill()
+    for n in nodes:
+        n.proc.wait(timeout)

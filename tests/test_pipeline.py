@@ -1,0 +1,155 @@
+"""Pipeline training through a real local swarm: reroutes around killed peers, stateless
+backward on another peer, and learning parity with the single-process baseline."""
+
+import asyncio
+import os
+import signal
+from contextlib import contextmanager
+
+import torch
+
+from models.config import preset
+from models.training import train_baseline
+from node.dht import SwarmDHT
+from node.local_swarm import LOCAL, launch_node, stop_all
+from node.train import open_trainer
+from node.trainer import Trainer, TrainerSettings
+
+
+@contextmanager
+def swarm(tmp_path, run, stages_of_peers):
+    """Nodes (no trainer loops) pinned to the given stages, and a DHT client for a trainer."""
+    nodes, dht = [], None
+    try:
+        for i, stage in enumerate(stages_of_peers):
+            peers = [nodes[0].maddr] if nodes else []
+            nodes.append(
+                launch_node(
+                    tmp_path, f"p{i}", run, initial_peers=peers, extra=["--stage", str(stage)]
+                )  # fmt: skip
+            )
+        for n in nodes:
+            n.wait_serving()
+        dht = SwarmDHT.start(run, initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
+                             client_mode=True)  # fmt: skip
+        yield nodes, dht
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        stop_all(nodes)
+
+
+async def _trainer(dht, trainer_cls=Trainer, **settings) -> Trainer:
+    base = await open_trainer(dht, TrainerSettings(call_timeout_s=10, **settings))
+    if trainer_cls is Trainer:
+        return base
+    return trainer_cls(base.dht, base.p2p, base.spec, base.corpus, base.settings)
+
+
+def _wait_for_view(trainer: Trainer, per_stage: list[int]) -> None:
+    async def ready():
+        while True:
+            await trainer.refresh()
+            if [len(v) for v in trainer._view] == per_stage:
+                return
+            await asyncio.sleep(0.3)
+
+    return asyncio.wait_for(ready(), 30)
+
+
+def test_sigkill_during_training_is_rerouted(tmp_path):
+    with swarm(tmp_path, "chaos", [0, 1, 0, 1]) as (nodes, dht):
+        stage1 = [n for n in nodes if n.stage() == 1]
+
+        async def main():
+            trainer = await _trainer(dht, in_flight=4)
+            try:
+                await _wait_for_view(trainer, [2, 2])
+                losses = []
+
+                def on_result(r):
+                    losses.append(r.loss)
+                    if len(losses) == 20:
+                        stage1[0].proc.send_signal(signal.SIGKILL)
+
+                await trainer.train(120, on_result)
+                return trainer, losses
+            finally:
+                await trainer.p2p.shutdown()
+
+        trainer, losses = asyncio.run(main())
+        assert stage1[0].proc.wait(10) == -signal.SIGKILL
+        assert trainer.stats.micro_batches == 120, "every micro-batch completed"
+        assert trainer.stats.rerouted[1] >= 1, "calls to the killed peer were retried"
+        survivor = stage1[1].peer_id
+        late_calls = trainer.stats.calls[(1, survivor)]
+        assert late_calls > 100 / 2, "the surviving peer of stage 1 took over"
+        assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.5, "loss kept falling"
+
+
+class KillAfterForward(Trainer):
+    """Fault injection: SIGKILL the stage-0 peer that served the forward of one micro-batch,
+    before that micro-batch's backward is sent."""
+
+    victims: dict = {}
+    killed: str | None = None
+    after_kill: list = []
+
+    async def _call(self, stage, call):
+        result, peer = await super()._call(stage, call)
+        if stage == 0 and self.killed is not None and not self.after_kill:
+            self.after_kill.append(peer)  # the next stage-0 call: the backward
+        if stage == 0 and self.killed is None and isinstance(result, torch.Tensor):
+            os.kill(self.victims[peer], signal.SIGKILL)
+            self.killed = peer
+        return result, peer
+
+
+def test_backward_runs_on_another_peer_after_forward_peer_dies(tmp_path):
+    with swarm(tmp_path, "stateless", [0, 1, 0]) as (nodes, dht):
+
+        async def main():
+            KillAfterForward.victims = {n.peer_id: n.proc.pid for n in nodes}
+            trainer = await _trainer(dht, KillAfterForward, in_flight=1)
+            try:
+                await _wait_for_view(trainer, [2, 1])
+                await trainer.train(3)
+                return trainer
+            finally:
+                await trainer.p2p.shutdown()
+
+        trainer = asyncio.run(main())
+        assert trainer.killed is not None
+        assert trainer.after_kill and trainer.after_kill[0] != trainer.killed, (
+            "the backward was served by the other peer of stage 0"
+        )
+        assert trainer.stats.micro_batches == 3
+
+
+def test_swarm_matches_baseline_loss_curve(tmp_path, corpus):
+    """One peer per stage, one micro-batch in flight, the same seed, data and optimizer:
+    the swarm computes what the baseline computes."""
+    steps = 6
+    model, optim = preset("tiny")
+    micro_per_step = optim.target_batch_size // optim.micro_batch_size
+    base = train_baseline(model, optim, corpus, steps=steps, n_stages=2, eval_every=10**6)
+    with swarm(tmp_path, "parity", [0, 1]) as (nodes, dht):
+
+        async def main():
+            trainer = await _trainer(dht, in_flight=1, stream=0)
+            try:
+                await _wait_for_view(trainer, [1, 1])
+                losses = []
+                await trainer.train(steps * micro_per_step, lambda r: losses.append(r.loss))
+                return losses
+            finally:
+                await trainer.p2p.shutdown()
+
+        losses = asyncio.run(main())
+    swarm_steps = [
+        sum(losses[i : i + micro_per_step]) / micro_per_step
+        for i in range(0, len(losses), micro_per_step)
+    ]
+    diffs = [abs(a - b.train_loss) for a, b in zip(swarm_steps, base.steps, strict=True)]
+    assert max(diffs) < 1e-3, diffs
+    assert swarm_steps[-1] < swarm_steps[0] - 0.1  # and both learned

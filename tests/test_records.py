@@ -1,0 +1,490 @@
+"""Records from the network, without a network: ``protocol.identity``, ``protocol.records``
+and ``protocol.run_spec``. Every way a peer record or a run spec can be wrong is refused
+with a ``RecordError`` that says what is wrong, and no input raises anything else."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import msgpack
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from models.config import ModelConfig, OptimizerConfig
+from protocol.identity import (
+    IdentityError,
+    decode_private_key,
+    encode_private_key,
+    peer_id_of,
+    public_key_of,
+    sign,
+    verify,
+)
+from protocol.records import (
+    _PEER_DOMAIN,  # to sign payloads that PeerInfo itself would refuse to build
+    MAX_CLOCK_SKEW_S,
+    MAX_RECORD_AGE_S,
+    MAX_RECORD_BYTES,
+    PROTOCOL_VERSION,
+    PeerInfo,
+    PeerState,
+    RecordError,
+    decode_peer_info,
+    encode_peer_info,
+)
+from protocol.run_spec import RunSpec, decode_run_spec, encode_run_spec, make_run_spec
+
+RUN = "records-test"
+NOW = 1_700_000_000.0  # a fixed clock: these tests never read the real one
+
+
+def _key(seed: int) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(bytes([seed]) * 32)
+
+
+KEY, OTHER = _key(1), _key(2)
+PEER, OTHER_PEER = peer_id_of(KEY.public_key()), peer_id_of(OTHER.public_key())
+
+
+def _fields(key: Ed25519PrivateKey = KEY, **changes: Any) -> dict[str, Any]:
+    """A valid peer record's fields, as JSON values, with ``changes`` applied."""
+    fields = {
+        "peer_id": peer_id_of(key.public_key()),
+        "run": RUN,
+        "version": PROTOCOL_VERSION,
+        "device": "cpu (2 threads)",
+        "throughput": [120.5, 80.0],
+        "throughput_source": "measured",
+        "bandwidth_up_mbps": 40.0,
+        "bandwidth_down_mbps": 200.0,
+        "bandwidth_source": "measured",
+        "stage": 1,
+        "state": "serving",
+        "load": 3,
+        "timestamp": NOW,
+    }
+    fields.update(changes)
+    return fields
+
+
+def _info(key: Ed25519PrivateKey = KEY, **changes: Any) -> PeerInfo:
+    return PeerInfo(**_fields(key, **changes))
+
+
+def _signed(payload: bytes, key: Ed25519PrivateKey = KEY) -> bytes:
+    """``payload`` as raw record bytes, correctly signed by ``key``, whatever it says."""
+    return msgpack.packb({"record": payload, "sig": sign(key, _PEER_DOMAIN, payload)})
+
+
+def _decode(raw: Any, subkey: str | None = PEER, *, run: str = RUN, now: float = NOW) -> PeerInfo:
+    return decode_peer_info(raw, subkey=subkey, run=run, now=now, max_age_s=MAX_RECORD_AGE_S)
+
+
+# --- peer records: what passes --------------------------------------------------------------
+
+
+def test_peer_info_round_trip():
+    info = _info()
+    raw = encode_peer_info(info, KEY)
+    assert len(raw) < 1024  # a few hundred bytes: far under MAX_RECORD_BYTES
+    assert _decode(raw) == info
+    assert _decode(raw, subkey=None) == info  # a record read alone, not from a subkey
+    assert info.routable
+    assert info.state is PeerState.SERVING
+
+
+def test_a_record_within_the_limits_of_age_and_skew_passes():
+    info = _info(timestamp=NOW - MAX_RECORD_AGE_S + 1)
+    assert _decode(encode_peer_info(info, KEY)) == info
+    info = _info(timestamp=NOW + MAX_CLOCK_SKEW_S - 1)
+    assert _decode(encode_peer_info(info, KEY)) == info
+
+
+def test_a_peer_without_a_stage_is_valid_but_not_routable():
+    info = _info(stage=None, state="joining")
+    assert _decode(encode_peer_info(info, KEY)) == info
+    assert not info.routable
+
+
+# --- peer records: each rejection, by what is wrong -----------------------------------------
+
+
+def test_oversized_record_is_refused_before_parsing():
+    with pytest.raises(RecordError, match=f"exceeds the limit of {MAX_RECORD_BYTES}"):
+        _decode(b"\x80" * (MAX_RECORD_BYTES + 1))
+
+
+def test_non_bytes_record_is_refused():
+    with pytest.raises(RecordError, match="must be bytes, got str"):
+        _decode(encode_peer_info(_info(), KEY).decode("latin-1"))
+
+
+@pytest.mark.parametrize("raw", [b"\xc1", b"\x92\x01", b"", b"\x81\x01\x02"])
+def test_non_msgpack_record_is_refused(raw):
+    # 0xc1 is never used; a truncated array; nothing; a map with an int key
+    with pytest.raises(RecordError, match="not valid msgpack"):
+        _decode(raw)
+
+
+@pytest.mark.parametrize(
+    "envelope",
+    [
+        [b"{}", b"sig"],
+        {"record": b"{}"},
+        {"record": b"{}", "sig": b"", "extra": b""},
+        {"record": "{}", "sig": b""},
+        {"record": b"{}", "sig": None},
+        b"just bytes",
+        7,
+    ],
+)
+def test_wrong_envelope_is_refused(envelope):
+    with pytest.raises(RecordError, match="envelope must be a map of exactly"):
+        _decode(msgpack.packb(envelope))
+
+
+@pytest.mark.parametrize(
+    ("changes", "what"),
+    [
+        ({"throughput": [-1.0, 80.0]}, r"throughput\.0: Input should be greater than or equal to 0"),
+        ({"throughput": [math.nan, 80.0]}, r"throughput\.0: Input should be a finite number"),
+        ({"bandwidth_up_mbps": math.inf}, "bandwidth_up_mbps: Input should be a finite number"),
+        ({"bandwidth_down_mbps": 1e10}, "bandwidth_down_mbps: Input should be less than or equal"),
+        ({"bandwidth_down_mbps": 10**400}, "bandwidth_down_mbps: Input should be a finite number"),
+        ({"throughput": []}, "throughput: Tuple should have at least 1 item"),
+        ({"throughput": [1.0] * 257, "stage": 0}, "throughput: Tuple should have at most 256"),
+        ({"stage": 2}, "stage 2 is out of range for 2 stages"),
+        ({"stage": -1}, "stage: Input should be greater than or equal to 0"),
+        ({"load": -1}, "load: Input should be greater than or equal to 0"),
+        ({"timestamp": math.nan}, "timestamp: Input should be a finite number"),
+        ({"state": "hacking"}, "state: Input should be 'joining', 'loading', 'serving' or"),
+        ({"throughput_source": "guessed"}, "throughput_source: Input should be 'measured' or"),
+        ({"device": "x" * 65}, "device: String should have at most 64 characters"),
+        ({"run": "../etc"}, "run: Value error, run name '../etc' must be 1-64 letters"),
+        ({"run": ""}, "run: Value error, run name '' must be"),
+        ({"version": -1}, "version: Input should be greater than or equal to 0"),
+        ({"peer_id": "QmNotAnEd25519Peer"}, "peer_id: Value error, peer id 'QmNotAnEd25519Peer'"),
+        ({"admin": True}, "admin: Extra inputs are not permitted"),
+        ({"load": 1.5}, "load: Input should be a valid integer, got a number with a fractional"),
+    ],
+)
+def test_malformed_record_is_refused_naming_the_field(changes, what):
+    # Correctly signed by the peer it names: only the content is wrong.
+    raw = _signed(json.dumps(_fields(**changes)).encode())
+    with pytest.raises(RecordError, match=f"malformed peer record: .*{what}"):
+        _decode(raw)
+
+
+@pytest.mark.parametrize("missing", ["timestamp", "peer_id", "stage", "version"])
+def test_record_missing_a_field_is_refused(missing):
+    fields = _fields()
+    del fields[missing]
+    with pytest.raises(RecordError, match=f"malformed peer record: {missing}: Field required"):
+        _decode(_signed(json.dumps(fields).encode()))
+
+
+@pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b"\xff\xfe", b"null", b""])
+def test_record_that_is_not_a_json_object_is_refused(payload):
+    with pytest.raises(RecordError, match="malformed peer record"):
+        _decode(_signed(payload))
+
+
+def test_record_under_another_peers_subkey_is_refused():
+    # Correctly signed by OTHER, about OTHER, but written into PEER's slot: impersonation.
+    raw = encode_peer_info(_info(OTHER), OTHER)
+    with pytest.raises(
+        RecordError, match=f"record of peer {OTHER_PEER} stored under another peer's key {PEER}"
+    ):
+        _decode(raw, subkey=PEER)
+    assert _decode(raw, subkey=OTHER_PEER).peer_id == OTHER_PEER
+
+
+def test_record_signed_by_a_different_key_is_refused():
+    # A record about PEER, under PEER's subkey, signed by someone else.
+    raw = encode_peer_info(_info(KEY), OTHER)
+    with pytest.raises(RecordError, match=f"bad signature on the record of peer {PEER}"):
+        _decode(raw)
+
+
+def test_tampered_record_is_refused():
+    raw = encode_peer_info(_info(), KEY)
+    envelope = msgpack.unpackb(raw)
+    tampered = envelope["record"].replace(b'"load":3', b'"load":0')
+    assert tampered != envelope["record"]
+    forged = msgpack.packb({"record": tampered, "sig": envelope["sig"]})
+    with pytest.raises(RecordError, match=f"bad signature on the record of peer {PEER}"):
+        _decode(forged)
+    truncated_sig = msgpack.packb({"record": envelope["record"], "sig": envelope["sig"][:-1]})
+    with pytest.raises(RecordError, match="bad signature"):
+        _decode(truncated_sig)
+
+
+def test_signature_for_another_kind_of_message_is_refused():
+    payload = json.dumps(_fields()).encode()
+    raw = msgpack.packb({"record": payload, "sig": sign(KEY, b"swarmtrain/other", payload)})
+    with pytest.raises(RecordError, match="bad signature"):
+        _decode(raw)
+
+
+def test_record_from_a_future_protocol_version_is_refused():
+    raw = encode_peer_info(_info(version=PROTOCOL_VERSION + 1), KEY)  # correctly signed
+    with pytest.raises(
+        RecordError,
+        match=f"speaks protocol version {PROTOCOL_VERSION + 1}, we speak {PROTOCOL_VERSION}",
+    ):
+        _decode(raw)
+
+
+def test_record_of_another_run_is_refused():
+    raw = encode_peer_info(_info(run="other-run"), KEY)
+    with pytest.raises(RecordError, match=f"is for run 'other-run', not '{RUN}'"):
+        _decode(raw)
+
+
+def test_record_from_the_future_is_refused():
+    raw = encode_peer_info(_info(timestamp=NOW + MAX_CLOCK_SKEW_S + 60), KEY)
+    with pytest.raises(RecordError, match=r"dated \d+ s in the future"):
+        _decode(raw)
+
+
+def test_stale_or_replayed_record_is_refused():
+    raw = encode_peer_info(_info(timestamp=NOW - MAX_RECORD_AGE_S - 1), KEY)
+    with pytest.raises(RecordError, match=r"is 121 s old \(limit 120 s\): stale or replayed"):
+        _decode(raw)
+    # The same bytes were valid when fresh: a replay is refused only by its age.
+    assert _decode(raw, now=NOW - MAX_RECORD_AGE_S)
+
+
+# --- identities -----------------------------------------------------------------------------
+
+
+def test_peer_id_round_trip_and_libp2p_encoding():
+    for seed in range(5):
+        public = _key(seed).public_key()
+        peer_id = peer_id_of(public)
+        assert peer_id.startswith("12D3KooW")
+        assert public_key_of(peer_id) == public
+        # Built independently, from libp2p's protobuf and an identity multihash.
+        proto = crypto_pb2.PublicKey(
+            key_type=crypto_pb2.Ed25519, data=public.public_bytes_raw()
+        ).SerializeToString()
+        assert PeerID(bytes([0x00, len(proto)]) + proto).to_base58() == peer_id
+
+
+@pytest.mark.parametrize(
+    ("peer_id", "what"),
+    [
+        ("", "must be a short string"),
+        ("1" * 65, "must be a short string"),
+        (12345, "must be a short string"),
+        (None, "must be a short string"),
+        ("12D3KooW0OIl", "is not base58"),  # 0, O, I and l are not base58
+        ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "not an Ed25519 identity peer id"),
+        ("12D3KooWabc", "not an Ed25519 identity peer id"),
+        (PEER[:-1], "not an Ed25519 identity peer id"),
+        (PEER + "1", "not an Ed25519 identity peer id"),
+    ],
+)
+def test_peer_ids_that_are_not_ed25519_identities_are_refused(peer_id, what):
+    with pytest.raises(IdentityError, match=what):
+        public_key_of(peer_id)
+    assert not verify(peer_id, b"d", b"payload", b"\0" * 64)  # never raises
+
+
+def test_sign_and_verify_bind_key_domain_and_payload():
+    sig = sign(KEY, b"domain", b"payload")
+    assert verify(PEER, b"domain", b"payload", sig)
+    assert not verify(OTHER_PEER, b"domain", b"payload", sig)
+    assert not verify(PEER, b"domain2", b"payload", sig)
+    assert not verify(PEER, b"domain", b"payload!", sig)
+    assert not verify(PEER, b"domain", b"payload", sig[:-1] + bytes([sig[-1] ^ 1]))
+    assert not verify(PEER, b"domain", b"payload", b"short")
+
+
+def test_private_key_round_trip_in_libp2p_encoding():
+    data = encode_private_key(KEY)
+    parsed = crypto_pb2.PrivateKey.FromString(data)  # what p2pd reads with -id
+    assert parsed.key_type == crypto_pb2.Ed25519
+    assert parsed.data == KEY.private_bytes_raw() + KEY.public_key().public_bytes_raw()
+    decoded = decode_private_key(data)
+    assert decoded.private_bytes_raw() == KEY.private_bytes_raw()
+    assert peer_id_of(decoded.public_key()) == PEER
+
+
+@pytest.mark.parametrize(
+    ("mangle", "what"),
+    [
+        (lambda d: d[:-1], "not an Ed25519 libp2p private key"),
+        (lambda d: d + b"\0", "not an Ed25519 libp2p private key"),
+        (lambda d: b"", "not an Ed25519 libp2p private key"),
+        (lambda d: bytes([0x08, 0x00]) + d[2:], "not an Ed25519 libp2p private key"),  # RSA
+        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "corrupt: its public half does not match"),
+        (lambda d: d[:4] + bytes([d[4] ^ 1]) + d[5:], "corrupt: its public half does not match"),
+    ],
+)
+def test_corrupt_private_key_is_refused(mangle, what):
+    with pytest.raises(IdentityError, match=what):
+        decode_private_key(mangle(encode_private_key(KEY)))
+
+
+# --- run specs ------------------------------------------------------------------------------
+
+
+def _spec_fields(**changes: Any) -> dict[str, Any]:
+    fields = json.loads(make_run_spec(RUN, "tiny", 2).model_dump_json())
+    fields.update(changes)
+    return fields
+
+
+def _raw_spec(fields: dict[str, Any]) -> bytes:
+    return msgpack.packb({"spec": json.dumps(fields).encode()})
+
+
+def test_run_spec_round_trip():
+    spec = make_run_spec(RUN, "tiny", 3, compression="float16", lr=1e-3)
+    decoded = decode_run_spec(encode_run_spec(spec), run=RUN)
+    assert decoded == spec
+    assert decoded.model == ModelConfig(**spec.arch)
+    assert decoded.optim == OptimizerConfig(**{**spec.optimizer, "betas": (0.9, 0.95)})
+    assert decoded.optim.lr == 1e-3
+    assert decoded.n_stages == 3
+    assert [decoded.stage_range(i) for i in range(3)][-1].end == decoded.model.n_blocks
+
+
+@pytest.mark.parametrize(
+    ("boundaries", "what"),
+    [
+        ([[0, 3], [4, 6]], "leaves blocks 3..3 in no stage"),
+        ([[0, 4], [3, 6]], "overlaps the previous stage"),
+        ([[0, 3], [3, 7]], r"out of range \[0, 6\)"),
+        ([[0, 3], [3, 3], [3, 6]], r"stage 1 \[3, 3\) is empty"),
+        ([[0, 3]], "stages end at block 3, but the model has 6 blocks"),
+        ([], "boundaries: Tuple should have at least 1 item"),
+        ([[0, 3, 5], [5, 6]], r"boundaries\.0: Tuple should have at most 2 items"),
+    ],
+)
+def test_run_spec_with_bad_boundaries_is_refused(boundaries, what):
+    fields = _spec_fields(boundaries=boundaries)
+    with pytest.raises(ValidationError):
+        RunSpec(**fields)
+    with pytest.raises(RecordError, match=f"malformed run spec: .*{what}"):
+        decode_run_spec(_raw_spec(fields), run=RUN)
+
+
+@pytest.mark.parametrize(
+    ("changes", "what"),
+    [
+        ({"arch": {**_spec_fields()["arch"], "n_head": 3}}, "must be divisible by n_head"),
+        ({"arch": {**_spec_fields()["arch"], "tie_embeddings": True}}, "tie_embeddings=True"),
+        ({"arch": {**_spec_fields()["arch"], "n_layers": 4}}, "unexpected keyword argument 'n_layers'"),
+        ({"optimizer": {**_spec_fields()["optimizer"], "lr": 0}}, "lr must be > 0"),
+        ({"compression": "zip"}, "compression: Input should be 'none', 'float16' or 'uint8'"),
+        ({"seed": -1}, "seed: Input should be greater than or equal to 0"),
+        ({"owner": "me"}, "owner: Extra inputs are not permitted"),
+    ],
+)
+def test_run_spec_with_bad_settings_is_refused(changes, what):
+    with pytest.raises(RecordError, match=f"malformed run spec: .*{what}"):
+        decode_run_spec(_raw_spec(_spec_fields(**changes)), run=RUN)
+
+
+def test_run_spec_of_another_version_or_run_is_refused():
+    future = _raw_spec(_spec_fields(version=PROTOCOL_VERSION + 1))
+    with pytest.raises(RecordError, match=f"protocol version {PROTOCOL_VERSION + 1}, we speak"):
+        decode_run_spec(future, run=RUN)
+    with pytest.raises(RecordError, match=f"spec is for run '{RUN}', not 'another'"):
+        decode_run_spec(encode_run_spec(make_run_spec(RUN, "tiny", 2)), run="another")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x80" * (MAX_RECORD_BYTES + 1),
+        "a string",
+        b"\xc1",
+        msgpack.packb([1]),
+        msgpack.packb({"spec": 5}),
+        msgpack.packb({"other": b"{}"}),
+        msgpack.packb({"spec": b"{not json"}),
+    ],
+)
+def test_malformed_run_spec_bytes_are_refused(raw):
+    with pytest.raises(RecordError, match="run spec"):
+        decode_run_spec(raw, run=RUN)
+
+
+# --- anything at all: decoded, or refused with a RecordError --------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner),
+    max_leaves=12,
+)
+MSGPACK = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=10) | st.sampled_from(["record", "sig", "spec"]), inner),
+    max_leaves=12,
+)
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _decodes_or_refuses(decode, raw) -> None:
+    try:
+        decode(raw)
+    except RecordError:
+        pass
+
+
+@FUZZ
+@given(st.binary(max_size=1024))
+def test_arbitrary_bytes_decode_or_raise_record_error(raw):
+    _decodes_or_refuses(_decode, raw)
+    _decodes_or_refuses(lambda r: decode_run_spec(r, run=RUN), raw)
+
+
+@FUZZ
+@given(MSGPACK)
+def test_arbitrary_msgpack_decodes_or_raises_record_error(value):
+    raw = msgpack.packb(value)
+    _decodes_or_refuses(_decode, raw)
+    _decodes_or_refuses(lambda r: decode_run_spec(r, run=RUN), raw)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(_fields())) | st.text(max_size=8), JSON, max_size=4))
+def test_signed_records_with_arbitrary_fields_decode_or_raise_record_error(changes):
+    _decodes_or_refuses(_decode, _signed(json.dumps(_fields(**changes)).encode()))
+
+
+ARCH_KEYS = st.sampled_from(sorted(ModelConfig.__dataclass_fields__)) | st.text(max_size=8)
+OPTIM_KEYS = st.sampled_from(sorted(OptimizerConfig.__dataclass_fields__)) | st.text(max_size=8)
+
+
+@FUZZ
+@given(
+    st.dictionaries(ARCH_KEYS, JSON, max_size=3),
+    st.dictionaries(OPTIM_KEYS, JSON, max_size=3),
+    st.dictionaries(st.sampled_from(sorted(_spec_fields())), JSON, max_size=2),
+)
+def test_specs_with_arbitrary_settings_decode_or_raise_record_error(arch, optimizer, top):
+    fields = _spec_fields()
+    fields["arch"].update(arch)
+    fields["optimizer"].update(optimizer)
+    fields.update(top)
+    _decodes_or_refuses(lambda r: decode_run_spec(r, run=RUN), _raw_spec(fields))
+
+
+def test_a_spec_whose_arithmetic_overflows_is_refused():
+    # Found by the test above: 10**400 % 1.5 raised OverflowError out of the decoder.
+    arch = {**_spec_fields()["arch"], "n_embd": 10**400, "n_head": 1.5}
+    with pytest.raises(RecordError, match="malformed run spec"):
+        decode_run_spec(_raw_spec(_spec_fields(arch=arch)), run=RUN)
