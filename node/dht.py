@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import logging
+import math
 import os
 import signal
 import sys
@@ -34,8 +35,8 @@ from protocol.run_spec import RunSpec, decode_run_spec, encode_run_spec
 
 logger = logging.getLogger(__name__)
 
-SPEC_TTL_S = 3600.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h  # every node re-stores the spec, so it outlives its creator
+SPEC_TTL_S = 3600.0  # every node re-stores the spec, so it outlives its creator
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class DHTStartError(RuntimeError):
@@ -44,7 +45,15 @@ class DHTStartError(RuntimeError):
 
 class RunRecordValidator(RecordValidatorBase):
     """Refuses to store or return a run's records that do not validate (hivemind calls this
-    in the DHT process for every record it is asked to store or receives from a peer)."""
+    in the DHT process for every record it is asked to store or receives from a peer).
+
+    hivemind validates a dictionary value read from a peer as a whole: one entry refused
+    drops every entry that peer returned. So a verdict here must not turn from yes to no
+    while a record sits in an honest peer's storage, or one record going stale would hide
+    all the run's peers. Hence no age limit here; instead a peer record must expire from
+    the DHT within ``MAX_RECORD_AGE_S`` of its timestamp, which at store time also refuses
+    anything stale, and a record can never outlive its freshness. (``SwarmDHT.peers``
+    checks the age of each record it returns, one by one.)"""
 
     def __init__(self, run: str) -> None:
         self.run = run
@@ -60,14 +69,16 @@ class RunRecordValidator(RecordValidatorBase):
                 decode_run_spec(value, run=self.run)
             else:
                 subkey = DHTProtocol.serializer.loads(record.subkey)
-                decode_peer_info(
-                    value,
-                    subkey=subkey,
-                    run=self.run,
-                    now=get_dht_time(),
-                    max_age_s=MAX_RECORD_AGE_S,
+                info = decode_peer_info(
+                    value, subkey=subkey, run=self.run, now=get_dht_time(), max_age_s=math.inf
                 )
-        except (RecordError, ValueError, TypeError) as e:
+                if record.expiration_time > info.timestamp + MAX_RECORD_AGE_S:
+                    raise RecordError(
+                        f"record of peer {info.peer_id} expires "
+                        f"{record.expiration_time - info.timestamp:.0f} s after it is dated "
+                        f"(limit {MAX_RECORD_AGE_S:.0f} s): it would go stale in storage"
+                    )
+        except Exception as e:  # anything a peer sends that we cannot read is refused
             logger.warning("refused a DHT record of run %s: %s", self.run, e)
             return False
         return True
@@ -143,11 +154,14 @@ class SwarmDHT:
         return await self.dht.replicate_p2p()
 
     async def publish_peer(self, info: PeerInfo, key: Ed25519PrivateKey, ttl_s: float) -> bool:
+        """Store ``info`` for ``ttl_s`` seconds, but never past ``MAX_RECORD_AGE_S`` after its
+        timestamp (peers refuse to store a record that would go stale before it expires)."""
+        expiration = min(get_dht_time() + ttl_s, info.timestamp + MAX_RECORD_AGE_S)
         return await self.dht.store(
             peers_key(self.run),
             subkey=info.peer_id,
             value=encode_peer_info(info, key),
-            expiration_time=get_dht_time() + ttl_s,
+            expiration_time=expiration,
             return_future=True,
         )
 

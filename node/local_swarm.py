@@ -67,7 +67,7 @@ class NodeProcess:
         wait_until(serving, timeout, f"node {self.name} to serve")
         return self.stage()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.alive():
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)

@@ -26,6 +26,41 @@ from protocol.records import (
 )
 
 Compression = Literal["none", "float16", "uint8"]
+Seconds = Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
+
+
+class AveragingSpec(BaseModel):
+    """How the peers of a stage average (``node.stage_averaging``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # gradient: average gradients once the stage's swarm-wide samples reach the target
+    # batch, then all copies take the same step. diloco: each peer steps alone
+    # (``inner_steps`` AdamW steps of its own), then peers average their parameter deltas
+    # and take one outer Nesterov step.
+    mode: Literal["gradient", "diloco"] = "gradient"
+    compression: Literal["none", "float16"] = "none"  # of the averaged tensors
+    matchmaking_s: Seconds = 2.0  # hivemind's min_matchmaking_time: how long a group forms
+    round_timeout_s: Seconds = 15.0  # no group by then: step alone (or catch up)
+    allreduce_timeout_s: Seconds = 30.0  # for the all-reduce once a group formed
+    chunk_timeout_s: Seconds = 5.0  # a groupmate silent this long is dropped from the round
+    report_period_s: Seconds = 0.5  # how often progress is published and read
+    inner_steps: Annotated[int, Field(ge=1, le=100_000)] = 50  # diloco: H
+    outer_lr: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.7
+    outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.9
+
+    def model_post_init(self, _context) -> None:
+        if self.round_timeout_s <= self.matchmaking_s:
+            raise ValueError(
+                f"averaging.round_timeout_s ({self.round_timeout_s}) must exceed "
+                f"averaging.matchmaking_s ({self.matchmaking_s})"
+            )
+        if self.matchmaking_s < 2 * self.report_period_s:
+            raise ValueError(
+                f"averaging.matchmaking_s ({self.matchmaking_s}) must be at least twice "
+                f"averaging.report_period_s ({self.report_period_s}): peers see that a round "
+                "is due up to a period apart and must still meet"
+            )
 
 
 class RunSpec(BaseModel):
@@ -37,6 +72,7 @@ class RunSpec(BaseModel):
     optimizer: dict[str, Any]  # OptimizerConfig fields
     boundaries: Annotated[tuple[tuple[int, int], ...], Field(min_length=1, max_length=256)]
     compression: Compression = "none"  # of activations and gradients between stages
+    averaging: AveragingSpec = AveragingSpec()  # among the peers of a stage
     data: Annotated[str, Field(max_length=256)] = "stdlib"
     seed: Annotated[int, Field(ge=0, lt=2**32)] = 0
 

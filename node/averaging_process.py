@@ -1,0 +1,147 @@
+"""hivemind's ``DecentralizedAverager`` as a stage uses it: one child process per stage.
+
+Four changes to hivemind's behaviour, each a subclass:
+
+- the process dies with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, as the node's
+  DHT process does) and ignores SIGINT (the node stops it with ``shutdown``);
+- it disowns the parent's P2P replica it inherits: hivemind's averager replaces
+  ``dht._p2p_replica`` in the child, and when the child collects the inherited object, its
+  ``__del__`` removes the *parent's* handler socket file, after which the parent's p2pd can
+  no longer deliver incoming streams (the stage server's RPCs) to the parent. Measured:
+  a child that drops and collects it removes the file; with this change it stays;
+- a reducer drops a groupmate that sends a non-finite part or weight from the parts it
+  averages (hivemind would average the NaN into everyone's result);
+- a round in which some part came back un-averaged (a groupmate died or timed out while
+  reducing it) fails instead of returning a half-averaged result: hivemind fills such
+  parts with the local values, and two survivors would then hold different results.
+
+It also lets the host set the group size it expects (``set_group_size``): a leader then
+starts the all-reduce as soon as the stage's peers are in, not at the end of the
+matchmaking time. The host side answers state downloads through ``state_source``
+(hivemind calls it on a background thread of the host process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.utils.asyncio import as_aiter, azip
+
+from protocol.averaging import check_weight
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class _FiniteReducer(TensorPartReducer):
+    """Refuses a groupmate's part that is not finite (or comes with a bad weight): the
+    caller, hivemind's ``rpc_aggregate_part``, then bans that sender from the rest of this
+    reducer's parts. Our own parts (``local``) were checked before the round."""
+
+    def __init__(self, part_shapes, num_senders: int, local: int | None) -> None:
+        super().__init__(part_shapes, num_senders)
+        self.local = local
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        if sender_index != self.local and (
+            not check_weight(weight) or not bool(torch.isfinite(tensor_part).all())
+        ):
+            raise AllreduceException(
+                f"sender {sender_index} sent part {part_index} with a non-finite value or weight"
+            )
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+
+
+class _CheckedAllReduceRunner(AllReduceRunner):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        plain = self.tensor_part_reducer
+        local = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self else None
+        self.tensor_part_reducer = _FiniteReducer(plain.part_shapes, plain.num_senders, local)
+        plain.finished.set()  # unused: keeps it from warning about missing parts when collected
+
+
+class StageAveragerProcess(DecentralizedAverager):
+    """A ``DecentralizedAverager`` owned by its parent; see the module docstring."""
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        state_source: Callable[[], tuple[object, Sequence[torch.Tensor]]],
+        **kwargs,
+    ) -> None:
+        self._state_source = state_source
+        super().__init__(averaged_tensors, dht, **kwargs)
+
+    def run(self) -> None:
+        if sys.platform == "linux":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
+                os._exit(1)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops us
+        inherited = getattr(self.dht, "_p2p_replica", None)
+        if inherited is not None:
+            inherited._client_listen_maddr = None  # the parent's socket file: not ours to remove
+        super().run()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        await super()._shutdown(timeout)
+        await self._p2p.shutdown()  # removes our own handler socket file
+
+    def set_group_size(self, size: int | None) -> None:
+        """Start the all-reduce as soon as ``size`` peers (us included) are in the group, not
+        at the end of the matchmaking time (None: wait for it). Takes effect for the next
+        ``step``: messages on the control pipe are handled in order."""
+        self._outer_pipe.send(("_set_group_size", [size], {}))
+
+    async def _set_group_size(self, size: int | None) -> None:
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
+
+    def get_current_state(self):
+        metadata, tensors = self._state_source()
+        return metadata, tensors, None
+
+    async def _run_allreduce_inplace_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: GroupInfo,
+        group_id: bytes | None = None,
+        **kwargs,
+    ) -> None:
+        # hivemind's own, with the checked runner and the failed-part check (no auxiliary
+        # peers here, and averaging_alpha is 1).
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = _CheckedAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            raise AllreduceException("a stage averager never runs as an auxiliary peer")
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update)
+        failed = runner.tensor_part_container.failed_size
+        if failed:
+            total = runner.tensor_part_container.total_size
+            raise AllreduceException(
+                f"{failed} of {total} values came back un-averaged (a groupmate failed)"
+            )

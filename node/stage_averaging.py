@@ -1,0 +1,715 @@
+"""Averaging among the peers of one stage, and state download for a peer that joins it.
+
+``StageAverager`` keeps the copies of a stage equal. Every peer of the stage publishes its
+progress (``protocol.averaging.Progress``: epoch, samples accumulated toward the next
+round) in the DHT and reads the others'; all apply the same rule (``decide``):
+
+- gradient mode (default): once the stage's samples at this epoch, over all its peers,
+  reach ``target_batch_size``, the peers average their mean gradients weighted by their
+  sample counts (hivemind's ``DecentralizedAverager``, group prefix ``{run}_stage{i}``),
+  and each takes the same optimizer step on the result;
+- diloco mode: each peer takes AdamW steps alone, every ``target_batch_size`` of its own
+  samples; once the stage has done about ``inner_steps`` of them per peer, the peers
+  average their parameter deltas since the last outer step and each takes the same outer
+  Nesterov step from the same anchor;
+- a peer alone at its epoch steps alone at once; a peer that sees one ahead of it
+  downloads the state (``load_state_from_peers``) instead.
+
+Threads. ``on_accumulated`` runs on the stage server's compute thread, holding the
+stage's lock: it only counts and wakes this object's tasks (diloco's inner step, a plain
+``StageOptimizer.step``, runs there too). The rounds run as tasks on the event loop; the
+averager itself is a child process. Gradients are moved out of ``.grad`` under the lock
+when a round starts, so micro-batches served during the round accumulate for the next
+epoch; the round's result is applied under the lock, in a worker thread.
+
+Faults. The averaged tensors are a copy, and a result is applied only if it is finite
+and completely averaged (``node.averaging_process``). A failed attempt is retried until
+``round_timeout_s``; then the peer re-reads the DHT and either catches up (someone got
+ahead) or applies its own contribution alone. Gradients of a discarded round go back
+into ``.grad``: no sample is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.compression import Float16Compression, NoCompression
+from hivemind.utils import get_dht_time
+
+from models.stages import Stage
+from models.training import StageOptimizer
+from node import stage_state
+from node.averaging_process import StageAveragerProcess
+from node.dht import SwarmDHT
+from node.stage_server import StageServer
+from node.stage_state import StageState, StateError
+from protocol.averaging import (
+    Action,
+    Progress,
+    averaging_prefix,
+    decide,
+    decode_progress,
+    encode_progress,
+    progress_key,
+)
+from protocol.records import RecordError
+from protocol.run_spec import AveragingSpec, RunSpec
+
+logger = logging.getLogger(__name__)
+
+DECLARE_STATE_PERIOD_S = 10.0  # a dead donor stays listed this long for joiners
+MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
+
+
+class StateDownloadError(RuntimeError):
+    """Peers of the stage exist, but none of them handed over a usable state in time."""
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    loaded: bool  # from a peer; False: no peer had the stage, we keep the initial weights
+    step: int
+    epoch: int
+    source: str | None = None
+
+
+@dataclass
+class AveragingStats:
+    rounds: int = 0  # averaged with at least one other peer
+    alone: int = 0  # stepped alone: no other peer at our epoch
+    fallbacks: int = 0  # a round found no usable result in time: applied our own alone
+    discarded: int = 0  # attempts whose result was thrown away (failed, not finite, ...)
+    catch_ups: int = 0  # state downloads after falling behind
+    samples: int = 0  # our samples in the steps applied (each counted once)
+    inner_steps: int = 0  # diloco: local AdamW steps
+    last_round_s: float = math.nan  # from our trigger to the applied result
+    last_group: int = 0  # peers in the last successful round, us included
+    round_s: list[float] = field(default_factory=list)  # every successful round's duration
+
+
+class StageAverager:
+    """Averaging for one stage held by this node; build with ``await create(...)``, then
+    ``await load_state()`` (which also starts averaging), ``await shutdown()`` at the end."""
+
+    process_class = StageAveragerProcess  # tests inject faults by subclassing it
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        spec: RunSpec,
+        stage_index: int,
+        module: Stage,
+        optimizer: StageOptimizer,
+        lock: threading.Lock,
+        settings: AveragingSpec,
+    ) -> None:
+        self.dht = dht
+        self.spec = spec
+        self.stage_index = stage_index
+        self.module = module
+        self.optimizer = optimizer
+        self.lock = lock  # the stage's: held whenever parameters or gradients change
+        self.settings = settings
+        self.mode = settings.mode
+        self.stats = AveragingStats()
+        self.peer_id = dht.peer_id
+        self._params = [p for _, p in stage_state.trainable(module)]
+        self._key = progress_key(spec.run, stage_index)
+        self._ttl = 4 * settings.report_period_s + 1.0
+        self._batch = spec.optim.target_batch_size
+        self._epoch = 0
+        self._round_samples = 0  # gradient mode: samples of the round in flight
+        self._inner_samples = 0  # diloco: samples stepped on since the last outer step
+        self._outer_busy = False  # diloco: an outer round is in flight (inner steps wait)
+        self._anchor: list[torch.Tensor] | None = None  # diloco: parameters at the last outer step
+        self._outer: torch.optim.SGD | None = None
+        self._others: list[Progress] = []
+        self._catch_up_after = 0.0
+        self._process: StageAveragerProcess | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._publish_now: asyncio.Event | None = None
+        self._runner: asyncio.Task | None = None
+        if self.mode == "diloco":
+            self._anchor = [p.detach().clone() for p in self._params]
+            self._outer = torch.optim.SGD(
+                self._anchor,
+                lr=settings.outer_lr,
+                momentum=settings.outer_momentum,
+                nesterov=True,
+            )
+
+    @classmethod
+    async def create(
+        cls,
+        dht: SwarmDHT,
+        spec: RunSpec,
+        stage_index: int,
+        module: Stage,
+        optimizer: StageOptimizer,
+        *,
+        lock: threading.Lock | None = None,
+        settings: AveragingSpec | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> StageAverager:
+        """Start the averager process (forked from the calling thread: the event loop's).
+
+        ``lock`` is the stage's lock (a new one by default: pass it to the server, as
+        ``AveragedStageServer`` does)."""
+        self = cls(
+            dht,
+            spec,
+            stage_index,
+            module,
+            optimizer,
+            lock or threading.Lock(),
+            settings or spec.averaging,
+        )
+        self._loop = asyncio.get_running_loop()
+        self._wake, self._publish_now = asyncio.Event(), asyncio.Event()
+        self._buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
+        s = self.settings
+        compression = Float16Compression() if s.compression == "float16" else NoCompression()
+        self._process = self.process_class(
+            self._buffers,
+            dht.dht,
+            start=False,
+            state_source=self._current_state,
+            prefix=averaging_prefix(spec.run, stage_index),
+            min_matchmaking_time=s.matchmaking_s,
+            request_timeout=min(3.0, s.matchmaking_s / 2),
+            allreduce_timeout=s.allreduce_timeout_s,
+            next_chunk_timeout=s.chunk_timeout_s,
+            compression=compression,
+            allow_state_sharing=False,  # until our own state is loaded
+            declare_state_period=DECLARE_STATE_PERIOD_S,
+        )
+        # Not run_in_background: it sets SIGINT to "ignore" in *this* process.
+        self._process.start()
+        try:
+            await asyncio.to_thread(self._process.wait_until_ready, startup_timeout_s)
+        except BaseException:
+            await asyncio.to_thread(self._kill_process)
+            raise
+        return self
+
+    # -- what the node reads ------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps behind this peer's parameters (diloco: inner steps)."""
+        return self.optimizer.step_count
+
+    @property
+    def epoch(self) -> int:
+        """Averaging rounds behind this peer's parameters (gradient mode: equal to ``step``
+        for every peer that took all its steps with the swarm)."""
+        return self._epoch
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None and not self._runner.done()
+
+    # -- the compute thread's hook ------------------------------------------------------
+
+    def on_accumulated(self) -> None:
+        """Called on the compute thread, holding ``lock``, after a micro-batch's gradients
+        were added to ``.grad``. Never waits for the network."""
+        if self.mode == "diloco" and not self._outer_busy and self.optimizer.samples >= self._batch:
+            self._inner_samples += self.optimizer.samples
+            self.optimizer.step()
+            self.stats.inner_steps += 1
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: we are shutting down
+                loop.call_soon_threadsafe(wake.set)
+
+    # -- state download -----------------------------------------------------------------
+
+    async def load_state(self, timeout_s: float | None = None) -> LoadedState:
+        """Download the stage's state from one of its peers, then start averaging.
+
+        With no live peer of the stage (no progress record), keep the initial weights.
+        Raises ``StateDownloadError`` if peers exist but none hands over a valid state
+        within ``timeout_s`` (default: twice the round timeout)."""
+        if self.running:
+            raise RuntimeError("load_state() runs once, before averaging starts")
+        timeout_s = timeout_s if timeout_s is not None else 2 * self.settings.round_timeout_s
+        deadline = time.monotonic() + timeout_s
+        result = LoadedState(False, self.step, self.epoch)
+        while others := await self._read_progress():
+            state = await self._download(max(1.0, deadline - time.monotonic()))
+            if state is not None:
+                await asyncio.to_thread(self._apply_state, state)
+                result = LoadedState(True, self.step, self.epoch, state.source)
+                logger.info(
+                    "stage %d: loaded step %d (epoch %d) from %s",
+                    self.stage_index,
+                    self.step,
+                    self.epoch,
+                    state.source,
+                )
+                break
+            if time.monotonic() > deadline:
+                raise StateDownloadError(
+                    f"stage {self.stage_index} has {len(others)} live peers, but none of them "
+                    f"handed over a valid state within {timeout_s:.0f} s"
+                )
+            await asyncio.sleep(self.settings.report_period_s)
+        else:
+            logger.info(
+                "stage %d: no peer holds it, starting from initial weights", self.stage_index
+            )
+        self._others = await self._read_progress()
+        assert self._process is not None
+        if not self._process.client_mode:
+            self._process.allow_state_sharing = True
+            self._process.state_sharing_priority = float(self._epoch)
+        self._runner = asyncio.create_task(self._run(), name=f"averaging-stage{self.stage_index}")
+        return result
+
+    def _current_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """For a peer downloading our state (on hivemind's background thread)."""
+        with self.lock:
+            return stage_state.capture(
+                self.module,
+                self.optimizer,
+                epoch=self._epoch,
+                mode=self.mode,
+                peer=self.peer_id,
+                params=self._anchor,
+                momentum=self._momentum(),
+            )
+
+    def _momentum(self) -> list[torch.Tensor] | None:
+        if self._outer is None or not self._outer.state:
+            return None
+        return [self._outer.state[a]["momentum_buffer"] for a in self._anchor]
+
+    async def _download(self, timeout_s: float) -> StageState | None:
+        assert self._process is not None
+        future = self._process.load_state_from_peers(wait=False, timeout=timeout_s)
+        try:
+            found = await asyncio.wait_for(future, timeout_s + self.settings.chunk_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            logger.warning("stage %d: state download timed out", self.stage_index)
+            return None
+        if found is None:
+            return None
+        try:
+            return stage_state.parse(*found, self.module, mode=self.mode)
+        except StateError as e:
+            logger.warning("stage %d: refused a downloaded state: %s", self.stage_index, e)
+            return None
+
+    def _apply_state(self, state: StageState) -> None:
+        with self.lock:
+            stage_state.apply(state, self.module, self.optimizer)
+            self._epoch = state.epoch
+            if self.mode == "diloco":
+                self._set_anchor(state.params, state.momentum)
+                self._inner_samples = 0
+
+    # -- the background: progress reports and rounds ------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._report_loop(), name="averaging-report")
+                tasks.create_task(self._round_loop(), name="averaging-rounds")
+        except Exception:
+            logger.exception("stage %d: averaging stopped", self.stage_index)
+            raise
+
+    def _samples(self) -> int:
+        """Samples toward our next round (the round in flight included)."""
+        if self.mode == "diloco":
+            return self._inner_samples + self.optimizer.samples
+        return self._round_samples + self.optimizer.samples
+
+    def _target(self) -> int:
+        return self._batch * (self.settings.inner_steps if self.mode == "diloco" else 1)
+
+    async def _report_loop(self) -> None:
+        assert self._wake is not None and self._publish_now is not None
+        published: Progress | None = None
+        published_at = -math.inf
+        while True:
+            self._publish_now.clear()
+            mine = Progress(self.peer_id, self._epoch, self._samples())
+            now = get_dht_time()
+            due = mine != published or now - published_at > self._ttl / 3
+            if due and await self._publish(mine, now + self._ttl):
+                published, published_at = mine, now
+            self._others = await self._read_progress()
+            self._wake.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._publish_now.wait(), self.settings.report_period_s)
+
+    async def _publish(self, mine: Progress, expiration: float) -> bool:
+        try:
+            return await self.dht.dht.store(
+                self._key,
+                subkey=self.peer_id,
+                value=encode_progress(mine),
+                expiration_time=expiration,
+                return_future=True,
+            )
+        except Exception as e:  # a DHT hiccup: the next period retries
+            logger.warning("stage %d: publishing progress failed: %s", self.stage_index, e)
+            return False
+
+    async def _read_progress(self) -> list[Progress]:
+        """The other peers' live progress records (invalid ones are dropped and logged)."""
+        try:
+            found = await self.dht.dht.get(self._key, latest=True, return_future=True)
+        except Exception as e:
+            logger.warning("stage %d: reading progress failed: %s", self.stage_index, e)
+            return self._others
+        if found is None or not isinstance(found.value, dict):
+            return []
+        result = []
+        for subkey, item in list(found.value.items())[:MAX_PEER_RECORDS]:
+            try:
+                record = decode_progress(subkey, item.value)
+            except RecordError as e:
+                logger.warning("stage %d: dropped a progress record: %s", self.stage_index, e)
+                continue
+            if record.peer_id != self.peer_id:
+                result.append(record)
+        return result
+
+    async def _round_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            decision = decide(
+                self.peer_id,
+                self._epoch,
+                self._samples(),
+                self._others,
+                self._target(),
+                catch_up=time.monotonic() >= self._catch_up_after,
+                per_peer=self.mode == "diloco",
+            )
+            if decision.action is Action.CATCH_UP:
+                await self._catch_up()
+            elif decision.action is Action.STEP_ALONE:
+                await self._step_alone()
+            elif decision.action is Action.AVERAGE:
+                await self._average(group_size=decision.peers + 1)
+
+    async def _catch_up(self) -> None:
+        self._catch_up_after = time.monotonic() + self.settings.round_timeout_s
+        state = await self._download(self.settings.round_timeout_s)
+        if state is None or state.epoch <= self._epoch:
+            logger.warning(
+                "stage %d: a peer is ahead of epoch %d, but no newer state came (retry in %.0f s)",
+                self.stage_index,
+                self._epoch,
+                self.settings.round_timeout_s,
+            )
+            return
+        await asyncio.to_thread(self._apply_state, state)
+        self.stats.catch_ups += 1
+        logger.info(
+            "stage %d: caught up to epoch %d from %s", self.stage_index, self._epoch, state.source
+        )
+        self._after_epoch()
+
+    def _after_epoch(self) -> None:
+        assert self._process is not None and self._publish_now is not None
+        if self._process.allow_state_sharing:
+            self._process.state_sharing_priority = float(self._epoch)
+        self._publish_now.set()
+
+    async def _step_alone(self) -> None:
+        started = time.monotonic()
+        if self.mode == "diloco":
+            contribution = await asyncio.to_thread(self._begin_outer)
+            await asyncio.to_thread(self._finish, contribution.tensors, contribution)
+        else:
+
+            def step() -> None:
+                with self.lock:
+                    self.stats.samples += self.optimizer.samples
+                    self.optimizer.step()  # samples >= target: decide() saw them
+                    self._epoch += 1
+
+            await asyncio.to_thread(step)
+        self.stats.alone += 1
+        self.stats.last_round_s = time.monotonic() - started
+        self._after_epoch()
+
+    async def _average(self, group_size: int) -> None:
+        """One round: take our contribution, average it until the round's deadline, apply
+        the result (or our own contribution alone, or catch up). ``group_size``: the peers
+        at our epoch, us included; a group of that size starts at once."""
+        assert self._process is not None
+        self._process.set_group_size(group_size)
+        started = time.monotonic()
+        deadline = started + self.settings.round_timeout_s
+        begin = self._begin_outer if self.mode == "diloco" else self._take_gradients
+        contribution = await asyncio.to_thread(begin)
+        if not all(bool(torch.isfinite(t).all()) for t in contribution.tensors):
+            # The server checks every micro-batch, so this is a bug or broken hardware: drop
+            # what we hold, and still take part (weight 0) to stay in step with the others.
+            logger.error("stage %d: our own contribution is not finite: dropped", self.stage_index)
+            contribution = _Contribution(0, [torch.zeros_like(t) for t in contribution.tensors], [])
+        try:
+            result = None
+            while result is None and time.monotonic() < deadline - 0.5:
+                result = await self._attempt(contribution, deadline)
+            if result is not None:
+                averaged, group = result
+                await asyncio.to_thread(self._finish, averaged, contribution)
+                self.stats.rounds += 1
+                self.stats.last_group = group
+                self.stats.round_s.append(time.monotonic() - started)
+            else:
+                self._others = await self._read_progress()
+                if contribution.weight == 0 or any(p.epoch > self._epoch for p in self._others):
+                    await self._give_back(contribution)  # nothing of ours to step on / behind
+                    self._catch_up_after = 0.0
+                    return
+                logger.warning(
+                    "stage %d: no averaging result within %.0f s, stepping alone at epoch %d",
+                    self.stage_index,
+                    self.settings.round_timeout_s,
+                    self._epoch,
+                )
+                await asyncio.to_thread(self._finish, contribution.tensors, contribution)
+                self.stats.fallbacks += 1
+            self.stats.last_round_s = time.monotonic() - started
+            self._after_epoch()
+        finally:
+            await asyncio.shield(self._give_back(contribution))  # no-op once applied
+
+    def _finish(self, result: list[torch.Tensor], contribution: _Contribution) -> None:
+        with self.lock:
+            if contribution.settled:
+                return
+            contribution.settled = True
+            self.stats.samples += contribution.weight
+            if self.mode == "diloco":
+                self._finish_outer(result)
+            else:
+                self._apply_gradients(result)
+
+    async def _attempt(
+        self, contribution: _Contribution, deadline: float
+    ) -> tuple[list[torch.Tensor], int] | None:
+        """One try at averaging: the averaged tensors and the group's size, or None (logged)
+        on failure."""
+        assert self._process is not None
+        timeout = deadline - time.monotonic()
+        try:
+            await asyncio.to_thread(self._write_buffers, contribution.tensors, timeout)
+        except TimeoutError:
+            return None
+        control = self._process.step(
+            gather=[self._epoch, contribution.weight],
+            weight=float(contribution.weight),
+            timeout=timeout,
+            allow_retries=False,
+            wait=False,
+        )
+        try:
+            gathered = await asyncio.wait_for(
+                control, timeout + self.settings.allreduce_timeout_s + 5.0
+            )
+        except Exception as e:
+            control.cancel()
+            self.stats.discarded += 1
+            logger.info("stage %d: averaging attempt failed: %r", self.stage_index, e)
+            return None
+        except BaseException:
+            control.cancel()
+            raise
+        if not isinstance(gathered, dict) or len(gathered) < 2:
+            return None
+        epochs = [g[0] if isinstance(g, list | tuple) and g else None for g in gathered.values()]
+        if any(not isinstance(e, int) or e > self._epoch for e in epochs):
+            # A groupmate is ahead of us: the result is theirs to apply; we catch up.
+            self.stats.discarded += 1
+            return None
+        averaged = await asyncio.to_thread(self._read_buffers, timeout)
+        if averaged is None or not all(bool(torch.isfinite(t).all()) for t in averaged):
+            self.stats.discarded += 1
+            logger.warning("stage %d: discarded a non-finite averaging result", self.stage_index)
+            return None
+        return averaged, len(gathered)
+
+    def _write_buffers(self, tensors: list[torch.Tensor], timeout: float) -> None:
+        assert self._process is not None
+        if not self._process.lock_averaged_tensors.acquire(timeout=max(timeout, 0.0)):
+            raise TimeoutError("the averager still holds its tensors")
+        try:
+            for buffer, t in zip(self._buffers, tensors, strict=True):
+                buffer.copy_(t)
+        finally:
+            self._process.lock_averaged_tensors.release()
+
+    def _read_buffers(self, timeout: float) -> list[torch.Tensor] | None:
+        assert self._process is not None
+        if not self._process.lock_averaged_tensors.acquire(timeout=max(timeout, 1.0)):
+            return None
+        try:
+            return [b.clone() for b in self._buffers]
+        finally:
+            self._process.lock_averaged_tensors.release()
+
+    # -- gradient mode ------------------------------------------------------------------
+
+    def _take_gradients(self) -> _Contribution:
+        """Move the accumulated gradients out of ``.grad``: micro-batches that arrive from
+        now on count toward the next epoch."""
+        with self.lock:
+            n = self.optimizer.samples
+            sums = [p.grad for p in self._params]
+            for p in self._params:
+                p.grad = None
+            self.optimizer.samples = 0
+            self._round_samples = n
+        means = [
+            torch.zeros(p.shape) if g is None or n == 0 else (g / n).float().cpu()
+            for p, g in zip(self._params, sums, strict=True)
+        ]
+        return _Contribution(weight=n, tensors=means, sums=sums)
+
+    def _apply_gradients(self, means: list[torch.Tensor]) -> None:
+        """One optimizer step on ``means`` (mean gradients), keeping what accumulated since
+        the round began for the next one. The caller holds the lock."""
+        pending, pending_samples = [p.grad for p in self._params], self.optimizer.samples
+        for p, m in zip(self._params, means, strict=True):
+            p.grad = m.to(p.device, p.dtype)
+        self.optimizer.samples = 1  # the gradients are means already
+        self.optimizer.step()
+        for p, g in zip(self._params, pending, strict=True):
+            p.grad = g
+        self.optimizer.samples = pending_samples
+        self._round_samples = 0
+        self._epoch += 1
+
+    async def _give_back(self, contribution: _Contribution) -> None:
+        """Return a discarded round's samples to ``.grad`` (gradient mode) or let inner steps
+        resume (diloco)."""
+
+        def give_back() -> None:
+            with self.lock:
+                if contribution.settled:
+                    return
+                contribution.settled = True
+                if self.mode == "diloco":
+                    self._outer_busy = False
+                    return
+                for p, g in zip(self._params, contribution.sums, strict=False):
+                    if g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+                self.optimizer.samples += contribution.weight
+                self._round_samples = 0
+
+        await asyncio.to_thread(give_back)
+
+    # -- diloco mode --------------------------------------------------------------------
+
+    def _set_anchor(self, params: list[torch.Tensor], momentum: list[torch.Tensor] | None) -> None:
+        assert self._anchor is not None and self._outer is not None
+        with torch.no_grad():
+            for a, t in zip(self._anchor, params, strict=True):
+                a.copy_(t)
+        self._outer.state.clear()
+        if momentum is not None:
+            for a, m in zip(self._anchor, momentum, strict=True):
+                self._outer.state[a] = {"momentum_buffer": m.to(a.device, a.dtype).clone()}
+
+    def _begin_outer(self) -> _Contribution:
+        """Our delta since the last outer step; inner steps wait until the round ends."""
+        assert self._anchor is not None
+        with self.lock:
+            self._outer_busy = True
+            weight = self._inner_samples
+            deltas = [
+                (a - p.detach()).float().cpu()
+                for a, p in zip(self._anchor, self._params, strict=True)
+            ]
+        return _Contribution(weight=weight, tensors=deltas, sums=[])
+
+    @torch.no_grad()
+    def _finish_outer(self, deltas: list[torch.Tensor]) -> None:
+        """One outer Nesterov step on the anchor with the averaged delta; every copy's
+        parameters become the new anchor. The caller holds the lock."""
+        assert self._anchor is not None and self._outer is not None
+        for a, d in zip(self._anchor, deltas, strict=True):
+            a.grad = d.to(a.device, a.dtype)
+        self._outer.step()
+        self._outer.zero_grad(set_to_none=True)
+        for p, a in zip(self._params, self._anchor, strict=True):
+            p.copy_(a)
+        self._inner_samples = 0
+        self._epoch += 1
+        self._outer_busy = False
+        if self.optimizer.samples >= self._batch:  # what waited during the round
+            self._inner_samples += self.optimizer.samples
+            self.optimizer.step()
+            self.stats.inner_steps += 1
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop averaging (a round in flight is abandoned) and the averager process."""
+        if self._runner is not None:
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._runner
+            self._runner = None
+        if self._process is not None:
+            await asyncio.to_thread(self._kill_process)
+            self._process = None
+
+    def _kill_process(self) -> None:
+        assert self._process is not None
+        if self._process.is_alive():
+            self._process.shutdown()
+        self._process.join(5.0)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5.0)
+
+
+@dataclass
+class _Contribution:
+    weight: int  # samples behind it
+    tensors: list[torch.Tensor]  # what we average: mean gradients, or parameter deltas
+    sums: list[torch.Tensor | None]  # gradient mode: the gradient sums taken out of .grad
+    settled: bool = False  # applied, or given back (under the lock): never both
+
+
+class AveragedStageServer(StageServer):
+    """A ``StageServer`` whose stage averages with its peers: build with
+    ``await AveragedStageServer.create(p2p, stage, optimizer, contract, run_id,
+    averager=averager, ...)``. It shares the averager's lock."""
+
+    def __init__(self, *args, averager: StageAverager, **settings) -> None:
+        super().__init__(*args, **settings)
+        if averager.module is not self.stage or averager.optimizer is not self.optimizer:
+            raise ValueError("the averager must average this server's stage and optimizer")
+        self.averager = averager
+        self.lock = averager.lock
+
+    def on_accumulated(self) -> None:
+        self.averager.on_accumulated()

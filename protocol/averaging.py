@@ -1,0 +1,117 @@
+"""Averaging among the peers of one stage: keys, progress records, and the round rule.
+
+Each peer of a stage publishes, under one DHT key per stage and its peer id as subkey,
+how many samples it has accumulated toward the stage's next step (``Progress``). Every
+peer reads all of them and applies the same pure rule (``decide``): when the samples of
+the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
+alone); a peer that sees a peer ahead of it downloads the state instead. No clock, no
+network here: ``node.stage_averaging`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from protocol.keys import spec_key
+from protocol.records import RecordError, check_run_name
+
+MAX_EPOCH = 2**53  # msgpack and floats agree on every integer up to here
+MAX_PEER_ID_CHARS = 128
+
+
+def averaging_prefix(run: str, stage: int) -> str:
+    """The hivemind averager prefix (group keys, RPC namespace) of a run's stage. hivemind
+    forbids '.' in prefixes; run names allow it and never contain '~', so the mapping is
+    one to one."""
+    return f"{check_run_name(run).replace('.', '~')}_stage{int(stage)}"
+
+
+def progress_key(run: str, stage: int) -> str:
+    """The stage's ``Progress`` records, one subkey per peer id."""
+    return spec_key(run).removesuffix("/spec") + f"/stage{int(stage)}/progress"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A peer's progress toward its stage's next averaging round."""
+
+    peer_id: str
+    epoch: int  # rounds (gradient mode: optimizer steps) behind this peer's parameters
+    samples: int  # accumulated toward round ``epoch + 1``, including any round in flight
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, str) or not 0 < len(self.peer_id) <= MAX_PEER_ID_CHARS:
+            raise RecordError(f"progress peer id must be 1-{MAX_PEER_ID_CHARS} characters")
+        for name in ("epoch", "samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_EPOCH:
+                raise RecordError(
+                    f"progress {name} must be an integer in [0, 2**53), got {value!r}"
+                )
+
+
+def encode_progress(p: Progress) -> list[int]:
+    """The record's value (its subkey is the peer id)."""
+    return [p.epoch, p.samples]
+
+
+def decode_progress(subkey: object, value: object) -> Progress:
+    """Validate a record read from the DHT; ``RecordError`` if it is not one."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise RecordError("a progress record is [epoch, samples]")
+    return Progress(peer_id=subkey, epoch=value[0], samples=value[1])  # type: ignore[arg-type]
+
+
+class Action(StrEnum):
+    WAIT = "wait"  # fewer than target samples at our epoch
+    AVERAGE = "average"  # target reached and other peers share our epoch: run a round
+    STEP_ALONE = "step_alone"  # target reached and no other peer is at our epoch
+    CATCH_UP = "catch_up"  # a peer is ahead of us: download the state
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    samples: int  # counted at our epoch, ours included
+    peers: int  # other peers at our epoch
+
+
+def decide(
+    me: str,
+    epoch: int,
+    samples: int,
+    others: Sequence[Progress],
+    target: int,
+    *,
+    catch_up: bool = True,
+    per_peer: bool = False,
+) -> Decision:
+    """What a peer at ``epoch`` holding ``samples`` does, given the other peers' records.
+
+    ``per_peer``: the target is per peer at our epoch (DiLoCo: each peer's share of inner
+    steps), so it grows with their number. ``catch_up`` False ignores peers ahead (we just
+    failed to download from them). A peer's count is capped at the target: one peer
+    claiming huge numbers can start a round early, not skip one. Records of ``me`` are
+    ignored (our own count is ``samples``)."""
+    if target < 1:
+        raise ValueError(f"target must be >= 1, got {target}")
+    others = [p for p in others if p.peer_id != me]
+    if catch_up and any(p.epoch > epoch for p in others):
+        return Decision(Action.CATCH_UP, samples, 0)
+    same = [p for p in others if p.epoch == epoch]
+    if per_peer:
+        target *= 1 + len(same)
+    total = min(samples, target) + sum(min(p.samples, target) for p in same)
+    if total < target:
+        return Decision(Action.WAIT, total, len(same))
+    # A peer with no samples of its own still averages (with weight 0): it applies the same
+    # step as the others and stays in step with them without downloading their state.
+    return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
+
+
+def check_weight(weight: float) -> bool:
+    """A peer's averaging weight (its sample count) is usable."""
+    return isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0

@@ -1,0 +1,109 @@
+"""Swarm vs single process, side by side in one run, on this machine's cores.
+
+Measures samples/s of (a) the single-process baseline (the whole model, all cores) and
+(b) a local swarm (``--stages`` x ``--peers`` node processes on 127.0.0.1 and a trainer in
+this process) on the same preset, and the bytes that crossed loopback per sample against
+the activation bytes the stage boundaries require (one hidden state forward and one
+gradient back per boundary). Prints the ratios.
+
+    python scripts/bench_pipeline.py --preset small --micro-batches 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.config import preset  # noqa: E402
+from models.data import load_corpus  # noqa: E402
+from models.training import train_baseline  # noqa: E402
+from node.dht import SwarmDHT  # noqa: E402
+from node.local_swarm import LOCAL, launch_node, stop_all  # noqa: E402
+from node.train import open_trainer  # noqa: E402
+from node.trainer import TrainerSettings  # noqa: E402
+
+
+def baseline_rate(preset_name: str, micro_batches: int, corpus) -> float:
+    model, optim = preset(preset_name)
+    steps = max(2, micro_batches * optim.micro_batch_size // optim.target_batch_size)
+    warm = train_baseline(model, optim, corpus, steps=1, eval_every=10**9)  # warm-up
+    del warm
+    started = time.perf_counter()
+    result = train_baseline(model, optim, corpus, steps=steps, eval_every=10**9)
+    return result.steps[-1].samples / (time.perf_counter() - started)
+
+
+def loopback_bytes() -> int:
+    lo = psutil.net_io_counters(pernic=True).get("lo")
+    return lo.bytes_sent if lo else 0
+
+
+async def swarm_rate(dht: SwarmDHT, micro_batches: int, in_flight: int) -> tuple[float, float]:
+    trainer = await open_trainer(dht, TrainerSettings(in_flight=in_flight, call_timeout_s=120))
+    try:
+        await trainer.train(in_flight * 2)  # warm-up: connections, allocations
+        before_bytes, before_samples = loopback_bytes(), trainer.stats.samples
+        started = time.perf_counter()
+        await trainer.train(micro_batches)
+        elapsed = time.perf_counter() - started
+        samples = trainer.stats.samples - before_samples
+        return samples / elapsed, (loopback_bytes() - before_bytes) / samples
+    finally:
+        await trainer.p2p.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--peers", type=int, default=2, help="peers per stage")
+    p.add_argument("--micro-batches", type=int, default=120)
+    p.add_argument("--in-flight", type=int, default=4)
+    args = p.parse_args()
+
+    corpus = load_corpus()
+    model, optim = preset(args.preset)
+    print(f"cores: {psutil.cpu_count()}  torch threads: {torch.get_num_threads()}  "
+          f"preset {args.preset}: micro-batch {optim.micro_batch_size} x "
+          f"{model.block_size}")  # fmt: skip
+    base = baseline_rate(args.preset, args.micro_batches, corpus)
+    print(f"baseline (one process):         {base:8.1f} samples/s")
+
+    nodes, dht = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for i in range(args.stages * args.peers):
+                stage = i % args.stages
+                extra = ["--stage", str(stage), "--preset", args.preset,
+                         "--stages", str(args.stages)]  # fmt: skip
+                peers = [nodes[0].maddr] if nodes else []
+                nodes.append(launch_node(Path(tmp), f"p{i}", "bench", initial_peers=peers,
+                                         extra=extra))  # fmt: skip
+            for n in nodes:
+                n.wait_serving(120)
+            dht = SwarmDHT.start("bench", initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
+                                 client_mode=True)  # fmt: skip
+            rate, wire = asyncio.run(swarm_rate(dht, args.micro_batches, args.in_flight))
+        finally:
+            if dht is not None:
+                dht.shutdown()
+            stop_all(nodes)
+
+    needed = 2 * (args.stages - 1) * model.block_size * model.n_embd * 4  # fwd + bwd, float32
+    print(f"swarm ({args.stages} stages x {args.peers} peers): {rate:8.1f} samples/s")
+    print(f"ratio swarm / baseline:         {rate / base:8.3f}")
+    print(f"loopback bytes per sample:      {wire:10.0f}  (activations required: {needed})")
+    print(f"ratio wire / required bytes:    {wire / needed:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
