@@ -6,4 +6,5 @@
 - ``stage_server``: ``StageServer``, one pipeline stage served over hivemind P2P streams.
 - ``stage_client``: the forward / loss / backward calls a trainer makes to stage servers.
 - ``stage_wire``: how their tensors travel: chunked streams, size checks before reading.
+- ``bandwidth``: ``BandwidthProbe`` and ``measure_bandwidth``: a link's up/down against a peer.
 """

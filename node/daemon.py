@@ -11,18 +11,20 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from models.data import Corpus, load_corpus
 from models.stages import Stage
 from models.training import StageOptimizer
+from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
 from node.capacity import Device, pick_device, stage_throughputs
 from node.dht import SwarmDHT
 from node.files import load_or_create_identity, write_atomic
@@ -88,6 +90,8 @@ class Node:
         self.p2p: P2P | None = None
         self.server: StageServer | None = None
         self.corpus: Corpus | None = None
+        self.probe: BandwidthProbe | None = None
+        self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -160,9 +164,15 @@ class Node:
             device=self.device.description,
             throughput=self.throughput,
             throughput_source="declared" if self.settings.throughput is not None else "measured",
-            bandwidth_up_mbps=declared_bw or 0.0,
-            bandwidth_down_mbps=declared_bw or 0.0,
-            bandwidth_source="declared" if declared_bw is not None else "unknown",
+            bandwidth_up_mbps=self.bandwidth[0] if self.bandwidth else declared_bw or 0.0,
+            bandwidth_down_mbps=self.bandwidth[1] if self.bandwidth else declared_bw or 0.0,
+            bandwidth_source=(
+                "measured"
+                if self.bandwidth
+                else "declared"
+                if declared_bw is not None
+                else "unknown"
+            ),
             stage=self.stage,
             state=state or self.state,
             load=self.server.load if self.server else 0,
@@ -177,6 +187,7 @@ class Node:
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
         """Announce, take a stage, serve, until ``stop`` is set; then cancel every task."""
         self.p2p = await self.dht.replicate_p2p()
+        self.probe = await BandwidthProbe.create(self.p2p)
         async with asyncio.TaskGroup() as tasks:
             background = [
                 tasks.create_task(self._announce_loop(), name="announce"),
@@ -185,6 +196,8 @@ class Node:
             await self._take_stage()
             if on_ready is not None:
                 on_ready()
+            if self.settings.bandwidth_mbps is None:
+                tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
             if self.settings.train:
                 background.append(tasks.create_task(self._train_loop(), name="trainer"))
             await stop.wait()
@@ -211,6 +224,20 @@ class Node:
             compression=self.spec.compression,
         )
         self.set_state(PeerState.SERVING)
+
+    async def _measure_bandwidth(self) -> None:
+        """Up/down against a serving peer (up to 3 tried); on failure it stays 'unknown'."""
+        others = [p for p in await self.dht.peers() if p.routable and p.peer_id != self.peer_id]
+        for peer in random.Random(self.peer_id).sample(others, min(3, len(others))):
+            try:
+                self.bandwidth = await measure_bandwidth(self.p2p, PeerID.from_base58(peer.peer_id))
+            except BandwidthError as e:
+                logger.warning("could not measure bandwidth: %s", e)
+                continue
+            logger.info("bandwidth against %s: %.0f up / %.0f down Mbit/s", peer.peer_id,
+                        *self.bandwidth)  # fmt: skip
+            self._changed.set()  # re-announce with the measured figures
+            return
 
     async def _train_loop(self) -> None:
         """Drive micro-batches through the swarm for as long as the node runs."""
@@ -240,8 +267,11 @@ class Node:
         while True:
             self._changed.clear()
             await self._publish(self.info(), self.settings.record_ttl_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+            # that lands as the event fires (seen: a node that ignored SIGTERM).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.settings.update_period_s)
+                async with asyncio.timeout(self.settings.update_period_s):
+                    await self._changed.wait()
 
     async def _publish(self, info: PeerInfo, ttl_s: float) -> None:
         try:
@@ -258,15 +288,19 @@ class Node:
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Announce ``leaving`` (best effort, within ``grace_s``), stop the DHT, free the key."""
+        logger.info("leaving the run")
         try:
             if self.spec is not None and self.device is not None:
                 leaving = self.info(PeerState.LEAVING)
-                await asyncio.wait_for(self._publish(leaving, self.settings.record_ttl_s), grace_s)
+                async with asyncio.timeout(grace_s):
+                    await self._publish(leaving, self.settings.record_ttl_s)
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
             if self.server is not None:
                 await self.server.shutdown()
+            if self.probe is not None:
+                await self.probe.shutdown()
             if self.p2p is not None:
                 await self.p2p.shutdown()
             await asyncio.to_thread(self.dht.shutdown)

@@ -84,8 +84,13 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
     settings = node.settings
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        logger.info("%s received: stopping", sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await node.prepare()
         maddrs = node.dht.visible_maddrs()

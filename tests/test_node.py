@@ -27,6 +27,14 @@ def test_three_nodes_discover_and_leave(tmp_path):
             "status to list all three nodes with their stages",
         )
         assert all(p["state"] == "serving" for p in view["peers"])
+        # the joiners measured their bandwidth against a serving peer and re-announced
+        wait_until(
+            lambda: (
+                sum(p["bandwidth_source"] == "measured" for p in status(run, a.maddr)["peers"]) >= 2
+            ),
+            30,
+            "joiners to advertise measured bandwidth",
+        )
         assert sum(s["peers"] for s in view["stages"]) == 3
         assert view["bottleneck_stage"] in (0, 1)
 
