@@ -12,6 +12,14 @@ from node.daemon import NodeError
 from node.dht import DHTStartError
 from node.files import IdentityInUseError
 
+COMMANDS = [
+    ("baseline", baseline, "train the whole model in one process (the reference)"),
+    ("node", serve, "run a node daemon: join (or start) a run and serve a stage"),
+    ("status", status, "show the peers and stages of a run"),
+    ("train", train, "train through a run's swarm without serving a stage"),
+    ("demo", demo, "a local swarm that trains and survives a kill -9"),
+]
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -19,21 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("baseline", help="train the whole model in one process (the reference)")
-    baseline.add_arguments(b)
-    b.set_defaults(handler=baseline.run)
-    n = sub.add_parser("node", help="run a node daemon: join (or start) a run and serve a stage")
-    serve.add_arguments(n)
-    n.set_defaults(handler=serve.run)
-    s = sub.add_parser("status", help="show the peers and stages of a run")
-    status.add_arguments(s)
-    s.set_defaults(handler=status.run)
-    t = sub.add_parser("train", help="train through a run's swarm without serving a stage")
-    train.add_arguments(t)
-    t.set_defaults(handler=train.run)
-    d = sub.add_parser("demo", help="a local swarm that trains and survives a kill -9")
-    demo.add_arguments(d)
-    d.set_defaults(handler=demo.run)
+    for name, module, summary in COMMANDS:
+        command = sub.add_parser(name, help=summary)
+        module.add_arguments(command)
+        command.set_defaults(handler=module.run)
     return parser
 
 

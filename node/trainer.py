@@ -118,61 +118,46 @@ class Trainer:
             refresher.cancel()
 
     async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
-        n, last = self.spec.n_stages, self.spec.n_stages - 1
-        run, comp, timeout = self.spec.run, self.spec.compression, self.settings.call_timeout_s
+        last = self.spec.n_stages - 1
         inputs, route = [x], []
         for s in range(last):
-
-            def fwd(peer: PeerID, s: int = s) -> Awaitable[torch.Tensor]:
-                return stage_client.forward(
-                    self.p2p,
-                    peer,
-                    inputs[s],
-                    run_id=run,
-                    stage=s,
-                    micro_batch=index,
-                    compression=comp,
-                    timeout=timeout,
-                )
-
-            hidden, peer = await self._call(s, fwd)
+            hidden, peer = await self._forward(s, inputs[s], index)
             inputs.append(hidden)
             route.append(peer)
-
-        def loss_call(peer: PeerID) -> Awaitable[tuple[torch.Tensor, torch.Tensor | None]]:
-            return stage_client.loss(
-                self.p2p,
-                peer,
-                inputs[last],
-                y,
-                run_id=run,
-                stage=last,
-                train=True,
-                micro_batch=index,
-                compression=comp,
-                timeout=timeout,
-            )
-
-        (loss, grad), peer = await self._call(last, loss_call)
+        (loss, grad), peer = await self._loss(inputs[last], y, index, train=True)
         route.append(peer)
         for s in reversed(range(last)):
-
-            def bwd(peer: PeerID, s: int = s, grad: torch.Tensor = grad) -> Awaitable:
-                return stage_client.backward(
-                    self.p2p,
-                    peer,
-                    inputs[s],
-                    grad,
-                    run_id=run,
-                    stage=s,
-                    micro_batch=index,
-                    compression=comp,
-                    timeout=timeout,
-                )
-
-            grad, _ = await self._call(s, bwd)
-        assert n == len(route)
+            grad, _ = await self._call(
+                s,
+                lambda peer, s=s, grad=grad: stage_client.backward(
+                    self.p2p, peer, inputs[s], grad, stage=s, micro_batch=index, **self._opts()
+                ),
+            )
         return MicroBatchResult(index, float(loss), len(x), tuple(route))
+
+    def _opts(self) -> dict:
+        return {
+            "run_id": self.spec.run,
+            "compression": self.spec.compression,
+            "timeout": self.settings.call_timeout_s,
+        }
+
+    async def _forward(self, stage: int, x: torch.Tensor, index: int) -> tuple[torch.Tensor, str]:
+        return await self._call(
+            stage,
+            lambda peer: stage_client.forward(
+                self.p2p, peer, x, stage=stage, micro_batch=index, **self._opts()
+            ),
+        )
+
+    async def _loss(self, x: torch.Tensor, y: torch.Tensor, index: int, train: bool):
+        last = self.spec.n_stages - 1
+        return await self._call(
+            last,
+            lambda peer: stage_client.loss(
+                self.p2p, peer, x, y, stage=last, train=train, micro_batch=index, **self._opts()
+            ),
+        )
 
     async def _call(self, stage: int, call: Callable[[PeerID], Awaitable[R]]) -> tuple[R, str]:
         """``call`` on a peer of ``stage``; on a peer failure, ban it and try another."""
@@ -211,33 +196,11 @@ class Trainer:
     async def evaluate(self, n_batches: int = 8) -> float:
         """Mean validation loss over the run's fixed validation windows (no gradients)."""
         model, optim = self.spec.model, self.spec.optim
-        last = self.spec.n_stages - 1
-        run, comp, timeout = self.spec.run, self.spec.compression, self.settings.call_timeout_s
+        windows = eval_batches(self.corpus.val, model.block_size, optim.micro_batch_size, n_batches)
         losses = []
-        for x, y in eval_batches(
-            self.corpus.val, model.block_size, optim.micro_batch_size, n_batches
-        ):
-            h = x
-            for s in range(last):
-                h, _ = await self._call(
-                    s,
-                    lambda peer, s=s, h=h: stage_client.forward(
-                        self.p2p, peer, h, run_id=run, stage=s, compression=comp, timeout=timeout
-                    ),
-                )
-            (loss, _), _ = await self._call(
-                last,
-                lambda peer, h=h, y=y: stage_client.loss(
-                    self.p2p,
-                    peer,
-                    h,
-                    y,
-                    run_id=run,
-                    stage=last,
-                    train=False,
-                    compression=comp,
-                    timeout=timeout,
-                ),
-            )
+        for x, y in windows:
+            for s in range(self.spec.n_stages - 1):
+                x, _ = await self._forward(s, x, index=0)
+            (loss, _), _ = await self._loss(x, y, index=0, train=False)
             losses.append(float(loss))
         return sum(losses) / len(losses)
