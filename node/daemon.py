@@ -214,7 +214,7 @@ class Node:
         self.set_state(PeerState.LOADING)
         logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
         model = self.spec.model
-        module = Stage(model, self.spec.stage_range(self.stage))
+        module = Stage(model, self.spec.stage_range(self.stage)).to(self.device.torch)
         self.server = await StageServer.create(
             self.p2p,
             module,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -286,10 +287,33 @@ class StageServer(ServicerBase):
     ) -> list[runtime_pb2.Tensor]:
         """On the compute thread: decode, check, and only then run the stage."""
         request = parse_request(self.contract, meta, [deserialize(s) for s in serialized])
-        with self.lock:
+        request = self._on_device(request)
+        with self.lock, self._autocast():
             if isinstance(request, ForwardRequest):
                 return self._run_forward(request)
             return self._run_backward(request)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.stage.parameters()).device
+
+    def _on_device(self, request: ForwardRequest | BackwardRequest):
+        if self.device.type == "cpu":
+            return request
+        tensors = ("inputs", "targets", "grad_outputs")
+        moved = {f: getattr(request, f).to(self.device) for f in tensors
+                 if getattr(request, f, None) is not None}  # fmt: skip
+        return dataclasses.replace(request, **moved)
+
+    def _autocast(self):
+        """bf16 autocast on CUDA: tensor cores and half the activation memory; the wire
+        still carries float32 (or the run's compression of it)."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _send(self, tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
+        return serialize(tensor.detach().float().cpu(), compression)
 
     def _run_forward(self, request: ForwardRequest) -> list[runtime_pb2.Tensor]:
         x = request.inputs  # (B, T) token ids or (B, T, C) hidden states
@@ -297,12 +321,12 @@ class StageServer(ServicerBase):
             with torch.no_grad():
                 out = self.stage(x)  # (B, T, C)
             self._forward += 1
-            return [serialize(out, self.compression)]
+            return [self._send(out, self.compression)]
         if not request.meta.train:
             with torch.no_grad():
                 loss = self.stage(x, request.targets)
             self._forward += 1
-            return [serialize(loss)]
+            return [self._send(loss)]
         wrt_inputs = not self.contract.takes_tokens
         if wrt_inputs:
             x.requires_grad_()
@@ -310,8 +334,8 @@ class StageServer(ServicerBase):
         grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x))
         self._forward += 1
         self._backward += 1
-        loss_out = [serialize(loss.detach())]  # the loss itself travels exact
-        return loss_out + ([serialize(grad_x, self.compression)] if wrt_inputs else [])
+        loss_out = [self._send(loss)]  # the loss itself travels exact
+        return loss_out + ([self._send(grad_x, self.compression)] if wrt_inputs else [])
 
     def _run_backward(self, request: BackwardRequest) -> list[runtime_pb2.Tensor]:
         x = request.inputs
@@ -321,7 +345,7 @@ class StageServer(ServicerBase):
         out = self.stage(x)  # recomputed: this peer may not have served the forward
         grad_x = self._accumulate(out, request.grad_outputs, x if wrt_inputs else None, len(x))
         self._backward += 1
-        return [serialize(grad_x, self.compression)] if wrt_inputs else []
+        return [self._send(grad_x, self.compression)] if wrt_inputs else []
 
     def _accumulate(
         self,
@@ -335,6 +359,8 @@ class StageServer(ServicerBase):
         ``inputs``."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
         wrt = params + ([inputs] if inputs is not None else [])
+        if grad_outputs is not None:
+            grad_outputs = grad_outputs.to(outputs.dtype)  # bf16 under CUDA autocast
         grads = torch.autograd.grad(outputs, wrt, grad_outputs=grad_outputs, allow_unused=True)
         n_bad = sum(int((~torch.isfinite(g)).sum()) for g in grads if g is not None)
         if n_bad:
