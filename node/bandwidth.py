@@ -21,14 +21,15 @@ Gbit/s), far above the home links it is meant for.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import struct
 import time
 
-from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
+
+from node.servicer import NodeServicer
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,10 @@ class _Budget:
         return True
 
 
-class BandwidthProbe(ServicerBase):
+class BandwidthProbe(NodeServicer):
     """Answers other peers' bandwidth probes; build with ``await BandwidthProbe.create(p2p)``."""
+
+    service_name = "BandwidthProbe"
 
     def __init__(
         self,
@@ -87,29 +90,17 @@ class BandwidthProbe(ServicerBase):
         self.max_bytes = max_bytes
         self._payload = os.urandom(max_bytes)  # incompressible; downloads are slices of it
         self._budget = _Budget(rate_bps, burst_bytes)
-        self._p2p: P2P | None = None
         self.served = 0  # calls answered
         self.refused = 0  # calls refused
 
     @classmethod
     async def create(cls, p2p: P2P, **settings) -> BandwidthProbe:
         self = cls(**settings)
-        await self.add_p2p_handlers(p2p)
-        self._p2p = p2p
+        await self.attach(p2p)
         return self
 
     async def shutdown(self) -> None:
-        if self._p2p is not None:
-            with contextlib.suppress(Exception):  # the daemon may already be gone
-                await self.remove_p2p_handlers(self._p2p)
-            self._p2p = None
-
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        # hivemind names handlers after the concrete class: pin it, so subclasses serve
-        # where ``measure_bandwidth`` calls.
-        name = f"BandwidthProbe.{method_name}"
-        return name if namespace is None else f"{namespace}::{name}"
+        await self.detach()
 
     async def rpc_upload(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from models.stages import Stage
 from models.training import StageOptimizer
+from node.servicer import NodeServicer
 from node.stage_wire import (
     FAILED,
     REFUSED,
@@ -82,12 +83,14 @@ class StageCounters:
     samples: int  # samples accumulated since the last step
 
 
-class StageServer(ServicerBase):
+class StageServer(NodeServicer):
     """Serves one stage of a run on a ``hivemind.P2P``; build with ``await create(...)``.
 
     Compute runs one request at a time on a worker thread holding ``lock``; the event
     loop only moves bytes. ``load`` counts requests being received, queued or computed.
     """
+
+    service_name = "StageServer"
 
     def __init__(
         self,
@@ -112,7 +115,6 @@ class StageServer(ServicerBase):
         self.close_grace = close_grace  # for a caller to close the stream after a response
         self.lock = threading.Lock()  # held while parameters or gradients are read or changed
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self._p2p: P2P | None = None
         self._load = 0
         self._forward = self._backward = self._rejected = 0
 
@@ -127,29 +129,13 @@ class StageServer(ServicerBase):
         **settings,
     ) -> StageServer:
         self = cls(stage, optimizer, contract, run_id, **settings)
-        await self.add_p2p_handlers(p2p)
-        self._p2p = p2p
+        await self.attach(p2p)
         return self
 
     async def shutdown(self) -> None:
         """Stop taking requests and wait for the computation in progress."""
-        if self._p2p is not None:
-            with contextlib.suppress(Exception):  # the daemon may already be gone
-                await self.remove_p2p_handlers(self._p2p)
-            self._p2p = None
+        await self.detach()
         await asyncio.to_thread(self._executor.shutdown)
-
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        # hivemind names handlers after the concrete class: pin the name, so that a subclass
-        # (one that averages, one that injects faults) serves where clients call.
-        name = f"StageServer.{method_name}"
-        return name if namespace is None else f"{namespace}::{name}"
-
-    @property
-    def p2p(self) -> P2P | None:
-        """The P2P this server serves on (None once shut down)."""
-        return self._p2p
 
     @property
     def peer_id(self) -> PeerID | None:
