@@ -1,10 +1,15 @@
 """The node daemon a volunteer runs, and the ``swarmtrain`` command line.
 
-- ``cli``: the ``swarmtrain`` console script and its subcommands.
-- ``progress``: what a person sees of long work: a live line on a terminal, plain lines otherwise.
-- ``baseline``: the ``swarmtrain baseline`` subcommand: the single-process reference run.
-- ``stage_server``: ``StageServer``, one pipeline stage served over hivemind P2P streams.
-- ``stage_client``: the forward / loss / backward calls a trainer makes to stage servers.
-- ``stage_wire``: how their tensors travel: chunked streams, size checks before reading.
-- ``bandwidth``: ``BandwidthProbe`` and ``measure_bandwidth``: a link's up/down against a peer.
+- ``cli``: the ``swarmtrain`` console script; ``serve``, ``status``, ``train``, ``demo``,
+  ``baseline``: its subcommands. ``progress`` and ``plot``: what a person sees.
+- ``daemon``: ``Node``, the lifecycle: join, measure, announce, take a stage, serve, leave.
+- ``dht``: ``SwarmDHT``, hivemind's DHT behind a small surface; every record read is checked.
+- ``capacity``: device choice and per-stage throughput; ``bandwidth``: link speed to a peer.
+- ``files``: atomic writes and the identity key file.
+- ``servicer``: the base of the node's RPC services; ``stage_server``, ``stage_client``,
+  ``stage_wire``: one pipeline stage served over hivemind P2P streams, and its calls.
+- ``stage_averaging``, ``averaging_process``, ``stage_state``: averaging among a stage's
+  peers and state download for joiners.
+- ``trainer``: stochastic wiring of micro-batches through the stages, with retries.
+- ``local_swarm``: node processes on 127.0.0.1 for the demo, tests and benchmarks.
 """

@@ -1,7 +1,9 @@
 """hivemind's ``DecentralizedAverager`` as a stage uses it: one child process per stage.
 
-Four changes to hivemind's behaviour, each a subclass:
+What the subclasses change in hivemind's behaviour:
 
+- handlers are served under a fixed name (hivemind names them after the concrete class,
+  so a subclass, e.g. one that injects faults, would not reach the others);
 - the process dies with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, as the node's
   DHT process does) and ignores SIGINT (the node stops it with ``shutdown``);
 - it disowns the parent's P2P replica it inherits: hivemind's averager replaces
@@ -15,9 +17,10 @@ Four changes to hivemind's behaviour, each a subclass:
   reducing it) fails instead of returning a half-averaged result: hivemind fills such
   parts with the local values, and two survivors would then hold different results.
 
-It also lets the host set the group size it expects (``set_group_size``): a leader then
-starts the all-reduce as soon as the stage's peers are in, not at the end of the
-matchmaking time. The host side answers state downloads through ``state_source``
+It also lets the host key each round by its epoch and set the group size it expects
+(``set_round``): peers at different epochs never average together, and a leader starts
+the all-reduce as soon as the stage's peers are in, not at the end of the matchmaking
+time. The host side answers state downloads through ``state_source``
 (hivemind calls it on a background thread of the host process).
 """
 
@@ -39,6 +42,12 @@ from hivemind.utils.asyncio import as_aiter, azip
 from protocol.averaging import check_weight
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+EPOCH_BITS = 16  # epochs that differ by a multiple of 2**16 share a group key
+
+
+def epoch_bits(epoch: int) -> str:
+    """The group key bits of an epoch: peers at different epochs never meet."""
+    return format(epoch % 2**EPOCH_BITS, f"0{EPOCH_BITS}b")
 
 
 class _FiniteReducer(TensorPartReducer):
@@ -85,6 +94,13 @@ class StageAveragerProcess(DecentralizedAverager):
         self._state_source = state_source
         super().__init__(averaged_tensors, dht, **kwargs)
 
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # hivemind names handlers after the concrete class: pin the name, so that a subclass
+        # (one that injects faults) speaks to the others. The wire format is hivemind's.
+        name = f"StageAverager.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
+
     def run(self) -> None:
         if sys.platform == "linux":
             libc = ctypes.CDLL(None, use_errno=True)
@@ -101,13 +117,15 @@ class StageAveragerProcess(DecentralizedAverager):
         await super()._shutdown(timeout)
         await self._p2p.shutdown()  # removes our own handler socket file
 
-    def set_group_size(self, size: int | None) -> None:
-        """Start the all-reduce as soon as ``size`` peers (us included) are in the group, not
+    def set_round(self, epoch: int, size: int | None) -> None:
+        """Match only with peers at ``epoch`` (it becomes the group key's bits), and start
+        the all-reduce as soon as ``size`` peers (us included) are in the group rather than
         at the end of the matchmaking time (None: wait for it). Takes effect for the next
         ``step``: messages on the control pipe are handled in order."""
-        self._outer_pipe.send(("_set_group_size", [size], {}))
+        self._outer_pipe.send(("_set_round", [epoch_bits(epoch), size], {}))
 
-    async def _set_group_size(self, size: int | None) -> None:
+    async def _set_round(self, bits: str, size: int | None) -> None:
+        self._matchmaking.group_key_manager.group_bits = bits
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
 

@@ -28,6 +28,7 @@ from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
 from node.capacity import Device, pick_device, stage_throughputs
 from node.dht import SwarmDHT
 from node.files import load_or_create_identity, write_atomic
+from node.stage_averaging import AveragedStageServer, StageAverager
 from node.stage_server import StageServer
 from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from protocol.assignment import least_served_stage
@@ -89,6 +90,7 @@ class Node:
         self._changed = asyncio.Event()
         self.p2p: P2P | None = None
         self.server: StageServer | None = None
+        self.averager: StageAverager | None = None
         self.corpus: Corpus | None = None
         self.probe: BandwidthProbe | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
@@ -215,13 +217,20 @@ class Node:
         logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
         model = self.spec.model
         module = Stage(model, self.spec.stage_range(self.stage)).to(self.device.torch)
-        self.server = await StageServer.create(
+        optimizer = StageOptimizer(module, self.spec.optim)
+        self.averager = await StageAverager.create(
+            self.dht, self.spec, self.stage, module, optimizer
+        )
+        loaded = await self.averager.load_state()  # from a peer of the stage, if there is one
+        logger.info("stage %d state: %s", self.stage, loaded)
+        self.server = await AveragedStageServer.create(
             self.p2p,
             module,
-            StageOptimizer(module, self.spec.optim),
+            optimizer,
             StageContract.for_stage(model, module.range, self.stage),
             self.spec.run,
             compression=self.spec.compression,
+            averager=self.averager,
         )
         self.set_state(PeerState.SERVING)
 
@@ -299,6 +308,8 @@ class Node:
         finally:
             if self.server is not None:
                 await self.server.shutdown()
+            if self.averager is not None:
+                await self.averager.shutdown()
             if self.probe is not None:
                 await self.probe.shutdown()
             if self.p2p is not None:

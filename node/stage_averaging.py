@@ -40,7 +40,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.compression import Float16Compression, NoCompression
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
 from models.stages import Stage
@@ -66,6 +67,11 @@ logger = logging.getLogger(__name__)
 
 DECLARE_STATE_PERIOD_S = 10.0  # a dead donor stays listed this long for joiners
 MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
+F16_MAX = float(torch.finfo(torch.float16).max)
+
+
+class AveragerStartError(RuntimeError):
+    """hivemind's averager process did not come up."""
 
 
 class StateDownloadError(RuntimeError):
@@ -120,6 +126,7 @@ class StageAverager:
         self.mode = settings.mode
         self.stats = AveragingStats()
         self.peer_id = dht.peer_id
+        self._name = f"stage {stage_index} ({self.peer_id[-6:]})"  # in log lines
         self._params = [p for _, p in stage_state.trainable(module)]
         self._key = progress_key(spec.run, stage_index)
         self._ttl = 4 * settings.report_period_s + 1.0
@@ -130,7 +137,10 @@ class StageAverager:
         self._outer_busy = False  # diloco: an outer round is in flight (inner steps wait)
         self._anchor: list[torch.Tensor] | None = None  # diloco: parameters at the last outer step
         self._outer: torch.optim.SGD | None = None
-        self._others: list[Progress] = []
+        self._records: list[Progress] = []  # the other peers' records, as last read
+        self._seen: dict[str, tuple[Progress, float]] = {}  # peer -> last record, when (_view)
+        self._known: dict[str, int] = {}  # peer -> the highest epoch we know it reached
+        self._busy = False
         self._catch_up_after = 0.0
         self._process: StageAveragerProcess | None = None
         self._buffers: list[torch.Tensor] = []
@@ -175,9 +185,14 @@ class StageAverager:
         )
         self._loop = asyncio.get_running_loop()
         self._wake, self._publish_now = asyncio.Event(), asyncio.Event()
-        self._buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
         s = self.settings
-        compression = Float16Compression() if s.compression == "float16" else NoCompression()
+        # float16: our contribution travels as float16, and results come back as float32
+        # deltas (hivemind returns average - ours) that land in float16 buffers, so every
+        # copy rounds the same average. Compressing the deltas too (hivemind's
+        # Float16Compression) leaves each copy its own rounding: 1.5e-4 apart after 20
+        # rounds of the tiny preset, against bitwise equal this way.
+        dtype = torch.float16 if s.compression == "float16" else torch.float32
+        self._buffers = [torch.zeros(p.shape, dtype=dtype) for p in self._params]
         self._process = self.process_class(
             self._buffers,
             dht.dht,
@@ -188,7 +203,7 @@ class StageAverager:
             request_timeout=min(3.0, s.matchmaking_s / 2),
             allreduce_timeout=s.allreduce_timeout_s,
             next_chunk_timeout=s.chunk_timeout_s,
-            compression=compression,
+            compression=NoCompression(),
             allow_state_sharing=False,  # until our own state is loaded
             declare_state_period=DECLARE_STATE_PERIOD_S,
         )
@@ -196,6 +211,12 @@ class StageAverager:
         self._process.start()
         try:
             await asyncio.to_thread(self._process.wait_until_ready, startup_timeout_s)
+        except TimeoutError:
+            await asyncio.to_thread(self._kill_process)
+            raise AveragerStartError(
+                f"the averager process of stage {stage_index} did not start within "
+                f"{startup_timeout_s:.0f} s"
+            ) from None
         except BaseException:
             await asyncio.to_thread(self._kill_process)
             raise
@@ -217,6 +238,16 @@ class StageAverager:
     @property
     def running(self) -> bool:
         return self._runner is not None and not self._runner.done()
+
+    @property
+    def peers(self) -> int:
+        """Other live peers of the stage we see (at any epoch)."""
+        return len(self._seen)
+
+    @property
+    def busy(self) -> bool:
+        """A step (a round, a step alone, a catch-up) is in progress."""
+        return self._busy
 
     # -- the compute thread's hook ------------------------------------------------------
 
@@ -251,8 +282,8 @@ class StageAverager:
                 await asyncio.to_thread(self._apply_state, state)
                 result = LoadedState(True, self.step, self.epoch, state.source)
                 logger.info(
-                    "stage %d: loaded step %d (epoch %d) from %s",
-                    self.stage_index,
+                    "%s: loaded step %d (epoch %d) from %s",
+                    self._name,
                     self.step,
                     self.epoch,
                     state.source,
@@ -265,10 +296,10 @@ class StageAverager:
                 )
             await asyncio.sleep(self.settings.report_period_s)
         else:
-            logger.info(
-                "stage %d: no peer holds it, starting from initial weights", self.stage_index
-            )
-        self._others = await self._read_progress()
+            logger.info("%s: no peer holds it, starting from initial weights", self._name)
+        self._records = await self._read_progress()
+        # Visible to the stage's peers (and joiners) from the moment this returns.
+        await self._publish(Progress(self.peer_id, self._epoch, self._samples()), self._expiry())
         assert self._process is not None
         if not self._process.client_mode:
             self._process.allow_state_sharing = True
@@ -301,14 +332,14 @@ class StageAverager:
             found = await asyncio.wait_for(future, timeout_s + self.settings.chunk_timeout_s)
         except TimeoutError:
             future.cancel()
-            logger.warning("stage %d: state download timed out", self.stage_index)
+            logger.warning("%s: state download timed out", self._name)
             return None
         if found is None:
             return None
         try:
             return stage_state.parse(*found, self.module, mode=self.mode)
         except StateError as e:
-            logger.warning("stage %d: refused a downloaded state: %s", self.stage_index, e)
+            logger.warning("%s: refused a downloaded state: %s", self._name, e)
             return None
 
     def _apply_state(self, state: StageState) -> None:
@@ -327,7 +358,7 @@ class StageAverager:
                 tasks.create_task(self._report_loop(), name="averaging-report")
                 tasks.create_task(self._round_loop(), name="averaging-rounds")
         except Exception:
-            logger.exception("stage %d: averaging stopped", self.stage_index)
+            logger.exception("%s: averaging stopped", self._name)
             raise
 
     def _samples(self) -> int:
@@ -348,12 +379,16 @@ class StageAverager:
             mine = Progress(self.peer_id, self._epoch, self._samples())
             now = get_dht_time()
             due = mine != published or now - published_at > self._ttl / 3
-            if due and await self._publish(mine, now + self._ttl):
+            if due and await self._publish(mine, self._expiry()):
                 published, published_at = mine, now
-            self._others = await self._read_progress()
+            self._records = await self._read_progress()
+            self._view()  # refreshes what .peers counts
             self._wake.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._publish_now.wait(), self.settings.report_period_s)
+
+    def _expiry(self) -> float:
+        return get_dht_time() + self._ttl
 
     async def _publish(self, mine: Progress, expiration: float) -> bool:
         try:
@@ -365,7 +400,7 @@ class StageAverager:
                 return_future=True,
             )
         except Exception as e:  # a DHT hiccup: the next period retries
-            logger.warning("stage %d: publishing progress failed: %s", self.stage_index, e)
+            logger.warning("%s: publishing progress failed: %s", self._name, e)
             return False
 
     async def _read_progress(self) -> list[Progress]:
@@ -373,8 +408,8 @@ class StageAverager:
         try:
             found = await self.dht.dht.get(self._key, latest=True, return_future=True)
         except Exception as e:
-            logger.warning("stage %d: reading progress failed: %s", self.stage_index, e)
-            return self._others
+            logger.warning("%s: reading progress failed: %s", self._name, e)
+            return self._records
         if found is None or not isinstance(found.value, dict):
             return []
         result = []
@@ -382,11 +417,45 @@ class StageAverager:
             try:
                 record = decode_progress(subkey, item.value)
             except RecordError as e:
-                logger.warning("stage %d: dropped a progress record: %s", self.stage_index, e)
+                logger.warning("%s: dropped a progress record: %s", self._name, e)
                 continue
             if record.peer_id != self.peer_id:
                 result.append(record)
         return result
+
+    def _view(self) -> list[Progress]:
+        """The other peers' progress, corrected by what we know better than the last read.
+
+        A peer's epoch never goes down: a record that says otherwise is older than one we
+        saw, or than a round the peer took with us (or a state it handed us). And a record
+        missing from one read (a DHT read can miss a subkey) stays for its time to live.
+        Without this, right after a round our groupmates would look one epoch behind, and
+        we would step alone."""
+        now = time.monotonic()
+        for record in self._records:
+            self._seen[record.peer_id] = (record, now)
+        view = []
+        for peer, (record, seen_at) in list(self._seen.items()):
+            if now - seen_at > self._ttl:
+                del self._seen[peer]
+                continue
+            known = max(self._known.get(peer, 0), record.epoch)
+            self._known[peer] = known
+            view.append(record if record.epoch == known else Progress(peer, known, 0))
+        return view
+
+    def _learn(self, epochs: dict[str, int]) -> None:
+        """Peers we know reached an epoch (groupmates, donors), whether or not our reads of
+        the DHT show them: a DHT read returns one node's copy of the stage's records, which
+        can lack a peer that stored its own through another node."""
+        now = time.monotonic()
+        for peer, epoch in epochs.items():
+            self._known[peer] = max(self._known.get(peer, 0), epoch)
+            record, seen_at = self._seen.get(peer, (Progress(peer, epoch, 0), now))
+            self._seen[peer] = (record, max(seen_at, now))
+
+    def _someone_ahead(self) -> bool:
+        return any(p.epoch > self._epoch for p in self._view())
 
     async def _round_loop(self) -> None:
         assert self._wake is not None
@@ -397,34 +466,40 @@ class StageAverager:
                 self.peer_id,
                 self._epoch,
                 self._samples(),
-                self._others,
+                self._view(),
                 self._target(),
                 catch_up=time.monotonic() >= self._catch_up_after,
                 per_peer=self.mode == "diloco",
             )
-            if decision.action is Action.CATCH_UP:
-                await self._catch_up()
-            elif decision.action is Action.STEP_ALONE:
-                await self._step_alone()
-            elif decision.action is Action.AVERAGE:
-                await self._average(group_size=decision.peers + 1)
+            if decision.action is Action.WAIT:
+                continue
+            self._busy = True
+            try:
+                if decision.action is Action.CATCH_UP:
+                    await self._catch_up()
+                elif decision.action is Action.STEP_ALONE:
+                    await self._step_alone()
+                else:
+                    await self._average(group_size=decision.peers + 1)
+            finally:
+                self._busy = False
 
     async def _catch_up(self) -> None:
         self._catch_up_after = time.monotonic() + self.settings.round_timeout_s
         state = await self._download(self.settings.round_timeout_s)
         if state is None or state.epoch <= self._epoch:
             logger.warning(
-                "stage %d: a peer is ahead of epoch %d, but no newer state came (retry in %.0f s)",
-                self.stage_index,
+                "%s: a peer is ahead of epoch %d, but no newer state came (retry in %.0f s)",
+                self._name,
                 self._epoch,
                 self.settings.round_timeout_s,
             )
             return
         await asyncio.to_thread(self._apply_state, state)
+        self._learn({state.source: state.epoch})
+        self._catch_up_after = 0.0
         self.stats.catch_ups += 1
-        logger.info(
-            "stage %d: caught up to epoch %d from %s", self.stage_index, self._epoch, state.source
-        )
+        logger.info("%s: caught up to epoch %d from %s", self._name, self._epoch, state.source)
         self._after_epoch()
 
     def _after_epoch(self) -> None:
@@ -449,6 +524,12 @@ class StageAverager:
             await asyncio.to_thread(step)
         self.stats.alone += 1
         self.stats.last_round_s = time.monotonic() - started
+        logger.debug(
+            "%s: stepped alone to epoch %d (others: %s)",
+            self._name,
+            self._epoch,
+            ", ".join(f"{p.peer_id[-6:]} at {p.epoch}" for p in self._view()) or "none",
+        )
         self._after_epoch()
 
     async def _average(self, group_size: int) -> None:
@@ -456,7 +537,6 @@ class StageAverager:
         the result (or our own contribution alone, or catch up). ``group_size``: the peers
         at our epoch, us included; a group of that size starts at once."""
         assert self._process is not None
-        self._process.set_group_size(group_size)
         started = time.monotonic()
         deadline = started + self.settings.round_timeout_s
         begin = self._begin_outer if self.mode == "diloco" else self._take_gradients
@@ -464,27 +544,39 @@ class StageAverager:
         if not all(bool(torch.isfinite(t).all()) for t in contribution.tensors):
             # The server checks every micro-batch, so this is a bug or broken hardware: drop
             # what we hold, and still take part (weight 0) to stay in step with the others.
-            logger.error("stage %d: our own contribution is not finite: dropped", self.stage_index)
+            logger.error("%s: our own contribution is not finite: dropped", self._name)
             contribution = _Contribution(0, [torch.zeros_like(t) for t in contribution.tensors], [])
         try:
             result = None
-            while result is None and time.monotonic() < deadline - 0.5:
-                result = await self._attempt(contribution, deadline)
+            # Attempts of a few matchmaking times each, so that a peer that fell behind (its
+            # groupmates went on without it) notices and catches up early.
+            last_start = deadline - self.settings.matchmaking_s - 0.5
+            while result is None and time.monotonic() < last_start and not self._someone_ahead():
+                attempt_end = min(deadline, time.monotonic() + 3 * self.settings.matchmaking_s)
+                result = await self._attempt(contribution, attempt_end, group_size)
             if result is not None:
-                averaged, group = result
+                averaged, mates = result
                 await asyncio.to_thread(self._finish, averaged, contribution)
+                self._learn(dict.fromkeys(mates, self._epoch))
                 self.stats.rounds += 1
-                self.stats.last_group = group
+                self.stats.last_group = len(mates) + 1
                 self.stats.round_s.append(time.monotonic() - started)
+                logger.debug(
+                    "%s: averaged with %s in %.2f s, now at epoch %d",
+                    self._name,
+                    ", ".join(m[-6:] for m in mates),
+                    time.monotonic() - started,
+                    self._epoch,
+                )
             else:
-                self._others = await self._read_progress()
-                if contribution.weight == 0 or any(p.epoch > self._epoch for p in self._others):
+                self._records = await self._read_progress()
+                if contribution.weight == 0 or self._someone_ahead():
                     await self._give_back(contribution)  # nothing of ours to step on / behind
                     self._catch_up_after = 0.0
                     return
                 logger.warning(
-                    "stage %d: no averaging result within %.0f s, stepping alone at epoch %d",
-                    self.stage_index,
+                    "%s: no averaging result within %.0f s, stepping alone at epoch %d",
+                    self._name,
                     self.settings.round_timeout_s,
                     self._epoch,
                 )
@@ -507,16 +599,17 @@ class StageAverager:
                 self._apply_gradients(result)
 
     async def _attempt(
-        self, contribution: _Contribution, deadline: float
-    ) -> tuple[list[torch.Tensor], int] | None:
-        """One try at averaging: the averaged tensors and the group's size, or None (logged)
-        on failure."""
+        self, contribution: _Contribution, deadline: float, group_size: int
+    ) -> tuple[list[torch.Tensor], list[str]] | None:
+        """One try at averaging: the averaged tensors and our groupmates' peer ids, or None
+        (logged) on failure."""
         assert self._process is not None
         timeout = deadline - time.monotonic()
         try:
             await asyncio.to_thread(self._write_buffers, contribution.tensors, timeout)
         except TimeoutError:
             return None
+        self._process.set_round(self._epoch, group_size)
         control = self._process.step(
             gather=[self._epoch, contribution.weight],
             weight=float(contribution.weight),
@@ -525,30 +618,61 @@ class StageAverager:
             wait=False,
         )
         try:
-            gathered = await asyncio.wait_for(
+            gathered = await self._wait_for_step(
                 control, timeout + self.settings.allreduce_timeout_s + 5.0
             )
-        except Exception as e:
-            control.cancel()
-            self.stats.discarded += 1
-            logger.info("stage %d: averaging attempt failed: %r", self.stage_index, e)
+        except _FellBehind:
+            logger.debug(
+                "%s: left matchmaking at epoch %d: a peer is ahead", self._name, self._epoch
+            )
             return None
-        except BaseException:
-            control.cancel()
-            raise
+        except Exception as e:
+            self.stats.discarded += 1
+            logger.info("%s: averaging attempt failed: %r", self._name, e)
+            return None
         if not isinstance(gathered, dict) or len(gathered) < 2:
             return None
-        epochs = [g[0] if isinstance(g, list | tuple) and g else None for g in gathered.values()]
-        if any(not isinstance(e, int) or e > self._epoch for e in epochs):
+        mates = {}
+        for peer, data in gathered.items():
+            epoch = data[0] if isinstance(data, list | tuple) and data else None
+            if not isinstance(epoch, int) or isinstance(epoch, bool):
+                self.stats.discarded += 1
+                return None
+            if peer.to_base58() != self.peer_id:
+                mates[peer.to_base58()] = epoch
+        if any(e > self._epoch for e in mates.values()):
             # A groupmate is ahead of us: the result is theirs to apply; we catch up.
+            self._learn(mates)
             self.stats.discarded += 1
             return None
         averaged = await asyncio.to_thread(self._read_buffers, timeout)
         if averaged is None or not all(bool(torch.isfinite(t).all()) for t in averaged):
             self.stats.discarded += 1
-            logger.warning("stage %d: discarded a non-finite averaging result", self.stage_index)
+            logger.warning("%s: discarded a non-finite averaging result", self._name)
             return None
-        return averaged, len(gathered)
+        return averaged, list(mates)
+
+    async def _wait_for_step(self, control: StepControl, timeout: float):
+        """The step's gathered data. While it still looks for a group, leave (``_FellBehind``)
+        as soon as a peer is ahead of us: that group is not coming, we must catch up."""
+        waiter = asyncio.ensure_future(_result(control))
+        try:
+            end = time.monotonic() + timeout
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=self.settings.report_period_s)
+                if waiter.done():
+                    break
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the averaging step did not end within {timeout:.0f} s")
+                if control.stage == AveragingStage.LOOKING_FOR_GROUP and self._someone_ahead():
+                    raise _FellBehind()
+            return waiter.result()
+        finally:
+            if not control.done():
+                control.cancel()
+            waiter.cancel()
+            with contextlib.suppress(BaseException):
+                await waiter
 
     def _write_buffers(self, tensors: list[torch.Tensor], timeout: float) -> None:
         assert self._process is not None
@@ -556,6 +680,8 @@ class StageAverager:
             raise TimeoutError("the averager still holds its tensors")
         try:
             for buffer, t in zip(self._buffers, tensors, strict=True):
+                if buffer.dtype == torch.float16:
+                    t = t.clamp(-F16_MAX, F16_MAX)  # not inf: the others would drop us
                 buffer.copy_(t)
         finally:
             self._process.lock_averaged_tensors.release()
@@ -689,6 +815,14 @@ class StageAverager:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5.0)
+
+
+class _FellBehind(Exception):
+    """A peer got ahead of us while we looked for a group."""
+
+
+async def _result(control: StepControl):
+    return await control
 
 
 @dataclass

@@ -1,16 +1,521 @@
-"""Which stage a joining peer takes. Pure: a function of the swarm view and a seed.
+"""Which stage a peer takes, and when it moves. Pure: functions of a swarm view and a seed.
 
-The rule for now: the stage with the least announced throughput, counting every peer
-that holds or is loading a stage; ties broken by a draw seeded with the joiner's id, so
-that peers joining at once spread out instead of piling onto one stage.
+The pipeline runs at the pace of its weakest stage, the *bottleneck*: the least, over
+stages, of the summed throughput of the peers holding the stage, each counted with its
+measured throughput *for that stage*. Peers decide for themselves, on the view that the
+DHT and the gossip topic give them; nothing in here reads a clock or the network: times
+are parameters and every random draw is a hash of the caller's seed, so that the same
+view and seed give the same answer on every peer and in the simulator
+(``scripts/simulate_assignment.py``).
+
+What a peer maximises
+---------------------
+Not the exact minimum of the current totals. In a swarm of thousands one peer barely
+moves it: joining any stage but the weakest leaves it unchanged, and a peer twice as fast
+on another stage can never move there without first lowering one stage. Peers following
+it balance the totals but ignore who is good at what, and settle well below the best
+bottleneck the same peers could reach (0.73-0.85 of it in the simulator, where speeds
+differ by stage). Two things fix that:
+
+* **Stage prices** (:func:`stage_prices`): the dual solution of the max-min assignment's
+  linear programme over the throughput vectors of the swarm's peers (every record carries
+  a peer's speed for every stage). ``prices[s] * throughput[s]`` is what one more peer
+  adds to the *best reachable* bottleneck by taking stage s; every peer placed where that
+  product is highest is the optimum's placement. The prices depend on who is in the
+  swarm, not on who holds what, so they move slowly and a peer may refresh them every
+  period or so.
+* **A smooth, priced bottleneck** to correct the imbalance of the moment:
+
+      M(T) = (sum_s prices[s] * T_s ** -a) ** (-1 / a),    a = ``Params.sharpness``,
+
+  a weighted power mean with a negative exponent (prices sum to 1). When every stage holds
+  the same total B, M = B, and one peer more on stage s adds prices[s] times its speed
+  there; a stage short of the others is worth ``(B / T_s) ** (a + 1)`` times more (1.4x
+  for 4% short, 500x for half, at a = 8). M lies between the least and the largest total,
+  and raising the least raises it. Its maximum over fractional assignments is the linear
+  programme's optimum, so peers that each add the most M head for the optimum (a potential
+  game: every move the rule makes raises M on the mover's view).
+
+The rule
+--------
+* :func:`choose_stage`: a joining peer takes an empty stage if there is one (a uniform
+  seeded draw among them, so that a wave into an empty swarm covers every stage), else the
+  stage where it adds the most to M; stages within ``tie_tolerance`` of the best are
+  near-ties, broken by a seeded draw. It announces the choice (an intent) before loading,
+  and may reconsider once others' intents have reached it (:func:`decide_move` with
+  ``serving=False``): a change of mind before loading costs nothing.
+* :func:`decide_move`: at each check (every :func:`check_delay` seconds, randomised around
+  the mean) a peer compares what it adds to M where it is with what it would add at its
+  best other stage, both on the view without itself, and considers moving only when the
+  latter is larger by more than ``hysteresis``: a margin relative to its own contribution,
+  so that it means the same with 10 peers or 10,000. Then:
+
+  - if the prices alone favour the other stage by more than ``price_hysteresis`` (the
+    peer is misplaced, whatever the totals), it moves: the misplaced peers of all stages
+    moving together converge on the optimum's placement, which is balanced;
+  - otherwise the move only fixes an imbalance, and it moves with probability
+    ``urgency * room / supply``: ``room`` is how much throughput could flow into the
+    target before such a move stops paying, ``supply`` the throughput of every peer
+    outside the target, all of whom may reach the same conclusion from the same view. The
+    expected inflow is about what the gap needs rather than everyone at once, and each
+    move, announced before the peer unloads, shrinks the room that later checks see. The
+    probability is scaled by ``fit ** selectivity``, fit being the prices' ratio of the
+    move (at most 1): peers that lose least by moving go first, so that fewer of those
+    that filled a gap find themselves misplaced, and move again, once it has closed.
+
+  A peer never leaves a stage that nobody else serves (nor, before it serves, one that
+  nobody else holds); a move into an empty stage qualifies whatever the gains.
+
+Views are small frozen dataclasses (:class:`SwarmView`, built from :class:`Claim` s or
+from :class:`~protocol.records.PeerInfo` records by :func:`view_from_peers`), so that the
+simulator can run 10,000 peers without building records. Bad arguments raise
+``ValueError`` naming the numbers.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
-from protocol.records import PeerInfo, PeerState
+import numpy as np
+
+from protocol.records import MAX_STAGES, PeerInfo, PeerState
+
+Seed = str | int | bytes
+
+# A stage with no throughput is scored as if it had this fraction of the largest stage's:
+# it keeps M finite and makes such a stage worth far more than any other.
+_FLOOR = 1e-9
+# A stage's price is at least this fraction of the highest price: a stage the optimum
+# leaves slack (price 0) still counts a little, so that it is refilled if it runs short
+# before prices are refreshed.
+PRICE_FLOOR = 0.01
+_ROOM_STEPS = 16  # bisection steps for the room of a move: to 2**-16 of the supply
+
+
+# Argument checks: a ValueError that names the setting and the number.
+
+
+def _check_own(throughput: Sequence[float], n: int) -> None:
+    if len(throughput) != n:
+        raise ValueError(f"own throughput has {len(throughput)} entries for {n} stages")
+    for s, t in enumerate(throughput):
+        _rate(f"own throughput for stage {s}", t)
+
+
+def _rate(what: str, v: float) -> None:
+    if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0.0):
+        raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
+
+
+def _all_rates(values: Iterable[float]) -> bool:
+    try:
+        return all(0.0 <= v < math.inf for v in values)
+    except TypeError:
+        return False
+
+
+def _stage_index(s: int, n: int, what: str) -> None:
+    if not (isinstance(s, int) and not isinstance(s, bool) and 0 <= s < n):
+        raise ValueError(f"{what} must be an integer in [0, {n}), got {s!r}")
+
+
+def _positive_int(what: str, v: int, hi: int) -> None:
+    if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= hi):
+        raise ValueError(f"{what} must be an integer in [1, {hi}], got {v!r}")
+
+
+def _positive(what: str, v: float, hi: float) -> None:
+    if not (isinstance(v, int | float) and 0.0 < v <= hi):
+        raise ValueError(f"{what} must be in (0, {hi:g}], got {v!r}")
+
+
+def _in_range(what: str, v: float, lo: float, hi: float) -> None:
+    if not (isinstance(v, int | float) and lo <= v <= hi):
+        raise ValueError(f"{what} must be in [{lo:g}, {hi:g}], got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """The rule's settings. Every peer of a run must use the same ones."""
+
+    # Exponent a of the smooth bottleneck. Higher corrects smaller imbalances (a stage
+    # x short is worth (1 + x) ** (a + 1) times more), lower is calmer under noise.
+    sharpness: float = 8.0
+    # Joiners' choices within this fraction of the best value are drawn at random.
+    tie_tolerance: float = 0.02
+    # A move must add this much more than staying (relative to what the peer adds where it
+    # is). Moves that fix an imbalance are rationed by their probability, so this band
+    # can be narrow: it sets how close to even the totals get.
+    hysteresis: float = 0.05
+    # A peer misplaced at the prices alone (by more than this factor, minus 1) moves at
+    # once; the wider band keeps small changes of the prices from moving anyone.
+    price_hysteresis: float = 0.1
+    # Expected inflow per check period, as a multiple of the room: about 1/urgency periods
+    # to close a gap. Higher recovers faster and overshoots more under gossip delay.
+    urgency: float = 4.0
+    # Exponent of the fit (its prices' ratio) that scales the probability of a move that
+    # fixes an imbalance: higher sends the peers that lose least by moving first.
+    selectivity: float = 8.0
+    mean_period_s: float = 60.0  # mean time between a serving peer's checks
+    period_jitter: float = 0.5  # a check period is uniform in mean * (1 +- jitter)
+
+    def __post_init__(self) -> None:
+        _positive("sharpness", self.sharpness, hi=1e4)
+        _in_range("tie_tolerance", self.tie_tolerance, 0.0, 1.0)
+        _in_range("hysteresis", self.hysteresis, 0.0, 1e6)
+        _in_range("price_hysteresis", self.price_hysteresis, 0.0, 1e6)
+        _positive("urgency", self.urgency, hi=1e6)
+        _in_range("selectivity", self.selectivity, 0.0, 1e3)
+        _positive("mean_period_s", self.mean_period_s, hi=1e9)
+        _in_range("period_jitter", self.period_jitter, 0.0, 1.0)
+
+
+DEFAULT_PARAMS = Params()
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One peer's hold on a stage, as a deciding peer sees it: serving it, or announced
+    (a join or move intent, or loading) and not serving yet."""
+
+    peer: str
+    stage: int
+    throughput: float  # the peer's measured throughput for this stage, samples/s
+    serving: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer, str) or not self.peer:
+            raise ValueError(f"a claim needs a peer id, got {self.peer!r:.80}")
+        _stage_index(self.stage, MAX_STAGES, "claim stage")
+        _rate(f"throughput of peer {self.peer}", self.throughput)
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmView:
+    """Per-stage sums of the claims a peer knows of, and the stage prices: what the rule
+    needs, nothing more.
+
+    ``totals[s]``: summed throughput of every claim on stage s (serving, loading or
+    announced); ``counts[s]``: how many claims; ``serving[s]``: how many of those serve;
+    ``prices``: from :func:`stage_prices`, or None for equal prices.
+    """
+
+    totals: tuple[float, ...]
+    counts: tuple[int, ...]
+    serving: tuple[int, ...]
+    prices: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.totals)
+        if not 1 <= n <= MAX_STAGES:
+            raise ValueError(f"a view needs 1 to {MAX_STAGES} stages, got {n}")
+        if len(self.counts) != n or len(self.serving) != n:
+            raise ValueError(
+                f"a view's totals, counts and serving must have one entry per stage: "
+                f"got {n}, {len(self.counts)} and {len(self.serving)}"
+            )
+        if not _all_rates(self.totals):  # the fast path; the loop names the culprit
+            for s in range(n):
+                _rate(f"total of stage {s}", self.totals[s])
+        pairs = zip(self.counts, self.serving, strict=True)
+        if not all(type(c) is int and type(k) is int and 0 <= k <= c for c, k in pairs):
+            for s, (c, k) in enumerate(zip(self.counts, self.serving, strict=True)):
+                if not (type(c) is int and type(k) is int and 0 <= k <= c):
+                    raise ValueError(
+                        f"stage {s}: need integers 0 <= serving <= claims, got {k!r} serving "
+                        f"of {c!r}"
+                    )
+        if self.prices is not None:
+            if len(self.prices) != n:
+                raise ValueError(f"{len(self.prices)} prices for {n} stages")
+            if not _all_rates(self.prices):
+                for s, p in enumerate(self.prices):
+                    _rate(f"price of stage {s}", p)
+            if not sum(self.prices) > 0.0:
+                raise ValueError(f"prices must not all be 0, got {self.prices}")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.totals)
+
+    @classmethod
+    def empty(cls, n_stages: int) -> SwarmView:
+        _positive_int("n_stages", n_stages, MAX_STAGES)
+        return cls((0.0,) * n_stages, (0,) * n_stages, (0,) * n_stages)
+
+    @classmethod
+    def from_claims(
+        cls, n_stages: int, claims: Iterable[Claim], prices: Sequence[float] | None = None
+    ) -> SwarmView:
+        """Sum ``claims``; a peer may hold one claim (merge a peer's record and its newer
+        intent before calling: :func:`view_from_peers` does)."""
+        _positive_int("n_stages", n_stages, MAX_STAGES)
+        totals, counts, serving = [0.0] * n_stages, [0] * n_stages, [0] * n_stages
+        seen: set[str] = set()
+        for c in claims:
+            if c.peer in seen:
+                raise ValueError(f"peer {c.peer} has more than one claim in the view")
+            seen.add(c.peer)
+            if c.stage >= n_stages:
+                raise ValueError(
+                    f"peer {c.peer} claims stage {c.stage}, out of range for {n_stages} stages"
+                )
+            totals[c.stage] += c.throughput
+            counts[c.stage] += 1
+            serving[c.stage] += c.serving
+        priced = None if prices is None else tuple(float(p) for p in prices)
+        return cls(tuple(totals), tuple(counts), tuple(serving), priced)
+
+    def add(self, claim: Claim) -> SwarmView:
+        """This view with one more claim (for instance the deciding peer's own)."""
+        _stage_index(claim.stage, self.n_stages, f"stage of peer {claim.peer}")
+        s = claim.stage
+        return SwarmView(
+            _bump(self.totals, s, claim.throughput),
+            _bump(self.counts, s, 1),
+            _bump(self.serving, s, int(claim.serving)),
+            self.prices,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A decision to move, to announce before unloading ``from_stage``."""
+
+    from_stage: int
+    to_stage: int
+    gain: float  # value at the target over value where it is, minus 1 (inf: fills a gap)
+    probability: float  # the chance with which it was drawn, for logs
+    reason: str  # "empty" (fills an empty stage), "price" (misplaced), "imbalance"
+
+
+def stage_prices(throughputs: Sequence[Sequence[float]] | np.ndarray) -> tuple[float, ...]:
+    """The stage prices of a swarm: rows are peers, columns stages, entries each peer's
+    throughput for each stage (all of the swarm's peers, wherever they are now).
+
+    The max-min assignment's linear relaxation, max B such that every stage's total is at
+    least B with each peer split over stages, has the dual
+    ``min over prices p >= 0, sum(p) = 1, of sum_i max_s p_s * t[i, s]``, whose value is
+    the same best bottleneck. It is solved by Kelley's cutting planes (a linear programme
+    with S + 1 variables per step) to a relative gap of 1e-4, which puts the prices within
+    about 0.5%; they are then floored at ``PRICE_FLOOR`` times the highest and normalised
+    to sum to 1. Sort the peers (by id)
+    before calling, so that every peer computes the same prices.
+    """
+    t = np.asarray(throughputs, dtype=float)
+    if t.ndim != 2 or not 1 <= t.shape[1] <= MAX_STAGES:
+        raise ValueError(f"throughputs must be a peers x stages table, got shape {t.shape}")
+    if not np.isfinite(t).all() or (t < 0).any():
+        raise ValueError(f"throughputs must be finite and >= 0, least {t.min(initial=0.0)}")
+    n, s = t.shape
+    if n == 0 or s == 1 or not t.any():
+        return tuple([1.0 / s] * s)
+    prices, _ = _dual_prices(t)
+    top = max(prices)
+    prices = [max(p, PRICE_FLOOR * top) for p in prices]
+    total = sum(prices)
+    return tuple(p / total for p in prices)
+
+
+def _dual_prices(t: np.ndarray, tol: float = 1e-4, max_steps: int = 500) -> tuple[list, float]:
+    from scipy.optimize import linprog  # hivemind depends on scipy; imported when needed
+
+    n, s = t.shape
+    rows = np.arange(n)
+    scale = t.sum() / s
+    cuts: list[np.ndarray] = []
+    lam = np.full(s, 1.0 / s)
+    best, best_lam = math.inf, lam
+    for _ in range(max_steps):
+        v = t * lam  # (n, S)
+        pick = v.argmax(1)
+        upper = float(v[rows, pick].sum())  # any prices bound the optimum from above
+        if upper < best:
+            best, best_lam = upper, lam
+        cuts.append(np.bincount(pick, weights=t[rows, pick], minlength=s) / scale)
+        res = linprog(
+            np.r_[np.zeros(s), 1.0],
+            A_ub=np.hstack([np.array(cuts), -np.ones((len(cuts), 1))]),
+            b_ub=np.zeros(len(cuts)),
+            A_eq=np.r_[np.ones(s), 0.0][None],
+            b_eq=[1.0],
+            bounds=[(0.0, None)] * s + [(None, None)],
+            method="highs",
+        )
+        if res.status != 0:  # cannot happen for this bounded, feasible master
+            raise ValueError(f"price computation failed: {res.message}")
+        if best - res.fun * scale <= tol * best:  # the master's value bounds from below
+            break
+        lam = np.clip(res.x[:s], 0.0, None)
+        lam = lam / lam.sum()
+    return [float(x) for x in best_lam], best
+
+
+def view_from_peers(
+    peers: Iterable[PeerInfo],
+    n_stages: int,
+    intents: Iterable[Claim] = (),
+    exclude: Collection[str] = (),
+    own: Sequence[float] | None = None,
+    priced: bool = True,
+) -> SwarmView:
+    """The view from peer records and announced intents.
+
+    A record counts on its stage unless the peer is leaving (or has no stage yet); it
+    serves if its state is serving. An intent from a peer replaces what its record says
+    (it is newer). Peers in ``exclude`` are left out of the claims (the deciding peer
+    itself, or peers known to have left). A record on a stage outside ``range(n_stages)``
+    is dropped: it was validated, but for another layout, and must not break a decision.
+    With ``priced``, prices come from the throughput vectors of every record that is not
+    leaving (excluded ones too: they are still in the swarm) plus ``own``, the deciding
+    peer's, in peer id order.
+    """
+    _positive_int("n_stages", n_stages, MAX_STAGES)
+    records = sorted(
+        (p for p in peers if p.state is not PeerState.LEAVING), key=lambda p: p.peer_id
+    )
+    claims: dict[str, Claim] = {}
+    for p in records:
+        if p.stage is None or p.stage >= n_stages:
+            continue
+        claims[p.peer_id] = Claim(
+            p.peer_id, p.stage, p.throughput[p.stage], p.state is PeerState.SERVING
+        )
+    for c in intents:
+        if c.stage < n_stages:
+            claims[c.peer] = c
+    prices = None
+    if priced:
+        vectors = [p.throughput for p in records if len(p.throughput) == n_stages]
+        if own is not None:
+            _check_own(own, n_stages)
+            vectors.append(tuple(own))
+        prices = stage_prices(np.array(vectors, dtype=float).reshape(len(vectors), n_stages))
+    kept = (c for k, c in claims.items() if k not in exclude)
+    return SwarmView.from_claims(n_stages, kept, prices)
+
+
+def bottleneck(totals: Sequence[float]) -> float:
+    """The pipeline's pace: the least stage total."""
+    if not totals:
+        raise ValueError("bottleneck of no stages")
+    return min(totals)
+
+
+def smooth_bottleneck(
+    totals: Sequence[float], sharpness: float, prices: Sequence[float] | None = None
+) -> float:
+    """M(T), the priced power mean of the totals with exponent ``-sharpness`` (see the
+    module's docstring); a stage with nothing counts as 1e-9 of the largest; 0 if all are 0."""
+    if not totals:
+        raise ValueError("smooth bottleneck of no stages")
+    _positive("sharpness", sharpness, hi=1e4)
+    return _smooth(list(totals), _weights(len(totals), prices), sharpness)
+
+
+def stage_values(view: SwarmView, throughput: Sequence[float], params: Params) -> list[float]:
+    """What a peer not in ``view`` would add to M at each stage, with its own
+    ``throughput[s]`` for stage s."""
+    _check_own(throughput, view.n_stages)
+    w = _weights(view.n_stages, view.prices)
+    return _values(list(view.totals), w, throughput, params.sharpness)
+
+
+def choose_stage(
+    view: SwarmView,
+    throughput: Sequence[float],
+    seed: Seed,
+    params: Params = DEFAULT_PARAMS,
+) -> int:
+    """The stage a joining peer takes, given the claims of the others (not its own)."""
+    _check_own(throughput, view.n_stages)
+    empty = [s for s, c in enumerate(view.counts) if c == 0]
+    if empty:
+        return _pick(empty, seed, "join")
+    w = _weights(view.n_stages, view.prices)
+    values = _values(list(view.totals), w, throughput, params.sharpness)
+    best = max(values)
+    if not best > 0.0:  # a peer that adds nothing anywhere: any stage will do
+        return _pick(list(range(view.n_stages)), seed, "join")
+    cut = best * (1.0 - params.tie_tolerance)
+    return _pick([s for s, v in enumerate(values) if v >= cut], seed, "join")
+
+
+def decide_move(
+    view: SwarmView,
+    stage: int,
+    throughput: Sequence[float],
+    seed: Seed,
+    params: Params = DEFAULT_PARAMS,
+    *,
+    serving: bool = True,
+) -> Move | None:
+    """Whether the peer holding ``stage`` (counted in ``view``) moves now, and where.
+
+    ``serving``: whether it serves its stage already. A peer that has only announced (a
+    joiner reconsidering once others' intents have arrived) may leave a stage that
+    others hold, and pays no load for a change of mind.
+    """
+    n = view.n_stages
+    _check_own(throughput, n)
+    _stage_index(stage, n, "stage")
+    holders = view.serving[stage] if serving else view.counts[stage]
+    if holders < 1:
+        raise ValueError(
+            f"the view must count the deciding peer on stage {stage}: it has "
+            f"{view.counts[stage]} claims there, {view.serving[stage]} serving"
+        )
+    if n == 1 or holders < 2:  # never empty a stage
+        return None
+    me = throughput[stage]
+    rest = list(view.totals)
+    rest[stage] = max(0.0, rest[stage] - me)
+    counts = list(view.counts)
+    counts[stage] -= 1
+
+    empty = [s for s in range(n) if counts[s] == 0]
+    if empty:  # a stage with nobody: any peer that can spare itself is a candidate
+        target = _pick(empty, seed, "target")
+        level = sum(rest) / (n - len(empty))
+        supply = sum(view.totals)
+        p = 1.0 if supply <= 0.0 else min(1.0, params.urgency * level / supply)
+        return _draw_move(Move(stage, target, math.inf, p, "empty"), seed)
+
+    w = _weights(n, view.prices)
+    values = _values(rest, w, throughput, params.sharpness)
+    here = values[stage]
+    best = max(v for s, v in enumerate(values) if s != stage)
+    if not best > 0.0 or not best > here * (1.0 + params.hysteresis):
+        return None
+    cut = best * (1.0 - params.tie_tolerance)
+    target = _pick([s for s, v in enumerate(values) if s != stage and v >= cut], seed, "target")
+    gain = values[target] / here - 1.0 if here > 0.0 else math.inf
+    if w[target] * throughput[target] > (1.0 + params.price_hysteresis) * w[stage] * me:
+        # Misplaced at the prices alone: the optimum puts it there whatever others do,
+        # and the misplaced peers of every stage moving at once converge on a balanced
+        # assignment (the optimum's), so there is nothing to ration.
+        return Move(stage, target, gain, 1.0, "price")
+    room = _room(rest, w, stage, target, me, throughput[target], params)
+    supply = sum(view.totals) - view.totals[target]
+    # Peers that lose least by the move (its prices' ratio near 1) go first.
+    fit = min(1.0, w[target] * throughput[target] / (w[stage] * me)) if me > 0.0 else 1.0
+    share = params.urgency * room / supply * fit**params.selectivity if supply > 0.0 else 1.0
+    return _draw_move(Move(stage, target, gain, min(1.0, share), "imbalance"), seed)
+
+
+def check_delay(seed: Seed, params: Params = DEFAULT_PARAMS) -> float:
+    """Seconds until a serving peer's next check: uniform around the mean period, so that
+    checks spread out instead of firing together."""
+    u = _uniform(seed, "period")
+    return params.mean_period_s * (1.0 + params.period_jitter * (2.0 * u - 1.0))
+
+
+# The first rule, for callers that know only the others' records (the daemon's first
+# assignment, the status table). ``stage_throughput`` is also what a status line shows.
 
 
 def stage_throughput(peers: Iterable[PeerInfo], n_stages: int) -> list[float]:
@@ -30,3 +535,107 @@ def least_served_stage(peers: Iterable[PeerInfo], n_stages: int, seed: str) -> i
     low = min(totals)
     tied = [s for s, t in enumerate(totals) if t <= low * 1.01 + 1e-9]
     return random.Random(seed).choice(tied)
+
+
+# Internals. Plain floats and lists: a decision takes microseconds for a few stages.
+
+
+def _weights(n: int, prices: Sequence[float] | None) -> list[float]:
+    if prices is None:
+        return [1.0 / n] * n
+    if len(prices) != n:
+        raise ValueError(f"{len(prices)} prices for {n} stages")
+    total = sum(prices)
+    return [p / total for p in prices]
+
+
+def _smooth(totals: list[float], weights: list[float], a: float) -> float:
+    top = max(totals)
+    if top <= 0.0:
+        return 0.0
+    floor = top * _FLOOR
+    low = max(min(totals), floor)
+    # Factor out the smallest total, so that no power overflows: each ratio is <= 1.
+    acc = 0.0
+    for t, w in zip(totals, weights, strict=True):
+        acc += w * (low / (t if t > floor else floor)) ** a
+    return low * acc ** (-1.0 / a) if acc > 0.0 else top
+
+
+def _values(rest: list[float], weights: list[float], throughput: Sequence[float], a: float):
+    base = _smooth(rest, weights, a)
+    out = []
+    for s, t in enumerate(throughput):
+        old = rest[s]
+        rest[s] = old + t
+        out.append(_smooth(rest, weights, a) - base)
+        rest[s] = old
+    return out
+
+
+def _room(
+    rest: list[float],
+    weights: list[float],
+    here: int,
+    target: int,
+    me_here: float,
+    me_there: float,
+    params: Params,
+) -> float:
+    """How much throughput may flow into ``target`` (taken from every other stage in
+    proportion to its total) before a peer like this one no longer gains enough by
+    moving there: the size of the gap, in the units the move closes it."""
+    a, h = params.sharpness, params.hysteresis
+    pool = sum(rest) - rest[target]
+    if pool <= 0.0:
+        return 0.0
+
+    def still_pays(flow: float) -> bool:
+        keep = 1.0 - flow / pool
+        shifted = [t * keep for t in rest]
+        shifted[target] = rest[target] + flow
+        base = _smooth(shifted, weights, a)
+        there, stay = shifted.copy(), shifted.copy()
+        there[target] += me_there
+        stay[here] += me_here
+        gain_there = _smooth(there, weights, a) - base
+        return gain_there > (1.0 + h) * (_smooth(stay, weights, a) - base)
+
+    lo, hi = 0.0, pool
+    if still_pays(hi):
+        return hi
+    for _ in range(_ROOM_STEPS):
+        mid = 0.5 * (lo + hi)
+        if still_pays(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _draw_move(move: Move, seed: Seed) -> Move | None:
+    return move if _uniform(seed, "move") < move.probability else None
+
+
+def _pick(options: list[int], seed: Seed, label: str) -> int:
+    if len(options) == 1:
+        return options[0]
+    return options[min(len(options) - 1, int(_uniform(seed, label) * len(options)))]
+
+
+def _uniform(seed: Seed, label: str) -> float:
+    """A number in [0, 1) from ``seed`` and ``label``; the same on every platform."""
+    if isinstance(seed, bytes):
+        raw = seed
+    elif isinstance(seed, str):
+        raw = seed.encode()
+    elif isinstance(seed, int) and not isinstance(seed, bool):
+        raw = str(seed).encode()
+    else:
+        raise ValueError(f"a seed must be str, int or bytes, got {type(seed).__name__}")
+    digest = hashlib.blake2b(raw, digest_size=8, person=label.encode()[:16]).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def _bump(values: tuple, s: int, by: float) -> tuple:
+    return values[:s] + (values[s] + by,) + values[s + 1 :]

@@ -92,15 +92,16 @@ def decide(
     """What a peer at ``epoch`` holding ``samples`` does, given the other peers' records.
 
     ``per_peer``: the target is per peer at our epoch (DiLoCo: each peer's share of inner
-    steps), so it grows with their number. ``catch_up`` False ignores peers ahead (we just
-    failed to download from them). A peer's count is capped at the target: one peer
-    claiming huge numbers can start a round early, not skip one. Records of ``me`` are
-    ignored (our own count is ``samples``)."""
+    steps), so it grows with their number. ``catch_up`` False: a download just failed, so
+    a peer behind waits rather than try again at once. A peer's count is capped at the
+    target: one peer claiming huge numbers can start a round early, not skip one. Records
+    of ``me`` are ignored (our own count is ``samples``)."""
     if target < 1:
         raise ValueError(f"target must be >= 1, got {target}")
     others = [p for p in others if p.peer_id != me]
-    if catch_up and any(p.epoch > epoch for p in others):
-        return Decision(Action.CATCH_UP, samples, 0)
+    if any(p.epoch > epoch for p in others):
+        # Behind: whatever we step on now is thrown away when we download the state.
+        return Decision(Action.CATCH_UP if catch_up else Action.WAIT, samples, 0)
     same = [p for p in others if p.epoch == epoch]
     if per_peer:
         target *= 1 + len(same)

@@ -50,10 +50,11 @@ class AveragingSpec(BaseModel):
     outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.9
 
     def model_post_init(self, _context) -> None:
-        if self.round_timeout_s <= self.matchmaking_s:
+        if self.round_timeout_s < 2 * self.matchmaking_s:
             raise ValueError(
-                f"averaging.round_timeout_s ({self.round_timeout_s}) must exceed "
-                f"averaging.matchmaking_s ({self.matchmaking_s})"
+                f"averaging.round_timeout_s ({self.round_timeout_s}) must be at least twice "
+                f"averaging.matchmaking_s ({self.matchmaking_s}): a round tries to form a "
+                "group more than once before it gives up"
             )
         if self.matchmaking_s < 2 * self.report_period_s:
             raise ValueError(

@@ -72,19 +72,19 @@ def test_sigkill_during_training_is_rerouted(tmp_path):
                     if len(losses) == 20:
                         stage1[0].proc.send_signal(signal.SIGKILL)
 
-                await trainer.train(120, on_result)
+                await trainer.train(200, on_result)
                 return trainer, losses
             finally:
                 await trainer.p2p.shutdown()
 
         trainer, losses = asyncio.run(main())
         assert stage1[0].proc.wait(10) == -signal.SIGKILL
-        assert trainer.stats.micro_batches == 120, "every micro-batch completed"
+        assert trainer.stats.micro_batches == 200, "every micro-batch completed"
         assert trainer.stats.rerouted[1] >= 1, "calls to the killed peer were retried"
         survivor = stage1[1].peer_id
         late_calls = trainer.stats.calls[(1, survivor)]
-        assert late_calls > 100 / 2, "the surviving peer of stage 1 took over"
-        assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.5, "loss kept falling"
+        assert late_calls > 180 / 2, "the surviving peer of stage 1 took over"
+        assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.3, "loss kept falling"
 
 
 class KillAfterForward(Trainer):

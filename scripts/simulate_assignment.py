@@ -1,0 +1,810 @@
+"""Stage assignment with thousands of virtual peers: our rule vs a Petals-style baseline.
+
+A discrete-event simulation. Peers arrive (a burst into an empty swarm, then a ramp),
+leave (cleanly, or killed: then the swarm learns of it only when the record expires),
+come in a wave and leave together, and at one moment half the peers of stage 0 are
+killed at once. Every decision a peer makes (which stage to join, whether to change its
+mind before loading, whether to move, when to check next) is a call into
+``protocol/assignment.py`` on the view that this peer has at that moment: the
+announcements of others as of a gossip delay ago (exponential, ``--gossip-delay`` mean),
+each of the last ``--reannounce`` seconds' announcements missing with probability
+``--gossip-loss`` (older ones have been re-announced or read from the DHT), and the stage
+prices (``stage_prices``) of the records then in the DHT, refreshed every minute or when
+the number of records changed by 3%. A joiner announces its choice, looks again 3 s
+later (and again while it changes its mind or the swarm keeps growing fast), then loads
+its stage for ``--load`` seconds (about) before it serves; so does a peer that moves.
+
+The baseline is run on the same peers and the same events. Joining: the weakest stage.
+Rebalancing, at the same check times: a peer estimates the bottleneck after the whole
+swarm re-settled greedily (itself first, then every peer in random order moving to the
+weakest stage until none moves) and moves to the weakest stage if that would raise the
+bottleneck by more than a factor 1/0.75 (Petals' ``balance_quality`` of 0.75). For
+speed, the re-settled bottleneck is recomputed every 30 s and shared by the checks in
+between, and a check is skipped when a bound on the optimum shows it cannot pass.
+
+Figures: the bottleneck (least summed throughput of the peers *serving* each stage) over
+an upper bound on the optimum for the peers present: the linear-programming relaxation
+of the max-min assignment, solved exactly (to 1e-6) by cutting planes on its dual every
+``--lp-every`` seconds and after each mass event; in between, the dual solution's value
+on the current peers, which is also an upper bound. An integer assignment built from the
+LP solution says how tight the bound is. Moves per peer-hour count changes of stage by a
+serving peer (each costs a load); intent revisions (a joiner changing its mind before it
+loads anything) are counted apart. The two rules run in two processes.
+
+    python scripts/simulate_assignment.py --peers 1000
+    python scripts/simulate_assignment.py --peers 10000 --stages 4 --duration 7200 \\
+        --churn 1.0 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import math
+import multiprocessing
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import linprog
+from scipy.special import ndtr
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from protocol.assignment import (  # noqa: E402
+    DEFAULT_PARAMS,
+    Params,
+    SwarmView,
+    check_delay,
+    choose_stage,
+    decide_move,
+    stage_prices,
+)
+
+RULES = ("ours", "petals")
+PETALS_QUALITY = 0.75  # Petals' default balance_quality
+
+# Event kinds, in the order they are handled when simultaneous.
+ARRIVE, CONFIRM, LOADED, CHECK, DEPART, VANISH, LOSS, PRICES, SAMPLE = range(9)
+# Phases of a peer.
+ABSENT, INTENT, LOADING, SERVING, GONE = range(5)
+
+
+@dataclass(frozen=True)
+class Config:
+    peers: int = 1000
+    stages: int = 4
+    duration: float = 7200.0  # simulated seconds
+    churn: float = 1.0  # departures per peer per hour (mean session 1/churn hours)
+    seed: int = 0
+    dist: str = "lognormal"  # or "pareto"
+    sigma: float = 1.0  # lognormal: std of log throughput (a 30x spread of devices)
+    pareto_shape: float = 2.0  # pareto: tail index
+    stage_correlation: float = 0.9  # of one peer's log throughputs across stages
+    last_stage_cost: float = 1.5  # the head and loss make the last stage this much slower
+    burst: float = 0.5  # fraction of the initial peers arriving in the first 5 s
+    ramp: float = 300.0  # the rest arrive uniformly until then
+    wave: float = 0.2  # a wave of this fraction of --peers arrives, and later leaves
+    kill_fraction: float = 0.5  # fraction of churn departures that are kills, not leaves
+    gossip_delay: float = 1.0  # mean seconds before an announcement reaches a peer
+    gossip_loss: float = 0.05
+    reannounce: float = 10.0  # a lost announcement is known anyway after this long
+    expiry: float = 30.0  # a killed peer's record disappears after this long
+    load: float = 30.0  # mean seconds to load a stage's state
+    confirm: float = 3.0  # a joiner re-checks its choice this long after announcing it,
+    confirms: int = 10  # and again (up to this many looks) after a change of mind or
+    # while the swarm grew by more than 5% since its last look
+    period: float = 60.0  # mean seconds between a serving peer's checks
+    sample: float = 10.0
+    lp_every: float = 60.0
+    price_every: float = 60.0  # ours: peers refresh stage prices from the records this often,
+    # and sooner when the number of records changed by more than 3%
+    resettle_every: float = 30.0  # baseline: its re-settled bottleneck is reused this long
+    settle: float = 600.0  # seconds after a mass event left out of the steady state
+    hysteresis: float = DEFAULT_PARAMS.hysteresis
+    price_hysteresis: float = DEFAULT_PARAMS.price_hysteresis
+    sharpness: float = DEFAULT_PARAMS.sharpness
+    urgency: float = DEFAULT_PARAMS.urgency
+    selectivity: float = DEFAULT_PARAMS.selectivity
+
+    @property
+    def wave_at(self) -> float:
+        return 0.35 * self.duration
+
+    @property
+    def loss_at(self) -> float:
+        return 0.55 * self.duration
+
+    @property
+    def wave_leaves_at(self) -> float:
+        return 0.75 * self.duration
+
+    @property
+    def warmup(self) -> float:
+        return self.ramp + self.settle
+
+    def params(self) -> Params:
+        return Params(
+            sharpness=self.sharpness,
+            hysteresis=self.hysteresis,
+            price_hysteresis=self.price_hysteresis,
+            urgency=self.urgency,
+            selectivity=self.selectivity,
+            mean_period_s=self.period,
+        )
+
+
+@dataclass
+class Population:
+    """Every peer of the run, the same for both rules: when it comes and goes, how fast."""
+
+    arrive: np.ndarray  # (P,)
+    depart: np.ndarray  # (P,) inf: stays to the end
+    killed: np.ndarray  # (P,) bool: its departure is a kill
+    thr: np.ndarray  # (P, S) samples/s for each stage
+    load: np.ndarray  # (P,) seconds to load a stage
+
+
+def make_population(cfg: Config) -> Population:
+    rng = np.random.default_rng([cfg.seed, 1])
+    n, horizon = cfg.peers, cfg.duration
+    n_burst = int(round(cfg.burst * n))
+    arrive = [rng.uniform(0.0, 5.0, n_burst), rng.uniform(5.0, cfg.ramp, n - n_burst)]
+    life = 3600.0 / cfg.churn if cfg.churn > 0 else math.inf
+    depart = [np.full(n, math.inf)]
+    if cfg.churn > 0:
+        depart = [arrive[0] + rng.exponential(life, n_burst)]
+        depart.append(arrive[1] + rng.exponential(life, n - n_burst))
+        k = rng.poisson(n * cfg.churn * horizon / 3600.0)
+        late = np.sort(rng.uniform(0.0, horizon, k))
+        arrive.append(late)
+        depart.append(late + rng.exponential(life, k))
+    n_wave = int(round(cfg.wave * n))
+    arrive.append(cfg.wave_at + rng.uniform(0.0, 10.0, n_wave))
+    depart.append(np.full(n_wave, cfg.wave_leaves_at))
+    arrive_a, depart_a = np.concatenate(arrive), np.concatenate(depart)
+    depart_a[depart_a > horizon] = math.inf
+    total = len(arrive_a)
+    killed = rng.random(total) < cfg.kill_fraction
+    killed[total - n_wave :] = False  # the wave leaves cleanly
+    thr = draw_throughputs(rng, total, cfg)
+    load = cfg.load * np.exp(0.3 * rng.standard_normal(total))
+    return Population(arrive_a, depart_a, killed, thr, load)
+
+
+def draw_throughputs(rng: np.random.Generator, n: int, cfg: Config) -> np.ndarray:
+    """Heavy-tailed per-stage throughputs, correlated across a peer's stages (one device
+    is fast or slow at everything, give or take memory and kernel differences)."""
+    s, rho = cfg.stages, cfg.stage_correlation
+    g = math.sqrt(rho) * rng.standard_normal((n, 1)) + math.sqrt(1 - rho) * rng.standard_normal(
+        (n, s)
+    )  # (n, S) standard normal, correlation rho within a row
+    if cfg.dist == "lognormal":
+        t = np.exp(cfg.sigma * g)
+    elif cfg.dist == "pareto":  # the same dependence (Gaussian copula), Pareto margins
+        t = (1.0 - ndtr(g)).clip(1e-300) ** (-1.0 / cfg.pareto_shape)
+    else:
+        raise ValueError(f"unknown distribution {cfg.dist!r}: use lognormal or pareto")
+    cost = np.ones(s)
+    cost[-1] = cfg.last_stage_cost
+    return t / cost
+
+
+# The optimum: an upper bound from the LP relaxation, and an integer assignment under it.
+
+
+def lp_bound(t: np.ndarray, tol: float = 1e-6, max_iter: int = 500) -> tuple[float, np.ndarray]:
+    """max over fractional assignments of the least stage total, by Kelley's cutting
+    planes on its dual  min_{lam in simplex} sum_i max_s lam_s t_is  (every lam gives an
+    upper bound; the master LP gives a lower one). Returns (bound, lam)."""
+    n, s = t.shape
+    if n == 0:
+        return 0.0, np.full(s, 1.0 / s)
+    idx = np.arange(n)
+    scale = max(t.sum() / s, 1e-300)
+    cuts: list[np.ndarray] = []
+    lam = np.full(s, 1.0 / s)
+    best, best_lam = math.inf, lam
+    for _ in range(max_iter):
+        v = t * lam
+        a = v.argmax(1)
+        g = float(v[idx, a].sum())
+        if g < best:
+            best, best_lam = g, lam
+        cuts.append(np.bincount(a, weights=t[idx, a], minlength=s) / scale)
+        master = np.hstack([np.array(cuts), -np.ones((len(cuts), 1))])
+        res = linprog(
+            np.r_[np.zeros(s), 1.0],
+            A_ub=master,
+            b_ub=np.zeros(len(cuts)),
+            A_eq=np.r_[np.ones(s), 0.0][None],
+            b_eq=[1.0],
+            bounds=[(0, None)] * s + [(None, None)],
+            method="highs",
+        )
+        if res.status != 0:
+            raise RuntimeError(f"master LP failed: {res.message}")
+        if best - res.fun * scale <= tol * best:
+            break
+        lam = np.clip(res.x[:s], 0.0, None)
+        lam /= lam.sum()
+    return best, best_lam
+
+
+def integer_assignment(t: np.ndarray, lam: np.ndarray, steps: int = 400) -> float:
+    """The bottleneck of an integer assignment: each peer where lam_s t_is is highest,
+    then single moves into the weakest stage while they raise the bottleneck."""
+    n, s = t.shape
+    if n == 0:
+        return 0.0
+    idx = np.arange(n)
+    a = (t * lam).argmax(1)
+    tot = np.bincount(a, weights=t[idx, a], minlength=s)
+    for _ in range(steps):
+        m = int(tot.argmin())
+        low = tot[m]
+        without = np.array([np.delete(tot, [m, k]).min(initial=np.inf) for k in range(s)])
+        new = np.minimum(np.minimum(low + t[:, m], tot[a] - t[idx, a]), without[a])
+        new[a == m] = -np.inf
+        i = int(new.argmax())
+        if new[i] <= low * (1 + 1e-12):
+            break
+        tot[a[i]] -= t[i, a[i]]
+        tot[m] += t[i, m]
+        a[i] = m
+    return float(tot.min())
+
+
+# One rule, simulated.
+
+
+@dataclass
+class Result:
+    rule: str
+    t: list[float] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
+    ratio_settled: list[float] = field(default_factory=list)
+    present: list[int] = field(default_factory=list)
+    moves: int = 0
+    reasons: dict = field(default_factory=dict)  # (reason, steady or not) -> moves
+    revisions: int = 0
+    peer_hours: float = 0.0
+    empty_held_s: float = 0.0  # time with a stage nobody holds while >= S peers present
+    empty_serving_samples: int = 0  # samples after warm-up with a stage nobody serves
+    tightness: float = 1.0  # worst integer assignment / LP bound over the solves
+    wall_s: float = 0.0
+
+
+class Sim:
+    def __init__(self, cfg: Config, pop: Population, rule: str):
+        self.cfg, self.pop, self.rule = cfg, pop, rule
+        self.params = cfg.params()
+        self.rng = np.random.default_rng([cfg.seed, 2])
+        n, s = len(pop.arrive), cfg.stages
+        self.S = s
+        self.thr_rows = pop.thr.tolist()
+        self.phase = np.zeros(n, np.int8)
+        self.stage = np.full(n, -1, np.int64)
+        self.claimed = np.zeros(n, bool)  # visible in others' views (incl. dead, unexpired)
+        self.left = pop.depart.copy()
+        self.token = [0] * n
+        self.count = [0] * n  # decisions taken, for seeds
+        self.rounds = [0] * n  # looks before loading
+        self.seen = [0] * n  # records in the swarm at its last look
+        self.n_claimed = 0
+        self.serve_tot = [0.0] * s
+        self.serve_cnt = [0] * s
+        self.held = [0] * s  # claims of live peers
+        self.n_present = 0
+        # The announcement log (every claim change, in time order) and its running sums:
+        # a delayed view is the sums minus the changes a peer has not seen yet.
+        self.log_t: list[float] = []
+        self.log: list[tuple[int, int, float, int, int]] = []  # peer, stage, d thr/n/serving
+        self.ann_thr = [0.0] * s
+        self.ann_n = [0] * s
+        self.ann_serving = [0] * s
+        self.pyrng = random.Random(cfg.seed)  # scalar draws: gossip delays and losses
+        self.log_keep = math.log1p(-cfg.gossip_loss) if 0 < cfg.gossip_loss < 1 else None
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.res = Result(rule)
+        self.lam = np.full(s, 1.0 / s)
+        self.ann_srv = np.zeros(n, bool)  # its announced claim says it serves
+        self.claim_bound = 0.0  # an upper bound on any assignment of the claimants
+        self.last_lp = -math.inf
+        self.last_event_t = 0.0
+        self.prices: tuple[float, ...] | None = None
+        self.priced = (-math.inf, 0)  # (when, how many records) of the last price update
+        self.resettled = (-math.inf, 0.0)  # (when, bottleneck) of the baseline's estimate
+
+    # Events and announcements.
+
+    def push(self, when: float, kind: int, i: int = -1) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (when, kind, self.seq, i, self.token[i] if i >= 0 else 0))
+
+    def announce(self, t: float, i: int, stage: int, d_thr: float, d_n: int, d_srv: int) -> None:
+        self.log_t.append(t)
+        self.log.append((i, stage, d_thr, d_n, d_srv))
+        self.ann_thr[stage] += d_thr
+        self.ann_n[stage] += d_n
+        self.ann_serving[stage] += d_srv
+
+    def view(self, t: float, i: int) -> SwarmView:
+        """What peer ``i`` knows at ``t``: the announcements of others as of a gossip
+        delay ago, each of the ``reannounce`` seconds before that missing with probability
+        ``gossip_loss``; itself exactly."""
+        cfg, r, log = self.cfg, self.pyrng, self.log
+        seen_until = t - r.expovariate(1.0 / cfg.gossip_delay) if cfg.gossip_delay > 0 else t
+        k = bisect.bisect_right(self.log_t, seen_until)
+        thr, n, srv = self.ann_thr.copy(), self.ann_n.copy(), self.ann_serving.copy()
+        for q in range(k, len(log)):  # not arrived yet
+            p, st, d_thr, d_n, d_srv = log[q]
+            if p != i:
+                thr[st] -= d_thr
+                n[st] -= d_n
+                srv[st] -= d_srv
+        if self.log_keep is not None:  # lost: jump from one loss to the next
+            q = bisect.bisect_right(self.log_t, seen_until - cfg.reannounce) - 1
+            while True:
+                q += 1 + int(math.log(1.0 - r.random()) / self.log_keep)
+                if q >= k:
+                    break
+                p, st, d_thr, d_n, d_srv = log[q]
+                if p != i:
+                    thr[st] -= d_thr
+                    n[st] -= d_n
+                    srv[st] -= d_srv
+        n = [max(c, 0) for c in n]
+        srv = [min(max(c, 0), m) for c, m in zip(srv, n, strict=True)]
+        return SwarmView(tuple(max(x, 0.0) for x in thr), tuple(n), tuple(srv), self.prices)
+
+    def seed(self, i: int) -> str:
+        self.count[i] += 1
+        return f"{self.cfg.seed}:{i}:{self.count[i]}"
+
+    # Changes of state, kept consistent in one place.
+
+    def claim(self, t: float, i: int, s: int) -> None:
+        self.stage[i] = s
+        self.phase[i] = INTENT
+        self.held[s] += 1
+        if not self.claimed[i]:
+            self.claimed[i] = True
+            self.n_claimed += 1
+            self.claim_bound += float(np.max(self.lam * self.pop.thr[i]))
+        self.announce(t, i, s, self.thr_rows[i][s], 1, 0)
+
+    def unclaim(self, t: float, i: int, announce: bool) -> None:
+        s = int(self.stage[i])
+        if self.phase[i] == SERVING:
+            self.serve_tot[s] -= self.thr_rows[i][s]
+            self.serve_cnt[s] -= 1
+        self.held[s] -= 1
+        if announce:
+            self.retract(t, i)
+
+    def retract(self, t: float, i: int) -> None:
+        s = int(self.stage[i])
+        self.claimed[i] = False
+        self.n_claimed -= 1
+        self.announce(t, i, s, -self.thr_rows[i][s], -1, -int(self.ann_srv[i]))
+        self.ann_srv[i] = False
+
+    def move(self, t: float, i: int, to: int, revision: bool) -> None:
+        s = int(self.stage[i])
+        self.unclaim(t, i, announce=False)
+        self.announce(t, i, s, -self.thr_rows[i][s], -1, -int(self.ann_srv[i]))
+        self.ann_srv[i] = False
+        self.stage[i] = to
+        self.held[to] += 1
+        self.announce(t, i, to, self.thr_rows[i][to], 1, 0)
+        self.phase[i] = LOADING if not revision else INTENT
+        if revision:
+            self.res.revisions += 1
+        else:
+            self.res.moves += 1
+            self.token[i] += 1
+            self.push(t + self.pop.load[i], LOADED, i)
+
+    # Decisions: ours (protocol/assignment.py) and the baseline.
+
+    def join_choice(self, t: float, i: int) -> int:
+        self.on_prices(t)
+        view = self.view(t, i)
+        if self.rule == "ours":
+            return choose_stage(view, self.thr_rows[i], self.seed(i), self.params)
+        return int(np.argmin(view.totals))
+
+    def move_choice(self, t: float, i: int, serving: bool) -> int | None:
+        s = int(self.stage[i])
+        self.on_prices(t)
+        view = self.view(t, i)
+        if self.rule == "ours":
+            m = decide_move(view, s, self.thr_rows[i], self.seed(i), self.params, serving=serving)
+            if m is None:
+                return None
+            if serving:
+                key = (m.reason, bool(steady_mask(self.cfg, np.array([t]))[0]))
+                self.res.reasons[key] = self.res.reasons.get(key, 0) + 1
+            return m.to_stage
+        return self.petals_check(view, i, s)
+
+    def petals_check(self, view: SwarmView, i: int, s: int) -> int | None:
+        """Petals' rule with stages for blocks: move to the weakest stage if the swarm,
+        re-settled greedily, would have a bottleneck more than 1/0.75 times today's."""
+        totals = list(view.totals)
+        initial = min(totals)
+        # The re-settled bottleneck is at most the optimum for the claimants, hence at most
+        # claim_bound (a dual bound): when even that is not enough, nobody needs to try.
+        if initial >= PETALS_QUALITY * self.claim_bound:
+            return None
+        eps = 1e-3
+        me = self.thr_rows[i]
+        totals[s] -= me[s] * (1 + eps)
+        target = min(range(self.S), key=totals.__getitem__)
+        if target == s:
+            return None
+        new = self.resettle(self.last_event_t)
+        if new < initial or new < eps or initial / new >= PETALS_QUALITY - eps:
+            return None
+        return target
+
+    def resettle(self, t: float) -> float:
+        """The bottleneck after every claimant, in random order, moved to the weakest
+        stage until none moves (as a Petals server estimates it). It changes little from
+        one check to the next, so it is recomputed every ``resettle_every`` seconds."""
+        when, value = self.resettled
+        if t - when < self.cfg.resettle_every:
+            return value
+        eps = 1e-3
+        rows, n_st = self.thr_rows, range(self.S)
+        peers = np.nonzero(self.claimed)[0]
+        self.rng.shuffle(peers)
+        where = self.stage[peers].tolist()
+        order = peers.tolist()
+        totals = [0.0] * self.S
+        for p, a in zip(order, where, strict=True):
+            totals[a] += rows[p][a]
+        for _ in range(20):
+            moved = False
+            for k, p in enumerate(order):
+                a, r = where[k], rows[p]
+                totals[a] -= r[a] * (1 + eps)
+                b = min(n_st, key=totals.__getitem__)
+                totals[a] += r[a] * eps
+                if b != a:
+                    where[k] = b
+                    moved = True
+                totals[b] += r[b]
+            if not moved:
+                break
+        self.resettled = (t, min(totals))
+        return self.resettled[1]
+
+    # The run.
+
+    def run(self) -> Result:
+        cfg, pop = self.cfg, self.pop
+        started = time.perf_counter()
+        for i in range(len(pop.arrive)):
+            self.push(float(pop.arrive[i]), ARRIVE, i)
+        for k in range(int(cfg.duration // cfg.sample) + 1):
+            self.push(k * cfg.sample, SAMPLE)
+        self.push(cfg.loss_at, LOSS)
+        if self.rule == "ours":
+            for k in range(int(cfg.duration // cfg.price_every) + 1):
+                self.push(k * cfg.price_every, PRICES)
+        while self.heap:
+            t, kind, _, i, tok = heapq.heappop(self.heap)
+            if t > cfg.duration:
+                break
+            self._track_empty(t)
+            if kind == ARRIVE:
+                self.on_arrive(t, i)
+            elif kind == DEPART:
+                if self.phase[i] not in (ABSENT, GONE):
+                    self.depart(t, i, killed=bool(pop.killed[i]))
+            elif kind == VANISH:
+                self.retract(t, i)
+            elif kind == LOSS:
+                self.on_loss(t)
+            elif kind == PRICES:
+                self.on_prices(t)
+            elif kind == SAMPLE:
+                self.on_sample(t)
+            elif tok != self.token[i] or self.phase[i] == GONE:
+                continue  # superseded by a move or a departure
+            elif kind == CONFIRM:
+                self.on_confirm(t, i)
+            elif kind == LOADED:
+                self.on_loaded(t, i)
+            elif kind == CHECK:
+                self.on_check(t, i)
+        ends = np.minimum(self.left, cfg.duration)
+        self.res.peer_hours = float(np.clip(ends - pop.arrive, 0, None).sum() / 3600.0)
+        self.res.wall_s = time.perf_counter() - started
+        return self.res
+
+    def on_arrive(self, t: float, i: int) -> None:
+        self.n_present += 1
+        s = self.join_choice(t, i)
+        self.claim(t, i, s)
+        self.seen[i] = self.n_claimed
+        if math.isfinite(self.pop.depart[i]):
+            self.push(float(self.pop.depart[i]), DEPART, i)
+        if self.rule == "ours":
+            self.push(t + self.cfg.confirm, CONFIRM, i)
+        else:
+            self.phase[i] = LOADING
+            self.push(t + self.pop.load[i], LOADED, i)
+
+    def on_confirm(self, t: float, i: int) -> None:
+        """A joiner's last look before it loads: it may change its mind for free, and
+        looks again while it does or while the swarm is still growing fast (a wave)."""
+        to = self.move_choice(t, i, serving=False)
+        if to is not None:
+            self.move(t, i, to, revision=True)
+        seen, self.seen[i] = self.seen[i], self.n_claimed
+        growing = self.n_claimed > 1.05 * seen
+        self.rounds[i] += 1
+        if (to is not None or growing) and self.rounds[i] < self.cfg.confirms:
+            self.push(t + self.cfg.confirm, CONFIRM, i)
+            return
+        self.phase[i] = LOADING
+        self.push(t + self.pop.load[i], LOADED, i)
+
+    def on_loaded(self, t: float, i: int) -> None:
+        s = int(self.stage[i])
+        self.phase[i] = SERVING
+        self.serve_tot[s] += self.thr_rows[i][s]
+        self.serve_cnt[s] += 1
+        self.announce(t, i, s, 0.0, 0, 1)
+        self.ann_srv[i] = True
+        self.push(t + check_delay(self.seed(i), self.params), CHECK, i)
+
+    def on_check(self, t: float, i: int) -> None:
+        to = self.move_choice(t, i, serving=True)
+        if to is not None:
+            self.move(t, i, to, revision=False)
+        else:
+            self.push(t + check_delay(self.seed(i), self.params), CHECK, i)
+
+    def depart(self, t: float, i: int, killed: bool) -> None:
+        self.unclaim(t, i, announce=not killed)
+        if killed:  # others keep counting it until its record expires
+            self.push(t + self.cfg.expiry, VANISH, i)
+        self.phase[i] = GONE
+        self.token[i] += 1
+        self.left[i] = t
+        self.n_present -= 1
+
+    def on_loss(self, t: float) -> None:
+        holders = np.nonzero((self.stage == 0) & np.isin(self.phase, (INTENT, LOADING, SERVING)))[0]
+        victims = self.rng.choice(holders, len(holders) // 2, replace=False)
+        for i in victims:
+            self.depart(t, int(i), killed=True)
+        self.last_lp = -math.inf  # re-solve at the next sample
+
+    def on_prices(self, t: float) -> None:
+        """Prices as peers compute them from the records: again when the number of
+        records changed by more than 3%, and at least every ``price_every`` seconds."""
+        if self.rule != "ours":
+            return
+        when, size = self.priced
+        now = int(self.claimed.sum())
+        if now and (t - when >= self.cfg.price_every or abs(now - size) > 0.03 * size):
+            self.prices = stage_prices(self.pop.thr[self.claimed])
+            self.priced = (t, now)
+
+    def _track_empty(self, t: float) -> None:
+        if t > 60.0 and self.n_present >= self.S and min(self.held) == 0:
+            self.res.empty_held_s += t - self.last_event_t
+        self.last_event_t = t
+
+    def on_sample(self, t: float) -> None:
+        cfg = self.cfg
+        live = np.isin(self.phase, (INTENT, LOADING, SERVING))
+        t_live = self.pop.thr[live]
+        mass = (cfg.wave_at, cfg.wave_at + 10.0, cfg.loss_at, cfg.wave_leaves_at)
+        if t - self.last_lp >= cfg.lp_every or any(0 <= t - m < cfg.sample for m in mass):
+            bound, self.lam = lp_bound(t_live)
+            self.last_lp = t
+            if bound > 0:
+                tight = integer_assignment(t_live, self.lam) / bound
+                self.res.tightness = min(self.res.tightness, tight)
+            claims = self.pop.thr[self.claimed]
+            self.claim_bound = float((claims * self.lam).max(1).sum()) if len(claims) else 0.0
+        bound = float((t_live * self.lam).max(1).sum()) if len(t_live) else 0.0
+        achieved = min(self.serve_tot)
+        self.res.t.append(t)
+        self.res.ratio.append(achieved / bound if bound > 0 else 1.0)
+        # The same, leaving out peers still within their first load time of arriving: no
+        # rule can have them serve yet. (Any prices give an upper bound, for any peers.)
+        settled = live & (self.pop.arrive + self.pop.load <= t)
+        settled_bound = float((self.pop.thr[settled] * self.lam).max(1).sum())
+        self.res.ratio_settled.append(achieved / settled_bound if settled_bound > 0 else 1.0)
+        self.res.present.append(int(live.sum()))
+        if t >= cfg.warmup and min(self.serve_cnt) == 0:
+            self.res.empty_serving_samples += 1
+
+
+def simulate(cfg: Config, rule: str) -> Result:
+    return Sim(cfg, make_population(cfg), rule).run()
+
+
+def _simulate_packed(args: tuple[dict, str]) -> Result:
+    return simulate(Config(**args[0]), args[1])
+
+
+def run_both(cfg: Config, jobs: int = 2) -> dict[str, Result]:
+    tasks = [(asdict(cfg), rule) for rule in RULES]
+    if jobs <= 1:
+        return {rule: _simulate_packed(task) for task, rule in zip(tasks, RULES, strict=True)}
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks))) as pool:
+        return dict(zip(RULES, pool.map(_simulate_packed, tasks), strict=True))
+
+
+# Figures.
+
+
+def steady_mask(cfg: Config, t: np.ndarray) -> np.ndarray:
+    keep = t >= cfg.warmup
+    for m in (cfg.wave_at, cfg.loss_at, cfg.wave_leaves_at):
+        keep &= ~((t >= m) & (t < m + cfg.settle))
+    return keep
+
+
+def recovery(cfg: Config, r: Result) -> tuple[float, float, float, float]:
+    """After half of stage 0 is killed: (ratio before, worst ratio after, seconds until
+    90% of the drop is made up, seconds until back within 0.02 of before); inf when not
+    before the wave leaves."""
+    t, ratio = np.array(r.t), np.array(r.ratio)
+    before = ratio[(t >= cfg.loss_at - cfg.settle) & (t < cfg.loss_at)]
+    pre = float(before.mean()) if len(before) else math.nan
+    after = (t > cfg.loss_at) & (t < cfg.wave_leaves_at)
+    if not after.any():
+        return pre, math.nan, math.nan, math.nan
+    worst = float(ratio[after].min())
+    lowest = np.nonzero(after & (ratio == worst))[0][0]
+
+    def first(level: float) -> float:
+        ok = np.nonzero(after & (ratio >= level) & (np.arange(len(t)) > lowest))[0]
+        return float(t[ok[0]] - cfg.loss_at) if len(ok) else math.inf
+
+    return pre, worst, first(worst + 0.9 * (pre - worst)), first(pre - 0.02)
+
+
+def summary(cfg: Config, r: Result) -> dict[str, float]:
+    t, ratio = np.array(r.t), np.array(r.ratio)
+    keep = steady_mask(cfg, t)
+    steady = ratio[keep]
+    pre, worst, rec90, rec = recovery(cfg, r)
+    return {
+        "steady_mean": float(steady.mean()),
+        "steady_settled": float(np.array(r.ratio_settled)[keep].mean()),
+        "steady_p5": float(np.percentile(steady, 5)),
+        "steady_min": float(steady.min()),
+        "moves_per_peer_hour": r.moves / r.peer_hours,
+        "revisions_per_peer_hour": r.revisions / r.peer_hours,
+        "pre_loss": pre,
+        "worst_after_loss": worst,
+        "recovery_90_s": rec90,
+        "recovery_s": rec,
+        "empty_held_s": r.empty_held_s,
+        "empty_serving_samples": r.empty_serving_samples,
+        "tightness": r.tightness,
+        "wall_s": r.wall_s,
+    }
+
+
+def report(cfg: Config, results: dict[str, Result], every: float = 600.0) -> str:
+    lines = [
+        f"assignment simulator: {cfg.peers} peers, {cfg.stages} stages, {cfg.duration:.0f} s, "
+        f"churn {cfg.churn}/peer-hour, seed {cfg.seed}; throughputs {cfg.dist} "
+        f"(sigma {cfg.sigma}, pareto shape {cfg.pareto_shape}), stage correlation "
+        f"{cfg.stage_correlation}, last stage cost x{cfg.last_stage_cost}",
+        f"gossip: delay {cfg.gossip_delay} s mean, loss {cfg.gossip_loss}, re-announce "
+        f"{cfg.reannounce} s, record expiry {cfg.expiry} s; load {cfg.load} s; check every "
+        f"{cfg.period} s (mean); ours: {cfg.params()}",
+        f"events: burst of {cfg.burst:.0%} of peers in 5 s then ramp to {cfg.ramp:.0f} s; wave "
+        f"of {cfg.wave:.0%} at {cfg.wave_at:.0f} s, leaving at {cfg.wave_leaves_at:.0f} s; "
+        f"half of stage 0 killed at {cfg.loss_at:.0f} s",
+        "optimum: UPPER BOUND = the LP relaxation of the max-min assignment (solved exactly, "
+        f"to 1e-6, every {cfg.lp_every:.0f} s and after mass events; in between its dual "
+        "solution evaluated on the peers present, also an upper bound). Ratios below are "
+        "bottleneck (serving peers) / bound, so they understate the ratio to the true optimum.",
+        "",
+        f"{'t [min]':>8} {'peers':>7} " + " ".join(f"{r:>8}" for r in results),
+    ]
+    first = next(iter(results.values()))
+    t = np.array(first.t)
+    for start in np.arange(0.0, cfg.duration, every):
+        sel = (t >= start) & (t < start + every)
+        if not sel.any():
+            continue
+        peers = np.mean(np.array(first.present)[sel])
+        row = f"{start / 60:>4.0f}-{(start + every) / 60:<3.0f} {peers:>7.0f} "
+        row += " ".join(f"{np.mean(np.array(r.ratio)[sel]):>8.3f}" for r in results.values())
+        lines.append(row)
+    sums = {k: summary(cfg, r) for k, r in results.items()}
+    rows = [
+        ("steady-state ratio to the bound, mean", "steady_mean", "{:.4f}"),
+        ("  the same, without peers in their first load", "steady_settled", "{:.4f}"),
+        ("steady-state ratio, 5th percentile", "steady_p5", "{:.4f}"),
+        ("steady-state ratio, worst sample", "steady_min", "{:.4f}"),
+        ("moves per peer-hour", "moves_per_peer_hour", "{:.4f}"),
+        ("intent revisions per peer-hour (no load)", "revisions_per_peer_hour", "{:.4f}"),
+        ("ratio before stage 0 lost half its peers", "pre_loss", "{:.4f}"),
+        ("worst ratio after the loss", "worst_after_loss", "{:.4f}"),
+        ("seconds to make up 90% of the drop", "recovery_90_s", "{:.0f}"),
+        ("seconds to recover (within 0.02 of before)", "recovery_s", "{:.0f}"),
+        ("seconds with a stage nobody holds (>= S peers)", "empty_held_s", "{:.1f}"),
+        ("samples with a stage nobody serves (after warm-up)", "empty_serving_samples", "{:d}"),
+        ("integer assignment / LP bound (worst solve)", "tightness", "{:.4f}"),
+        ("wall time [s]", "wall_s", "{:.1f}"),
+    ]
+    lines += ["", f"{'':<52}" + "".join(f"{k:>14}" for k in results)]
+    for label, key, fmt in rows:
+        lines.append(f"{label:<52}" + "".join(f"{fmt.format(s[key]):>14}" for s in sums.values()))
+    if "ours" in results:
+        by_reason: dict[str, int] = {}
+        for (reason, _), k in results["ours"].reasons.items():
+            by_reason[reason] = by_reason.get(reason, 0) + k
+        lines.append(f"ours' moves by reason: {dict(sorted(by_reason.items()))}")
+    if set(RULES) <= sums.keys():
+        ours, base = sums["ours"], sums["petals"]
+        never_empty = all(
+            x["empty_held_s"] == 0 and x["empty_serving_samples"] == 0 for x in sums.values()
+        )
+        lines.append(
+            f"targets: ours >= 0.97 of the bound at steady state: "
+            f"{'yes' if ours['steady_mean'] >= 0.97 else 'NO'}; no empty stage (either rule): "
+            f"{'yes' if never_empty else 'NO'}; fewer moves than the baseline: "
+            f"{'yes' if ours['moves_per_peer_hour'] < base['moves_per_peer_hour'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--peers", type=int, default=Config.peers)
+    p.add_argument("--stages", type=int, default=Config.stages)
+    p.add_argument("--duration", type=float, default=Config.duration, help="simulated seconds")
+    p.add_argument("--churn", type=float, default=Config.churn, help="departures/peer-hour")
+    p.add_argument("--seed", type=int, default=Config.seed)
+    p.add_argument("--dist", choices=("lognormal", "pareto"), default=Config.dist)
+    p.add_argument("--sigma", type=float, default=Config.sigma)
+    p.add_argument("--pareto-shape", type=float, default=Config.pareto_shape)
+    p.add_argument("--stage-correlation", type=float, default=Config.stage_correlation)
+    p.add_argument("--last-stage-cost", type=float, default=Config.last_stage_cost)
+    p.add_argument("--wave", type=float, default=Config.wave)
+    p.add_argument("--gossip-delay", type=float, default=Config.gossip_delay)
+    p.add_argument("--gossip-loss", type=float, default=Config.gossip_loss)
+    p.add_argument("--expiry", type=float, default=Config.expiry)
+    p.add_argument("--load", type=float, default=Config.load)
+    p.add_argument("--period", type=float, default=Config.period)
+    p.add_argument("--hysteresis", type=float, default=Config.hysteresis)
+    p.add_argument("--price-hysteresis", type=float, default=Config.price_hysteresis)
+    p.add_argument("--sharpness", type=float, default=Config.sharpness)
+    p.add_argument("--urgency", type=float, default=Config.urgency)
+    p.add_argument("--selectivity", type=float, default=Config.selectivity)
+    p.add_argument("--report-every", type=float, default=600.0, help="rows of the time series")
+    p.add_argument("--jobs", type=int, default=2, help="processes (one per rule)")
+    a = p.parse_args(argv)
+    if a.peers < a.stages or a.stages < 1:
+        p.error(f"need --peers >= --stages >= 1, got {a.peers} peers and {a.stages} stages")
+    fields = {f: getattr(a, f) for f in Config.__dataclass_fields__ if hasattr(a, f)}
+    cfg = Config(**fields)
+    started = time.perf_counter()
+    results = run_both(cfg, a.jobs)
+    print(report(cfg, results, a.report_every))
+    print(f"total wall time: {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Peers of one stage for the averaging tests, in this process or as a subprocess.
+
+A peer here is a DHT, the last stage of a small model, its ``StageOptimizer`` and a
+``StageAverager``; ``feed`` does what a stage server does for one micro-batch (backward of
+``loss * B`` into ``.grad`` under the lock, then ``on_accumulated``).
+
+As a script (``python -m tests.averaging_peer --initial-peer MADDR --run RUN``) it is the
+victim of the kill test: it joins, accumulates two micro-batches, prints ``READY``, and in
+its first all-reduce prints ``ALLREDUCE`` and stalls, waiting to be killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from models.config import ModelConfig, OptimizerConfig
+from models.stages import Stage, even_boundaries
+from models.training import StageOptimizer
+from node.averaging_process import StageAveragerProcess
+from node.dht import SwarmDHT
+from node.stage_averaging import StageAverager
+from protocol.run_spec import AveragingSpec, RunSpec
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+CFG = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+STAGE = 1  # the last stage: block 2 and the head, so a micro-batch has a loss
+MICRO = 4
+TARGET = 16
+# Short timeouts keep the fault tests short; matchmaking stays at 4 report periods.
+FAST = {
+    "matchmaking_s": 1.0,
+    "round_timeout_s": 4.0,
+    "report_period_s": 0.25,
+    "chunk_timeout_s": 1.0,
+    "allreduce_timeout_s": 5.0,
+}
+
+
+def make_spec(run: str, **averaging) -> RunSpec:
+    optim = OptimizerConfig(micro_batch_size=MICRO, target_batch_size=TARGET, warmup_steps=0)
+    return RunSpec(
+        run=run,
+        arch=CFG.to_dict(),
+        optimizer=optim.to_dict(),
+        boundaries=tuple((r.start, r.end) for r in even_boundaries(CFG, 2)),
+        averaging=AveragingSpec(**(FAST | averaging)),
+    )
+
+
+def batch(seed: int, b: int = MICRO) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, CFG.block_size, CFG.n_embd, generator=g)  # (B, T, C) hidden states
+    y = torch.randint(0, CFG.vocab_size, (b, CFG.block_size), generator=g)
+    return x, y
+
+
+def backward(stage: Stage, seed: int) -> int:
+    x, y = batch(seed)
+    (stage(x, y) * len(x)).backward()
+    return len(x)
+
+
+@dataclass
+class Peer:
+    dht: SwarmDHT
+    spec: RunSpec
+    stage: Stage = field(init=False)
+    optimizer: StageOptimizer = field(init=False)
+    averager: StageAverager | None = None
+    fed: int = 0  # samples fed
+
+    def __post_init__(self) -> None:
+        self.stage = Stage(CFG, self.spec.stage_range(STAGE))
+        self.optimizer = StageOptimizer(self.stage, self.spec.optim)
+
+    async def start(self, averager_cls: type[StageAverager] = StageAverager) -> StageAverager:
+        self.averager = await averager_cls.create(
+            self.dht, self.spec, STAGE, self.stage, self.optimizer
+        )
+        return self.averager
+
+    def feed(self, seed: int) -> None:
+        """One micro-batch, as a stage server serves it (call from any thread)."""
+        assert self.averager is not None
+        with self.averager.lock:
+            n = backward(self.stage, seed)
+            self.optimizer.accumulated(n)
+            self.fed += n
+            self.averager.on_accumulated()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.stage.named_parameters()}
+
+
+class _StallingProcess(StageAveragerProcess):
+    """Fault: announces its first all-reduce and stalls in it (to be killed there)."""
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        print("ALLREDUCE", flush=True)
+        await asyncio.sleep(3600)
+
+
+class _StallingAverager(StageAverager):
+    process_class = _StallingProcess
+
+
+async def _victim(dht: SwarmDHT, spec: RunSpec, seeds: list[int]) -> None:
+    peer = Peer(dht, spec)
+    averager = await peer.start(_StallingAverager)
+    await averager.load_state()
+    for seed in seeds:
+        peer.feed(seed)
+    print("READY", flush=True)
+    await asyncio.sleep(3600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--initial-peer", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = make_spec(args.run)
+    dht = SwarmDHT.start(args.run, initial_peers=[args.initial_peer], host_maddrs=[LOOPBACK])
+    print(f"STARTED {time.time():.3f}", flush=True)
+    import uvloop
+
+    uvloop.run(_victim(dht, spec, args.seeds))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""The assignment and rebalancing rule (protocol/assignment.py), driven directly: no
+network, no clock. Ends with a short run of the simulator (scripts/simulate_assignment.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import linprog
+
+from protocol.assignment import (
+    DEFAULT_PARAMS,
+    Claim,
+    Move,
+    Params,
+    SwarmView,
+    bottleneck,
+    check_delay,
+    choose_stage,
+    decide_move,
+    least_served_stage,
+    smooth_bottleneck,
+    stage_prices,
+    stage_throughput,
+    stage_values,
+    view_from_peers,
+)
+from protocol.identity import peer_id_of
+from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
+
+SIM_PATH = Path(__file__).resolve().parent.parent / "scripts" / "simulate_assignment.py"
+
+
+def _view(totals, counts=None, serving=None, prices=None) -> SwarmView:
+    counts = tuple(counts if counts is not None else [10] * len(totals))
+    serving = tuple(serving if serving is not None else counts)
+    return SwarmView(tuple(float(t) for t in totals), counts, serving, prices)
+
+
+def _peer(seed: int, stage: int | None, throughput, state=PeerState.SERVING) -> PeerInfo:
+    key = Ed25519PrivateKey.from_private_bytes(bytes([seed]) * 32)
+    return PeerInfo(
+        peer_id=peer_id_of(key.public_key()),
+        run="assign-test",
+        version=PROTOCOL_VERSION,
+        device="cpu",
+        throughput=tuple(throughput),
+        throughput_source="measured",
+        bandwidth_up_mbps=10.0,
+        bandwidth_down_mbps=10.0,
+        bandwidth_source="measured",
+        stage=stage,
+        state=state,
+        load=0,
+        timestamp=0.0,
+    )
+
+
+# Joining.
+
+
+def test_a_joiner_picks_the_bottleneck_stage():
+    for seed in range(20):
+        assert choose_stage(_view([100, 60, 100]), (1.0, 1.0, 1.0), seed) == 1
+        assert choose_stage(_view([40, 100, 100, 100]), (1.0, 1.0, 1.0, 1.0), seed) == 0
+
+
+def test_a_joiner_weighs_its_own_speed_for_each_stage():
+    # Stages level; the joiner is three times faster on stage 2, so it adds most there.
+    assert choose_stage(_view([100, 100, 100]), (1.0, 1.0, 3.0), "p") == 2
+    # But not enough to prefer an already fuller stage over a real gap.
+    assert choose_stage(_view([100, 70, 100]), (1.0, 1.0, 3.0), "p") == 1
+
+
+def test_a_joiner_follows_the_prices():
+    # Level totals, equal speeds: the stage the optimum prices highest is the one to take.
+    view = _view([100, 100, 100], prices=(0.2, 0.5, 0.3))
+    assert choose_stage(view, (1.0, 1.0, 1.0), "p") == 1
+
+
+def test_announced_intents_are_counted():
+    claims = [
+        Claim("a", 0, 10.0),
+        Claim("b", 1, 5.0),
+        Claim("c", 2, 10.0),
+    ]
+    without = SwarmView.from_claims(3, claims)
+    assert choose_stage(without, (1.0, 1.0, 1.0), "joiner") == 1
+    # Someone announced it takes stage 1: it is no longer the gap.
+    with_intent = SwarmView.from_claims(3, [*claims, Claim("d", 1, 6.0, serving=False)])
+    assert with_intent.totals == (10.0, 11.0, 10.0)
+    assert with_intent.serving == (1, 1, 1) and with_intent.counts == (1, 2, 1)
+    assert choose_stage(with_intent, (1.0, 1.0, 1.0), "joiner") != 1
+
+
+def test_a_wave_of_simultaneous_joiners_into_an_empty_swarm_covers_every_stage():
+    # 30 peers join at once: none has seen another's intent.
+    empty = SwarmView.empty(3)
+    picks = Counter(choose_stage(empty, (1.0, 1.0, 1.0), f"peer-{k}") for k in range(30))
+    assert set(picks) == {0, 1, 2}
+    assert min(picks.values()) >= 5, picks
+
+
+def test_a_wave_of_joiners_that_see_each_other_spreads_evenly():
+    # Each sees the intents announced before it: the stages fill one after another.
+    claims: list[Claim] = []
+    for k in range(30):
+        view = SwarmView.from_claims(3, claims)
+        stage = choose_stage(view, (1.0, 1.0, 1.0), f"peer-{k}")
+        claims.append(Claim(f"peer-{k}", stage, 1.0, serving=False))
+    assert SwarmView.from_claims(3, claims).counts == (10, 10, 10)
+
+
+def test_a_joiner_that_piled_onto_a_stage_reconsiders_before_loading():
+    # Twelve joiners took stage 0 at once; once the intents have arrived, some leave it.
+    view = SwarmView((12.0, 0.0, 0.0), (12, 0, 0), (0, 0, 0))
+    moves = [decide_move(view, 0, (1.0, 1.0, 1.0), f"j{k}", serving=False) for k in range(12)]
+    targets = Counter(m.to_stage for m in moves if m is not None)
+    assert targets.keys() == {1, 2}
+    assert all(m.reason == "empty" for m in moves if m is not None)
+
+
+def test_near_ties_are_broken_by_the_seed():
+    view = _view([100, 100.1, 100])  # within the tolerance of each other for this joiner
+    picks = {choose_stage(view, (1.0, 1.0, 1.0), f"s{k}") for k in range(40)}
+    assert picks == {0, 1, 2}
+
+
+# Rebalancing.
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    totals=st.lists(st.floats(0.0, 1e4), min_size=2, max_size=6),
+    own=st.lists(st.floats(0.0, 1e3), min_size=6, max_size=6),
+    stage=st.integers(0, 5),
+    seed=st.integers(0, 2**32),
+    serving=st.booleans(),
+)
+def test_rebalancing_never_empties_a_stage(totals, own, stage, seed, serving):
+    n = len(totals)
+    stage %= n
+    own = own[:n]
+    totals[stage] += own[stage]  # the view counts the deciding peer
+    counts = [3] * n
+    counts[stage] = 1  # it alone holds its stage...
+    on_duty = [3] * n
+    on_duty[stage] = 1
+    view = SwarmView(tuple(totals), tuple(counts), tuple(on_duty))
+    assert decide_move(view, stage, own, seed, serving=serving) is None
+    # ... and with a second holder that is not serving yet, a serving peer still stays.
+    counts[stage] = 2
+    view = SwarmView(tuple(totals), tuple(counts), tuple(on_duty))
+    assert decide_move(view, stage, own, seed, serving=True) is None
+
+
+def test_a_stage_with_nobody_is_refilled():
+    view = _view([50.0, 50.0, 0.0], counts=[5, 5, 0])
+    moves = [decide_move(view, 0, (10.0, 10.0, 10.0), k) for k in range(200)]
+    made = [m for m in moves if m is not None]
+    assert made and all(m.to_stage == 2 and m.reason == "empty" for m in made)
+    assert all(m.gain == math.inf for m in made)
+
+
+def test_hysteresis_no_move_for_a_gain_below_the_threshold():
+    params = Params(hysteresis=0.05, price_hysteresis=0.05)
+    # The other stage would gain 3% more from this peer: inside the band, nobody moves.
+    view = _view([101.0, 100.0], counts=[50, 50])
+    for seed in range(200):
+        assert decide_move(view, 0, (1.0, 1.03), seed, params) is None
+    # 50% more, at the prices alone: a misplaced peer, moved for sure.
+    for seed in range(20):
+        move = decide_move(view, 0, (1.0, 1.5), seed, params)
+        assert move == Move(0, 1, move.gain, 1.0, "price")
+        assert move.gain > 0.05
+    # No move toward a fuller stage, however much faster the peer would be there.
+    lopsided = _view([100.0, 140.0], counts=[50, 50])
+    assert all(decide_move(lopsided, 0, (1.0, 1.2), s, params) is None for s in range(50))
+
+
+def test_movers_are_rationed_to_what_the_gap_needs():
+    # 100 identical peers on each of stages 0 and 2, 50 on stage 1: a gap of 50.
+    params = Params(urgency=1.0)
+    view = _view([100.0, 50.0, 100.0], counts=[100, 50, 100])
+    moves = [decide_move(view, 0, (1.0, 1.0, 1.0), f"a{k}", params) for k in range(2000)]
+    made = [m for m in moves if m is not None]
+    assert all(m.to_stage == 1 and m.reason == "imbalance" for m in made)
+    p = made[0].probability
+    assert all(m.probability == p for m in made)
+    assert abs(len(made) / len(moves) - p) < 0.05  # the draw follows the probability
+    # Every peer of stages 0 and 2 may reach the same conclusion: 200 candidates, each
+    # worth 1. Expected inflow in one round of checks: close to the gap, not 200.
+    expected_inflow = 200 * p * 1.0
+    assert 25 <= expected_inflow <= 60, expected_inflow
+
+
+def test_a_peer_that_is_not_in_the_view_is_an_error():
+    with pytest.raises(ValueError, match="must count the deciding peer on stage 1"):
+        decide_move(_view([10, 0, 10], counts=[1, 0, 1]), 1, (1.0, 1.0, 1.0), 0)
+
+
+def test_decisions_are_deterministic_given_the_seed():
+    view = _view([100.0, 75.0, 100.0], counts=[100, 75, 100])
+    own = (1.0, 1.0, 1.0)
+    first = [decide_move(view, 0, own, f"x{k}") for k in range(100)]
+    again = [decide_move(view, 0, own, f"x{k}") for k in range(100)]
+    assert first == again
+    assert any(m is None for m in first) and any(m is not None for m in first)
+    tie = _view([100.0, 100.0, 100.0])
+    assert [choose_stage(tie, own, k) for k in range(50)] == [
+        choose_stage(tie, own, k) for k in range(50)
+    ]
+    assert len({choose_stage(tie, own, k) for k in range(50)}) == 3
+    assert check_delay("p:1") == check_delay("p:1") != check_delay("p:2")
+
+
+def test_check_delay_is_spread_around_the_mean():
+    params = Params(mean_period_s=60.0, period_jitter=0.5)
+    delays = [check_delay(f"peer:{k}", params) for k in range(2000)]
+    assert min(delays) >= 30.0 and max(delays) <= 90.0
+    assert abs(sum(delays) / len(delays) - 60.0) < 1.5
+
+
+# Prices and the smooth bottleneck.
+
+
+def _lp_optimum(t: np.ndarray) -> float:
+    """max B s.t. every stage's total >= B, each peer split over stages: a direct LP."""
+    n, s = t.shape
+    c = np.zeros(n * s + 1)
+    c[-1] = -1.0
+    cols = np.arange(n * s)
+    a_eq = sp.csr_matrix((np.ones(n * s), (np.repeat(np.arange(n), s), cols)), (n, n * s + 1))
+    rows = np.r_[np.tile(np.arange(s), n), np.arange(s)]
+    a_ub = sp.csr_matrix(
+        (np.r_[-t.ravel(), np.ones(s)], (rows, np.r_[cols, np.full(s, n * s)])), (s, n * s + 1)
+    )
+    res = linprog(c, A_ub=a_ub, b_ub=np.zeros(s), A_eq=a_eq, b_eq=np.ones(n), method="highs")
+    assert res.status == 0
+    return -res.fun
+
+
+def test_prices_are_the_dual_of_the_max_min_assignment():
+    rng = np.random.default_rng(5)
+    t = np.exp(rng.standard_normal((300, 1)) + 0.4 * rng.standard_normal((300, 4)))
+    prices = np.array(stage_prices(t))
+    assert abs(prices.sum() - 1.0) < 1e-9 and (prices > 0).all()
+    dual_value = (t * prices).max(1).sum()  # any prices bound the optimum from above
+    optimum = _lp_optimum(t)
+    assert optimum <= dual_value * (1 + 1e-9)
+    assert dual_value <= optimum * (1 + 1e-3)
+
+
+def test_prices_of_a_swarm_that_is_twice_as_fast_on_one_stage():
+    # Stage 1 needs half the peers stage 0 needs: stage 0's capacity is worth twice as much.
+    t = np.array([[1.0, 2.0]] * 50)
+    assert stage_prices(t) == pytest.approx((2 / 3, 1 / 3), rel=1e-3)
+    # Speeds that do not depend on the stage: equal prices.
+    assert stage_prices(np.array([[3.0] * 4, [1.0] * 4])) == pytest.approx((0.25,) * 4)
+    assert stage_prices(np.zeros((0, 3))) == pytest.approx((1 / 3,) * 3)
+
+
+def test_smooth_bottleneck_lies_between_the_least_and_the_largest_total():
+    assert smooth_bottleneck([5.0, 5.0, 5.0], 8.0) == pytest.approx(5.0)
+    m = smooth_bottleneck([4.0, 5.0, 9.0], 8.0)
+    assert bottleneck([4.0, 5.0, 9.0]) == 4.0 < m < 5.0
+    assert smooth_bottleneck([4.0, 5.0, 9.0], 64.0) < m  # sharper: closer to the minimum
+    assert smooth_bottleneck([0.0, 0.0], 8.0) == 0.0
+    values = stage_values(_view([4.0, 5.0, 9.0]), (1.0, 1.0, 1.0), DEFAULT_PARAMS)
+    assert values[0] > values[1] > values[2] > 0
+
+
+# Views.
+
+
+def test_view_from_peer_records_and_intents():
+    a = _peer(1, 0, (10.0, 20.0))
+    b = _peer(2, 1, (10.0, 20.0), PeerState.LOADING)
+    c = _peer(3, 1, (10.0, 20.0), PeerState.LEAVING)  # leaving: not counted
+    d = _peer(4, None, (10.0, 20.0), PeerState.JOINING)  # no stage yet
+    view = view_from_peers([a, b, c, d], 2, priced=False)
+    assert view.totals == (10.0, 20.0) and view.counts == (1, 1) and view.serving == (1, 0)
+    # d announced an intent on stage 0; a announced it moves to stage 1.
+    intents = [Claim(d.peer_id, 0, 10.0, serving=False), Claim(a.peer_id, 1, 20.0, False)]
+    view = view_from_peers([a, b, c, d], 2, intents, priced=False)
+    assert view.totals == (10.0, 40.0) and view.counts == (1, 2) and view.serving == (0, 0)
+    view = view_from_peers([a, b, c, d], 2, exclude={a.peer_id}, own=(10.0, 20.0))
+    assert view.totals == (0.0, 20.0)
+    assert view.prices == pytest.approx((2 / 3, 1 / 3), rel=1e-3)
+
+
+def test_a_record_for_another_layout_is_dropped_not_trusted():
+    odd = _peer(5, 2, (1.0, 1.0, 1.0))
+    assert view_from_peers([odd], 2, priced=False) == SwarmView.empty(2)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: SwarmView((1.0, 2.0), (1,), (1,)), "one entry per stage: got 2, 1 and 1"),
+        (lambda: SwarmView((1.0, -2.0), (1, 1), (1, 1)), "total of stage 1 .* got -2.0"),
+        (lambda: SwarmView((1.0, math.nan), (1, 1), (1, 1)), "total of stage 1"),
+        (lambda: SwarmView((1.0, 2.0), (1, 1), (1, 2)), "got 2 serving of 1"),
+        (lambda: SwarmView((), (), ()), "1 to 256 stages, got 0"),
+        (lambda: SwarmView((1.0,), (1,), (1,), (0.5, 0.5)), "2 prices for 1 stages"),
+        (lambda: Claim("p", 0, -1.0), "throughput of peer p .* got -1.0"),
+        (
+            lambda: SwarmView.from_claims(2, [Claim("p", 0, 1.0), Claim("p", 1, 1.0)]),
+            "peer p has more than one claim",
+        ),
+        (lambda: SwarmView.from_claims(2, [Claim("p", 3, 1.0)]), "stage 3, out of range for 2"),
+        (lambda: choose_stage(SwarmView.empty(3), (1.0, 1.0), 0), "2 entries for 3 stages"),
+        (lambda: choose_stage(SwarmView.empty(2), (1.0, math.inf), 0), "stage 1 .* got inf"),
+        (lambda: choose_stage(SwarmView.empty(2), (1.0, 1.0), 1.5), "seed must be str"),
+        (lambda: Params(hysteresis=-0.1), "hysteresis must be in"),
+        (lambda: Params(sharpness=0.0), "sharpness must be in"),
+        (lambda: stage_prices(np.ones(3)), "peers x stages table, got shape"),
+        (lambda: stage_prices(-np.ones((2, 2))), "finite and >= 0"),
+    ],
+)
+def test_bad_arguments_are_value_errors_that_carry_the_numbers(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_the_first_rule_still_serves_its_callers():
+    peers = [_peer(1, 0, (5.0, 1.0)), _peer(2, 1, (1.0, 2.0)), _peer(3, 1, (1.0, 2.0))]
+    assert stage_throughput(peers, 2) == [5.0, 4.0]
+    assert least_served_stage(peers, 2, seed="x") == 1
+    with pytest.raises(ValueError, match="n_stages must be >= 1, got 0"):
+        least_served_stage(peers, 0, seed="x")
+
+
+# The simulator.
+
+
+@pytest.fixture(scope="module")
+def sim():
+    spec = importlib.util.spec_from_file_location("simulate_assignment", SIM_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["simulate_assignment"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_simulators_bound_is_the_linear_programmes_optimum(sim):
+    rng = np.random.default_rng(3)
+    t = np.exp(rng.standard_normal((200, 1)) + 0.5 * rng.standard_normal((200, 3)))
+    bound, lam = sim.lp_bound(t)
+    assert bound == pytest.approx(_lp_optimum(t), rel=1e-5)
+    integer = sim.integer_assignment(t, lam)
+    assert 0.98 * bound <= integer <= bound * (1 + 1e-9)
+
+
+def test_simulator_smoke_200_peers(sim):
+    cfg = sim.Config(peers=200, stages=3, duration=2400.0, seed=1, settle=300.0)
+    results = {rule: sim.simulate(cfg, rule) for rule in sim.RULES}
+    ours, petals = (sim.summary(cfg, results[rule]) for rule in sim.RULES)
+    assert ours["steady_mean"] > 0.9, ours
+    assert ours["steady_mean"] > petals["steady_mean"], (ours, petals)
+    for figures in (ours, petals):
+        assert figures["empty_held_s"] == 0.0 and figures["empty_serving_samples"] == 0
+        assert figures["tightness"] <= 1.0 + 1e-9
+    assert ours["recovery_s"] < 600.0, ours
+    text = sim.report(cfg, results)
+    assert "UPPER BOUND" in text and "moves per peer-hour" in text
+
+
+def test_peers_that_lose_least_by_moving_fill_a_gap_first():
+    view = _view([100.0, 60.0, 100.0], counts=[100, 60, 100])
+    params = Params(urgency=0.5)
+    suited = decide_move(view, 0, (1.0, 1.0, 1.0), "always", Params(urgency=1e6))
+    assert suited is not None and suited.reason == "imbalance"
+
+    def chance(own) -> float:
+        made = [decide_move(view, 0, own, f"s{k}", params) for k in range(3000)]
+        return sum(m is not None for m in made) / len(made)
+
+    # Both would rather be on stage 1 now; the one that is slower there is sent less often.
+    assert chance((1.0, 1.0, 1.0)) > 2 * chance((1.0, 0.8, 1.0)) > 0

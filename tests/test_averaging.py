@@ -1,0 +1,472 @@
+"""Averaging among the peers of a stage, on real hivemind DHTs and averagers (loopback).
+
+Peers are ``tests.averaging_peer.Peer``: a DHT, the last stage of a small model, its
+optimizer and a ``StageAverager``, fed micro-batches the way a stage server feeds them
+(one test serves them through real ``AveragedStageServer``s instead). The kill test's
+victim is a subprocess. The last tests drive ``protocol.averaging.decide`` and
+``node.stage_state`` alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+import pytest
+import torch
+import uvloop
+from hivemind.p2p import P2P
+
+from models.stages import Stage
+from models.training import StageOptimizer
+from node import stage_client, stage_state
+from node.dht import SwarmDHT
+from node.stage_averaging import AveragedStageServer, StageAverager
+from protocol.averaging import Action, Progress, decide
+from protocol.stage_messages import StageContract
+from tests.averaging_peer import (
+    CFG,
+    FAST,
+    LOOPBACK,
+    STAGE,
+    TARGET,
+    Peer,
+    backward,
+    batch,
+    make_spec,
+)
+
+ATOL = 1e-6  # copies agree to float rounding: each adds (average - own) to its own
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    """Three DHT processes on loopback, shared by the module's tests (each test uses its own
+    run name, so records and averaging groups do not mix)."""
+    started: list[SwarmDHT] = []
+    try:
+        started.append(SwarmDHT.start("avg", host_maddrs=[LOOPBACK]))
+        first = started[0].visible_maddrs()
+        for _ in range(2):
+            started.append(SwarmDHT.start("avg", host_maddrs=[LOOPBACK], initial_peers=first))
+        yield [d.dht for d in started]
+    finally:
+        for d in started:
+            d.shutdown()
+
+
+def _run(body, timeout: float = 90.0):
+    return uvloop.run(asyncio.wait_for(body, timeout))
+
+
+async def _until(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Wait for ``condition`` (polled); the seconds it took. Fails after ``timeout``."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = ATOL) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=atol) for k in a)
+
+
+def _reference(*seed_groups: list[int]) -> dict[str, torch.Tensor]:
+    """One optimizer step, in this process, on the sample-weighted mean gradient of all the
+    micro-batches (``StageOptimizer`` divides the summed gradients by the samples)."""
+    stage = Stage(CFG, make_spec("ref").stage_range(STAGE))
+    optimizer = StageOptimizer(stage, make_spec("ref").optim)
+    for seeds in seed_groups:
+        for seed in seeds:
+            optimizer.accumulated(backward(stage, seed))
+    optimizer.step()
+    return {n: p.detach().clone() for n, p in stage.named_parameters()}
+
+
+def _finite(params: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in params.values())
+
+
+def _at_epoch(epoch: int, *peers: Peer) -> bool:
+    """Every peer reached ``epoch`` and is done with the step that took it there."""
+    return all(p.averager.epoch == epoch and not p.averager.busy for p in peers)
+
+
+async def _shutdown(*peers: Peer) -> None:
+    for peer in peers:
+        if peer.averager is not None:
+            await peer.averager.shutdown()
+
+
+def test_peers_average_to_one_step_and_a_joiner_downloads_the_state(dhts):
+    """(a) Two peers fed different micro-batches (3:1) take the same step, the one a
+    single process takes on the sample-weighted mean gradient; (b) a third peer downloads
+    parameters, AdamW state and step before it serves; then all three, fed concurrently
+    while rounds run, stay equal and lose or double-count no sample."""
+    spec = make_spec("avg-grad")
+    a, b, c = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts)
+
+    async def body():
+        try:
+            await a.start()
+            assert not (await a.averager.load_state()).loaded  # nobody had the stage
+            await b.start()
+            assert (await b.averager.load_state()).source == a.averager.peer_id  # a had it
+            for seed in (1, 2, 3):
+                a.feed(seed)  # 12 samples: below the target alone
+            b.feed(4)  # 4 samples: the stage's 16 are reached only together
+            await _until(lambda: _at_epoch(1, a, b), 15, "one round")
+            for peer in (a, b):
+                assert peer.averager.stats.rounds == 1 and peer.averager.stats.last_group == 2
+                assert peer.averager.step == 1 and peer.optimizer.samples == 0
+            assert _close(a.params(), b.params())
+            assert _close(a.params(), _reference([1, 2, 3], [4]))
+            assert a.averager.stats.samples == 12 and b.averager.stats.samples == 4
+
+            await c.start()
+            loaded = await c.averager.load_state()
+            assert loaded.loaded and loaded.step == 1 and loaded.epoch == 1
+            donor = a if loaded.source == a.averager.peer_id else b
+            assert loaded.source == donor.averager.peer_id
+            assert all(torch.equal(t, donor.params()[k]) for k, t in c.params().items())
+            for p_c, p_d in zip(c.stage.parameters(), donor.stage.parameters(), strict=True):
+                s_c, s_d = c.optimizer.optimizer.state[p_c], donor.optimizer.optimizer.state[p_d]
+                assert all(torch.equal(s_c[k], s_d[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+            def feed_many(peer: Peer, first_seed: int) -> None:
+                for i in range(12):
+                    peer.feed(first_seed + i)
+                    time.sleep(0.02)
+
+            await asyncio.gather(
+                *(
+                    asyncio.to_thread(feed_many, peer, 100 * (k + 1))
+                    for k, peer in enumerate((a, b, c))
+                )
+            )
+            peers = (a, b, c)
+
+            def settled() -> bool:
+                pending = sum(p.optimizer.samples for p in peers)
+                epochs = {p.averager.epoch for p in peers}
+                return (
+                    pending < TARGET
+                    and len(epochs) == 1
+                    and not any(p.averager.busy for p in peers)
+                )
+
+            await _until(settled, 30, "the rounds after concurrent feeding")
+            for peer in peers:
+                stats = peer.averager.stats
+                assert stats.samples + peer.optimizer.samples == peer.fed, stats
+            assert 2 <= a.averager.epoch <= 1 + 3 * 48 // TARGET
+            assert _close(a.params(), b.params(), 1e-5) and _close(a.params(), c.params(), 1e-5)
+            assert _finite(a.params())
+        finally:
+            await _shutdown(a, b, c)
+
+    _run(body())
+
+
+def test_stage_servers_average_through_their_hook(dhts):
+    """``AveragedStageServer``: micro-batches served over P2P (a last-stage train call) reach
+    the averager through the server's compute thread and lock; the two servers' stages then
+    hold the same parameters, the step a single process takes on all the micro-batches."""
+    spec = make_spec("avg-server")
+    peers = [Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2]]
+    contract = StageContract.for_stage(CFG, spec.stage_range(STAGE), STAGE)
+    servers: list[AveragedStageServer] = []
+    client = None
+
+    async def body():
+        nonlocal client
+        try:
+            for peer in peers:
+                await peer.start()
+                await peer.averager.load_state()
+                p2p = await peer.dht.replicate_p2p()
+                servers.append(
+                    await AveragedStageServer.create(
+                        p2p, peer.stage, peer.optimizer, contract, spec.run, averager=peer.averager
+                    )
+                )
+            maddrs = [m for peer in peers for m in peer.dht.visible_maddrs()]
+            client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+            seeds = {0: [1, 2, 3], 1: [4]}  # 12 + 4 samples: the target only together
+            for k, server in enumerate(servers):
+                for seed in seeds[k]:
+                    x, y = batch(seed)
+                    await stage_client.loss(
+                        client, server.peer_id, x, y, run_id=spec.run, stage=STAGE, train=True
+                    )
+            await _until(lambda: _at_epoch(1, *peers), 15, "one round")
+            assert servers[0].counters.steps == servers[1].counters.steps == 1
+            assert _close(peers[0].params(), peers[1].params())
+            assert _close(peers[0].params(), _reference(seeds[0], seeds[1]))
+        finally:
+            for server in servers:
+                await server.shutdown()
+            if client is not None:
+                await client.shutdown()
+            await _shutdown(*peers)
+
+    _run(body())
+
+
+class _Lines:
+    """A subprocess's stdout lines, read on a thread, awaited with a deadline."""
+
+    def __init__(self, stream) -> None:
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line.strip())
+
+    async def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._queue.get_nowait() == text:
+                    return
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no {text!r} within {timeout:.0f} s") from None
+                await asyncio.sleep(0.05)
+
+
+def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path):
+    """(c) The victim (a subprocess) is SIGKILLed inside the round's all-reduce: the survivor
+    does not hang past the round's timeout, applies its own gradient alone (not a half
+    averaged one), keeps stepping, and the victim's averager and DHT processes die with it."""
+    spec = make_spec("avg-kill")
+    survivor = Peer(SwarmDHT(dhts[0], spec.run), spec)
+    maddr = SwarmDHT(dhts[0], spec.run).visible_maddrs()[0]
+    victim = None
+
+    async def body():
+        nonlocal victim
+        try:
+            await survivor.start()
+            await survivor.averager.load_state()
+            with open(tmp_path / "victim.log", "w") as log:
+                victim = subprocess.Popen(
+                    [sys.executable, "-m", "tests.averaging_peer", "--run", spec.run,
+                     "--initial-peer", maddr, "--seeds", "11", "12"],
+                    stdout=subprocess.PIPE, stderr=log, text=True,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"),
+                )  # fmt: skip
+            lines = _Lines(victim.stdout)
+            await lines.wait_for("READY", 60)  # 8 samples in: the round needs ours too
+            survivor.feed(1)
+            survivor.feed(2)
+            await lines.wait_for("ALLREDUCE", 20)
+            children = psutil.Process(victim.pid).children(recursive=True)
+            assert len(children) >= 2  # its DHT (with p2pd under it) and its averager
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            killed = time.monotonic()
+
+            s = survivor.averager
+            await _until(lambda: _at_epoch(1, survivor), FAST["round_timeout_s"] + 3, "a step")
+            assert time.monotonic() - killed <= FAST["round_timeout_s"] + 1
+            assert s.stats.rounds == 0 and s.stats.fallbacks == 1 and s.stats.samples == 8
+            assert _finite(survivor.params())
+            assert _close(survivor.params(), _reference([1, 2]))  # its own step, whole
+
+            for seed in range(3, 7):  # the victim's record expires: the survivor is alone
+                survivor.feed(seed)
+            took = await _until(lambda: _at_epoch(2, survivor), 10, "a step alone")
+            assert s.stats.alone == 1 and took < 4
+            _, alive = psutil.wait_procs(children, timeout=10)
+            assert not alive, f"the victim's processes outlived it: {alive}"
+        finally:
+            await _shutdown(survivor)
+            if victim is not None and victim.poll() is None:
+                victim.kill()
+                victim.wait(10)
+
+    _run(body())
+
+
+class _NaNAverager(StageAverager):
+    """Fault: sends NaN in place of its contribution (past its own finiteness check)."""
+
+    def _write_buffers(self, tensors, timeout):
+        super()._write_buffers([torch.full_like(t, math.nan) for t in tensors], timeout)
+
+
+def test_a_nan_contribution_does_not_poison_the_other_peer(dhts):
+    """(d) An honest peer that averages with a peer sending NaN discards every such result
+    (its reducer also drops the NaN sender's parts) and, at the round's timeout, applies its
+    own gradient alone: finite, exactly its own step."""
+    spec = make_spec("avg-nan")
+    honest, faulty = (
+        Peer(SwarmDHT(dhts[0], spec.run), spec),
+        Peer(SwarmDHT(dhts[1], spec.run), spec),
+    )
+
+    async def body():
+        try:
+            await honest.start()
+            await honest.averager.load_state()
+            await faulty.start(_NaNAverager)
+            await faulty.averager.load_state()
+            for seed in (1, 2):
+                honest.feed(seed)
+            for seed in (3, 4):
+                faulty.feed(seed)
+            await _until(lambda: _at_epoch(1, honest), FAST["round_timeout_s"] + 5, "a step")
+            h = honest.averager.stats
+            assert h.discarded >= 1 and h.rounds == 0 and h.fallbacks == 1, h
+            assert _finite(honest.params())
+            assert _close(honest.params(), _reference([1, 2]))
+        finally:
+            await _shutdown(honest, faulty)
+
+    _run(body())
+
+
+def test_averagers_start_from_a_running_event_loop(dhts):
+    """The averager process is forked from inside a running uvloop, five times in a row; each
+    comes up, serves a round trip on its control pipe, and stops."""
+    spec = make_spec("avg-start")
+
+    async def body():
+        for i in range(5):
+            peer = Peer(SwarmDHT(dhts[i % 3], f"{spec.run}{i}"), spec)
+            try:
+                started = time.monotonic()
+                averager = await peer.start()
+                assert averager._process.is_alive()
+                assert await asyncio.to_thread(averager._process.get_group_bits) == ""
+                assert time.monotonic() - started < 10
+            finally:
+                await _shutdown(peer)
+            assert peer.averager._process is None
+
+    _run(body())
+
+
+def test_decide():
+    def p(peer: str, epoch: int, samples: int) -> Progress:
+        return Progress(peer, epoch, samples)
+
+    assert decide("me", 3, 10, [], 16).action is Action.WAIT
+    assert decide("me", 3, 16, [], 16).action is Action.STEP_ALONE
+    assert decide("me", 3, 16, [p("me", 3, 99)], 16).action is Action.STEP_ALONE  # ours: ignored
+    two = decide("me", 3, 10, [p("a", 3, 6), p("b", 2, 50)], 16)
+    assert (two.action, two.samples, two.peers) == (Action.AVERAGE, 16, 1)
+    assert decide("me", 3, 0, [p("a", 3, 16)], 16).action is Action.AVERAGE  # weight 0
+    assert decide("me", 3, 10, [p("a", 4, 0)], 16).action is Action.CATCH_UP
+    assert decide("me", 3, 16, [p("a", 4, 0)], 16, catch_up=False).action is Action.WAIT
+    assert decide("me", 3, 1, [p("a", 3, 10**9)], 16).action is Action.AVERAGE  # capped
+    assert decide("me", 0, 20, [p("a", 0, 10)], 16, per_peer=True).action is Action.WAIT
+    assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
+    with pytest.raises(ValueError):
+        decide("me", 0, 1, [], 0)
+
+
+def test_state_is_checked_before_it_replaces_anything():
+    spec = make_spec("avg-state")
+    donor = Stage(CFG, spec.stage_range(STAGE))
+    opt = StageOptimizer(donor, spec.optim)
+    opt.accumulated(backward(donor, 1))
+    opt.step()
+    metadata, tensors = stage_state.capture(donor, opt, epoch=1, mode="gradient", peer="p")
+    joiner = Stage(CFG, spec.stage_range(STAGE))
+    state = stage_state.parse(metadata, tensors, joiner, mode="gradient")
+    joiner_opt = StageOptimizer(joiner, spec.optim)
+    stage_state.apply(state, joiner, joiner_opt)
+    assert joiner_opt.step_count == 1 and state.epoch == 1
+    assert all(
+        torch.equal(a, b) for a, b in zip(joiner.parameters(), donor.parameters(), strict=True)
+    )
+
+    def refused(metadata=metadata, tensors=tensors, mode="gradient") -> str:
+        with pytest.raises(stage_state.StateError) as e:
+            stage_state.parse(metadata, tensors, joiner, mode=mode)
+        return str(e.value)
+
+    assert "mode" in refused(mode="diloco")
+    assert "tensors" in refused(tensors=tensors[:-1])
+    bad = list(tensors)
+    bad[0] = torch.full_like(bad[0], math.inf)
+    assert "non-finite" in refused(tensors=bad)
+    bad[0] = tensors[0][:1]
+    assert "shape" in refused(tensors=bad)
+    assert "epoch" in refused(metadata=metadata | {"epoch": -1})
+    assert "names" in refused(metadata=metadata | {"names": ["x"]})
+    assert "adamw" in refused(metadata=metadata | {"adamw": [[0, "bogus"], *metadata["adamw"][1:]]})
+
+
+def test_diloco_copies_are_equal_after_an_outer_step(dhts):
+    """DiLoCo: each peer takes its own AdamW steps (every ``target_batch_size`` of its own
+    samples); once the stage did ``inner_steps`` per peer, the peers average their deltas
+    from the anchor and take one outer Nesterov step: the copies are then equal, and equal
+    to that step computed here (the deltas travel as float16 here). A joiner downloads the
+    anchor and the outer momentum."""
+    spec = make_spec("avg-diloco", mode="diloco", inner_steps=2, compression="float16")
+    a, b, c = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts)
+    seeds_a, seeds_b = list(range(1, 9)), list(range(11, 19))  # 32 samples: 2 inner steps each
+
+    def inner(seeds: list[int]) -> dict[str, torch.Tensor]:
+        stage = Stage(CFG, spec.stage_range(STAGE))
+        optimizer = StageOptimizer(stage, spec.optim)
+        for i, seed in enumerate(seeds):
+            optimizer.accumulated(backward(stage, seed))
+            if (i + 1) % (TARGET // 4) == 0:
+                optimizer.step()
+        return {n: p.detach().clone() for n, p in stage.named_parameters()}
+
+    start = {n: p.detach().clone() for n, p in a.stage.named_parameters()}
+    after_a, after_b = inner(seeds_a), inner(seeds_b)
+    s = spec.averaging
+    expected = {  # first Nesterov step: momentum = delta, update = delta + momentum * delta
+        n: start[n]
+        - s.outer_lr * (1 + s.outer_momentum) * (2 * start[n] - after_a[n] - after_b[n]) / 2
+        for n in start
+    }
+
+    async def body():
+        try:
+            await a.start()
+            await a.averager.load_state()
+            await b.start()
+            await b.averager.load_state()
+            # Each reaches its share of the inner steps alone: unseen, it would step alone.
+            await _until(
+                lambda: a.averager.peers == b.averager.peers == 1, 5, "they see each other"
+            )
+            for seed_a, seed_b in zip(seeds_a, seeds_b, strict=True):
+                a.feed(seed_a)
+                b.feed(seed_b)
+            await _until(lambda: _at_epoch(1, a, b), 15, "an outer step")
+            for peer in (a, b):
+                assert peer.averager.stats.rounds == 1 and peer.averager.step == 2
+            assert _close(a.params(), b.params(), 0)  # bitwise: the same float16 average
+            assert _close(a.params(), expected, 1e-5)  # deltas ~1e-2 travel as float16
+
+            await c.start()
+            loaded = await c.averager.load_state()
+            assert loaded.loaded and loaded.epoch == 1 and loaded.step == 2
+            assert _close(c.params(), a.params())
+            for mine, theirs in zip(c.averager._momentum(), a.averager._momentum(), strict=True):
+                assert torch.equal(mine, theirs) or torch.allclose(mine, theirs, atol=ATOL)
+        finally:
+            await _shutdown(a, b, c)
+
+    _run(body())
