@@ -26,10 +26,7 @@ time. The host side answers state downloads through ``state_source``
 
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,9 +36,9 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.utils.asyncio import as_aiter, azip
 
+from node.child_process import die_with_parent
 from protocol.averaging import check_weight
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 EPOCH_BITS = 16  # epochs that differ by a multiple of 2**16 share a group key
 
 
@@ -102,11 +99,7 @@ class StageAveragerProcess(DecentralizedAverager):
         return name if namespace is None else f"{namespace}::{name}"
 
     def run(self) -> None:
-        if sys.platform == "linux":
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
-                os._exit(1)
+        die_with_parent(self._parent_pid)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops us
         inherited = getattr(self.dht, "_p2p_replica", None)
         if inherited is not None:

@@ -7,12 +7,8 @@ record read is validated here; invalid ones are dropped and logged, never return
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import math
-import os
-import signal
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +19,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
+from node.child_process import die_with_parent
 from protocol.keys import peers_key, spec_key
 from protocol.records import (
     MAX_RECORD_AGE_S,
@@ -36,7 +33,6 @@ from protocol.run_spec import RunSpec, decode_run_spec, encode_run_spec
 logger = logging.getLogger(__name__)
 
 SPEC_TTL_S = 3600.0  # every node re-stores the spec, so it outlives its creator
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class DHTStartError(RuntimeError):
@@ -89,11 +85,7 @@ class _OwnedDHT(hivemind.DHT):
     by SIGKILL, its DHT process (and with it ``p2pd``) dies too, as a dead peer must."""
 
     def run(self) -> None:
-        if sys.platform == "linux":
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
-                os._exit(1)
+        die_with_parent(self._parent_pid)
         super().run()
 
 
