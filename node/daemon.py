@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import random
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -132,15 +131,13 @@ class Node:
             await self.dht.publish_spec(self.spec)
             logger.info("started run %s: preset %s, %d stages", s.run, s.preset, s.n_stages)
             return
-        deadline = time.monotonic() + s.spec_timeout_s
-        while (spec := await self.dht.spec()) is None:
-            if time.monotonic() > deadline:
-                raise NodeError(
-                    f"no valid spec for run {s.run!r} found through {', '.join(s.initial_peers)} "
-                    f"within {s.spec_timeout_s:.0f} s: is the run name right, and is a node of "
-                    "that run reachable?"
-                )
-            await asyncio.sleep(0.5)
+        spec = await self.dht.wait_for_spec(s.spec_timeout_s)
+        if spec is None:
+            raise NodeError(
+                f"no valid spec for run {s.run!r} found through {', '.join(s.initial_peers)} "
+                f"within {s.spec_timeout_s:.0f} s: is the run name right, and is a node of "
+                "that run reachable?"
+            )
         self.spec = spec
         if s.stage is not None and not 0 <= s.stage < spec.n_stages:
             raise NodeError(f"--stage {s.stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")

@@ -6,9 +6,11 @@ record read is validated here; invalid ones are dropped and logged, never return
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -195,6 +197,13 @@ class SwarmDHT:
         except RecordError as e:
             logger.warning("dropped the run spec: %s", e)
             return None
+
+    async def wait_for_spec(self, timeout_s: float) -> RunSpec | None:
+        """The run's spec, polling the DHT until it appears; None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (spec := await self.spec()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        return spec
 
     def shutdown(self) -> None:
         """Stop the DHT process and its ``p2pd`` (blocking, about a second)."""

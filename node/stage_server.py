@@ -30,7 +30,6 @@ bad request leaves parameters, gradients and counters as they were (but ``reject
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -46,6 +45,7 @@ from hivemind.proto import runtime_pb2
 
 from models.stages import Stage
 from models.training import StageOptimizer
+from node.capacity import autocast_for
 from node.servicer import NodeServicer
 from node.stage_wire import (
     FAILED,
@@ -274,7 +274,7 @@ class StageServer(NodeServicer):
         """On the compute thread: decode, check, and only then run the stage."""
         request = parse_request(self.contract, meta, [deserialize(s) for s in serialized])
         request = self._on_device(request)
-        with self.lock, self._autocast():
+        with self.lock, autocast_for(self.device):
             if isinstance(request, ForwardRequest):
                 return self._run_forward(request)
             return self._run_backward(request)
@@ -290,13 +290,6 @@ class StageServer(NodeServicer):
         moved = {f: getattr(request, f).to(self.device) for f in tensors
                  if getattr(request, f, None) is not None}  # fmt: skip
         return dataclasses.replace(request, **moved)
-
-    def _autocast(self):
-        """bf16 autocast on CUDA: tensor cores and half the activation memory; the wire
-        still carries float32 (or the run's compression of it)."""
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _send(self, tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
         return serialize(tensor.detach().float().cpu(), compression)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.data import load_corpus
+from node.daemon import NodeError
 from node.dht import SwarmDHT
 from node.files import write_atomic
 from node.progress import Progress
@@ -46,11 +47,9 @@ class Curve:
 
 async def open_trainer(dht: SwarmDHT, settings: TrainerSettings, spec_timeout_s: float = 60):
     """A ``Trainer`` for the run ``dht`` is in, once its spec is found."""
-    deadline = time.monotonic() + spec_timeout_s
-    while (spec := await dht.spec()) is None:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no spec for run {dht.run!r} found within {spec_timeout_s:.0f} s")
-        await asyncio.sleep(0.5)
+    spec = await dht.wait_for_spec(spec_timeout_s)
+    if spec is None:
+        raise NodeError(f"no spec for run {dht.run!r} found within {spec_timeout_s:.0f} s")
     corpus = await asyncio.to_thread(load_corpus, spec.data)
     return Trainer(dht, await dht.replicate_p2p(), spec, corpus, settings)
 
