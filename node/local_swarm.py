@@ -51,6 +51,14 @@ class NodeProcess:
     def peer_id(self) -> str:
         return self.maddr.rsplit("/p2p/", 1)[1]
 
+    @property
+    def run_id(self) -> str:
+        """The id of the run this node is in, as others must name it to join."""
+        m = re.search(r"in run '([^']+)'", self.output())
+        if m is None:
+            raise RuntimeError(f"node {self.name} has not said which run it is in yet")
+        return m.group(1)
+
     def stage(self) -> int | None:
         m = re.search(r"serving stage (\d+)", self.output())
         return int(m.group(1)) if m else None

@@ -94,11 +94,11 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
     try:
         await node.prepare()
         maddrs = node.dht.visible_maddrs()
-        if maddrs_file:
-            write_maddrs(maddrs_file, maddrs)
         print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
         for m in maddrs:
             print(f"  --initial-peers {m}", flush=True)
+        if maddrs_file:  # after the printout: whoever waits for this file may read it
+            write_maddrs(maddrs_file, maddrs)
 
         def on_ready() -> None:
             print(
