@@ -7,7 +7,7 @@ import logging
 import sys
 
 from models.data import DataError
-from node import baseline, demo, serve, status, train
+from node import baseline, demo, run_admin, serve, status, train
 from node.daemon import NodeError
 from node.dht import DHTStartError
 from node.files import IdentityInUseError
@@ -15,6 +15,7 @@ from node.files import IdentityInUseError
 COMMANDS = [
     ("baseline", baseline, "train the whole model in one process (the reference)"),
     ("node", serve, "run a node daemon: join (or start) a run and serve a stage"),
+    ("run", run_admin, "create a run; invite machines to a private run, or revoke them"),
     ("status", status, "show the peers and stages of a run"),
     ("train", train, "train through a run's swarm without serving a stage"),
     ("demo", demo, "a local swarm that trains and survives a kill -9"),

@@ -26,18 +26,24 @@ from models.training import StageOptimizer
 from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
 from node.capacity import Device, pick_device, stage_throughputs
 from node.dht import SwarmDHT
-from node.files import load_or_create_identity, write_atomic
+from node.files import load_or_create_identity, load_or_create_key, write_atomic
+from node.membership import MembershipGate, prove_membership
 from node.stage_averaging import AveragedStageServer, StageAverager
 from node.stage_server import StageServer
 from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from protocol.assignment import least_served_stage
-from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
-from protocol.run_spec import RunSpec, make_run_spec
+from protocol.identity import peer_id_of
+from protocol.membership import MembershipError, issue_invite
+from protocol.ownership import fingerprint
+from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
+from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file, sign_run_spec
 from protocol.stage_messages import StageContract
 
 logger = logging.getLogger(__name__)
 
 SPEC_REFRESH_S = 300.0
+REVOCATIONS_REFRESH_S = 10.0
+OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
 
 
 class NodeError(RuntimeError):
@@ -46,14 +52,17 @@ class NodeError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeSettings:
-    run: str
+    run: str  # a run id (NAME@FINGERPRINT), or a new public run's NAME
     initial_peers: tuple[str, ...] = ()
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
     identity: Path | None = None  # default: ~/.swarmtrain/<run>/identity.key
     device: str = "auto"
     stage: int | None = None  # pin a stage instead of choosing one
-    # Used only by the node that starts a new run (no initial peers): the run's spec.
+    spec_file: Path | None = None  # the run's signed spec (``swarmtrain run create``)
+    invite: str | None = None  # private runs: the invite token from the run's owner
+    owner_key: Path | None = None  # default: ~/.swarmtrain/owner.key
+    # Used only by the node that starts a new public run by name: the run's spec.
     preset: str = "tiny"
     n_stages: int = 2
     compression: str = "none"
@@ -70,18 +79,62 @@ class NodeSettings:
         return 3 * self.update_period_s
 
     def identity_path(self) -> Path:
-        return self.identity or Path(f"~/.swarmtrain/{self.run}/identity.key").expanduser()
+        name = self.run.partition("@")[0]
+        return self.identity or Path(f"~/.swarmtrain/{name}/identity.key").expanduser()
+
+    def owner_key_path(self) -> Path:
+        return (self.owner_key or Path("~/.swarmtrain/owner.key")).expanduser()
+
+
+def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
+    """The run's id, and its signed spec when this node brings it (a spec file, or a new
+    public run by name, signed with this machine's owner key)."""
+    if settings.spec_file is not None:
+        try:
+            signed = read_spec_file(settings.spec_file.read_text())
+        except (OSError, RecordError) as e:
+            raise NodeError(f"cannot use spec file {settings.spec_file}: {e}") from None
+        if settings.run not in ("", signed.spec.run):
+            raise NodeError(f"--run {settings.run} but the spec file is for {signed.spec.run}")
+        return signed.spec.run, signed
+    if "@" in settings.run:
+        return settings.run, None  # the spec comes from the DHT
+    if settings.initial_peers:
+        raise NodeError(
+            f"name the run by its id, NAME@FINGERPRINT, as its first node printed it "
+            f"(got {settings.run!r})"
+        )
+    owner_key = load_or_create_key(settings.owner_key_path())
+    owner = peer_id_of(owner_key.public_key())
+    spec = make_run_spec(
+        settings.run,
+        settings.preset,
+        settings.n_stages,
+        owner=owner,
+        compression=settings.compression,
+    )
+    return spec.run, sign_run_spec(spec, owner_key)
 
 
 class Node:
     """One volunteer's membership in one run."""
 
-    def __init__(self, settings: NodeSettings, dht: SwarmDHT, key, lock_fd: int) -> None:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        dht: SwarmDHT,
+        key,
+        lock_fd: int,
+        signed_spec: SignedSpec | None = None,
+    ) -> None:
         self.settings = settings
         self.dht = dht
         self.key = key
         self._lock_fd = lock_fd
+        self.signed_spec = signed_spec  # what we publish (and re-publish) in the DHT
         self.spec: RunSpec | None = None
+        self.membership: str | None = None  # our proof of an invite, in a private run
+        self.gate: MembershipGate | None = None
         self.device: Device | None = None
         self.throughput: tuple[float, ...] = ()
         self.stage: int | None = None
@@ -99,10 +152,12 @@ class Node:
         """Load (or create) the identity and start the DHT. Call before any event loop runs:
         hivemind forks the DHT's process, and forking a process with a running loop is
         fragile."""
+        run, signed = resolve_run(settings)
+        settings = replace(settings, run=run)
         key, lock_fd = load_or_create_identity(settings.identity_path())
         try:
             dht = SwarmDHT.start(
-                settings.run,
+                run,
                 initial_peers=settings.initial_peers,
                 host_maddrs=settings.host_maddrs,
                 announce_maddrs=settings.announce_maddrs,
@@ -111,7 +166,7 @@ class Node:
         except BaseException:
             os.close(lock_fd)
             raise
-        return cls(settings, dht, key, lock_fd)
+        return cls(settings, dht, key, lock_fd, signed)
 
     async def prepare(self) -> None:
         """Fetch (or, for a new run, write) the run's spec, and measure this machine."""
@@ -126,21 +181,50 @@ class Node:
 
     async def _load_spec(self) -> None:
         s = self.settings
-        if not s.initial_peers:
-            self.spec = make_run_spec(s.run, s.preset, s.n_stages, compression=s.compression)
-            await self.dht.publish_spec(self.spec)
-            logger.info("started run %s: preset %s, %d stages", s.run, s.preset, s.n_stages)
-            return
-        spec = await self.dht.wait_for_spec(s.spec_timeout_s)
-        if spec is None:
-            raise NodeError(
-                f"no valid spec for run {s.run!r} found through {', '.join(s.initial_peers)} "
-                f"within {s.spec_timeout_s:.0f} s: is the run name right, and is a node of "
-                "that run reachable?"
+        if self.signed_spec is not None:
+            await self.dht.publish_spec(self.signed_spec)
+            spec = self.signed_spec.spec
+            private = ", private" if spec.private else ""
+            logger.info(
+                "publishing the spec of run %s: %d stages%s", spec.run, spec.n_stages, private
             )
-        self.spec = spec
+        else:
+            self.signed_spec = await self.dht.wait_for_spec(s.spec_timeout_s)
+            if self.signed_spec is None:
+                raise NodeError(
+                    f"no valid spec for run {s.run!r} found through "
+                    f"{', '.join(s.initial_peers) or 'the DHT'} within "
+                    f"{s.spec_timeout_s:.0f} s: is the run id right, and is a node of that "
+                    "run reachable?"
+                )
+        self.spec = spec = self.signed_spec.spec
+        self.dht.use_spec(spec)
+        await self.dht.refresh_revocations()
+        self.membership = self._membership_proof()
         if s.stage is not None and not 0 <= s.stage < spec.n_stages:
             raise NodeError(f"--stage {s.stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
+
+    def _membership_proof(self) -> str | None:
+        """Our proof of an invite, in a private run; ``NodeError`` if we are not a member."""
+        token = self.settings.invite
+        if token is None and self.spec.private:
+            token = self._own_invite()
+        try:
+            return prove_membership(self.dht.policy, self.peer_id, token)
+        except RecordError as e:
+            raise NodeError(f"this node cannot join: {e}") from None
+
+    def _own_invite(self) -> str | None:
+        """The run's owner, running a node with ``--owner-key``, needs no invite: it makes
+        one for itself."""
+        path = self.settings.owner_key
+        if path is None or not path.exists():
+            return None
+        owner_key = load_or_create_key(path)
+        if fingerprint(peer_id_of(owner_key.public_key())) != self.spec.run.partition("@")[2]:
+            return None
+        expires = get_dht_time() + OWN_INVITE_S
+        return issue_invite(owner_key, self.spec.run, expires=expires, peer_id=self.peer_id)
 
     def _measure(self) -> None:
         assert self.spec is not None
@@ -176,6 +260,7 @@ class Node:
             state=state or self.state,
             load=self.server.load if self.server else 0,
             timestamp=get_dht_time(),
+            membership=self.membership,
         )
 
     def set_state(self, state: PeerState) -> None:
@@ -187,10 +272,18 @@ class Node:
         """Announce, take a stage, serve, until ``stop`` is set; then cancel every task."""
         self.p2p = await self.dht.replicate_p2p()
         self.probe = await BandwidthProbe.create(self.p2p)
+        self.gate = await MembershipGate.create(self.p2p, lambda: self.dht.policy)
+        try:
+            await self._run_tasks(stop, on_ready)
+        except* NodeError as group:  # a task's reason to stop, for the person running us
+            raise group.exceptions[0] from None
+
+    async def _run_tasks(self, stop: asyncio.Event, on_ready: Callable[[], None] | None) -> None:
         async with asyncio.TaskGroup() as tasks:
             background = [
                 tasks.create_task(self._announce_loop(), name="announce"),
                 tasks.create_task(self._spec_loop(), name="refresh-spec"),
+                tasks.create_task(self._revocations_loop(), name="revocations"),
             ]
             await self._take_stage()
             if on_ready is not None:
@@ -228,6 +321,7 @@ class Node:
             self.spec.run,
             compression=self.spec.compression,
             averager=self.averager,
+            admission=self.gate.refusal if self.spec.private else None,
         )
         self.set_state(PeerState.SERVING)
 
@@ -249,7 +343,9 @@ class Node:
         """Drive micro-batches through the swarm for as long as the node runs."""
         assert self.spec is not None and self.p2p is not None
         settings = replace(self.settings.trainer, stream=zlib.crc32(self.peer_id.encode()))
-        trainer = Trainer(self.dht, self.p2p, self.spec, self.corpus, settings)
+        trainer = Trainer(
+            self.dht, self.p2p, self.spec, self.corpus, settings, membership=self.membership
+        )
         losses: list[float] = []
 
         def on_result(r: MicroBatchResult) -> None:
@@ -287,10 +383,23 @@ class Node:
             logger.warning("publishing our record failed: %s", e)
 
     async def _spec_loop(self) -> None:
-        assert self.spec is not None
+        assert self.signed_spec is not None
         while True:
             await asyncio.sleep(SPEC_REFRESH_S)
-            await self.dht.publish_spec(self.spec)
+            await self.dht.publish_spec(self.signed_spec)
+
+    async def _revocations_loop(self) -> None:
+        """Follow the owner's revocations; stop the node if they (or time) end our invite."""
+        while self.spec.private:
+            await asyncio.sleep(REVOCATIONS_REFRESH_S)
+            try:
+                await self.dht.refresh_revocations()
+            except Exception as e:  # a DHT hiccup: the next period retries
+                logger.warning("reading the run's revocations failed: %s", e)
+            try:
+                self.dht.policy.check(self.peer_id, self.membership, get_dht_time())
+            except MembershipError as e:
+                raise NodeError(f"this node is no longer a member of the run: {e}") from None
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Announce ``leaving`` (best effort, within ``grace_s``), stop the DHT, free the key."""
@@ -309,6 +418,8 @@ class Node:
                 await self.averager.shutdown()
             if self.probe is not None:
                 await self.probe.shutdown()
+            if self.gate is not None:
+                await self.gate.shutdown()
             if self.p2p is not None:
                 await self.p2p.shutdown()
             await asyncio.to_thread(self.dht.shutdown)

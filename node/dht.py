@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import time
@@ -22,7 +23,9 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from node.child_process import die_with_parent
-from protocol.keys import peers_key, spec_key
+from node.gossip import daemon_pubsub
+from protocol.keys import peers_key, revocations_key, spec_key
+from protocol.membership import MembershipPolicy, Revocations, decode_revocations
 from protocol.records import (
     MAX_RECORD_AGE_S,
     PeerInfo,
@@ -30,11 +33,13 @@ from protocol.records import (
     decode_peer_info,
     encode_peer_info,
 )
-from protocol.run_spec import RunSpec, decode_run_spec, encode_run_spec
+from protocol.run_spec import SignedSpec, decode_run_spec
 
 logger = logging.getLogger(__name__)
 
-SPEC_TTL_S = 3600.0  # every node re-stores the spec, so it outlives its creator
+SPEC_TTL_S = 3600.0  # every node re-stores the spec (and revocations), so they outlive
+# their creator
+REVOCATIONS_TTL_S = 365 * 86400.0
 
 
 class DHTStartError(RuntimeError):
@@ -57,14 +62,17 @@ class RunRecordValidator(RecordValidatorBase):
         self.run = run
         self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
+        self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._peers_id, self._spec_id):
+        if record.key not in (self._peers_id, self._spec_id, self._revoked_id):
             return True  # other subsystems' keys (e.g. averaging) are theirs to check
         try:
             value = DHTProtocol.serializer.loads(record.value)
             if record.key == self._spec_id:
                 decode_run_spec(value, run=self.run)
+            elif record.key == self._revoked_id:
+                decode_revocations(value, run=self.run)
             else:
                 subkey = DHTProtocol.serializer.loads(record.subkey)
                 info = decode_peer_info(
@@ -92,11 +100,15 @@ class _OwnedDHT(hivemind.DHT):
 
 
 class SwarmDHT:
-    """A node's (or a client's) membership in one run's DHT."""
+    """A node's (or a client's) membership in one run's DHT.
+
+    Once the run's spec is known, ``policy`` says who is a member: in a private run,
+    records of peers without a valid invite are dropped as they are read."""
 
     def __init__(self, dht: hivemind.DHT, run: str) -> None:
         self.dht = dht
         self.run = run
+        self.policy: MembershipPolicy | None = None
 
     @classmethod
     def start(
@@ -109,6 +121,7 @@ class SwarmDHT:
         identity_path: Path | None = None,
         client_mode: bool = False,
         startup_timeout_s: float = 60.0,
+        pubsub: bool = False,
     ) -> SwarmDHT:
         """Start hivemind's DHT (in its own process) and join ``initial_peers``, if any.
 
@@ -128,7 +141,8 @@ class SwarmDHT:
             kwargs.update(identity_path=str(identity_path), check_if_identity_free=False)
         dht = _OwnedDHT(**kwargs)
         try:
-            dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
+            with daemon_pubsub(pubsub):  # forked inside: its p2pd runs GossipSub (node.gossip)
+                dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
         except (TimeoutError, concurrent.futures.TimeoutError):
             dht.terminate()
             raise DHTStartError(
@@ -160,35 +174,33 @@ class SwarmDHT:
         )
 
     async def peers(self) -> list[PeerInfo]:
-        """The run's peer records that validate; the rest are logged and dropped."""
+        """The run's peer records that validate (and, in a private run, whose peers show a
+        valid invite); the rest are logged and dropped."""
         found = await self.dht.get(peers_key(self.run), latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
         now, result = get_dht_time(), []
         for subkey, item in found.value.items():
             try:
-                result.append(
-                    decode_peer_info(
-                        item.value,
-                        subkey=subkey,
-                        run=self.run,
-                        now=now,
-                        max_age_s=MAX_RECORD_AGE_S,
-                    )
+                info = decode_peer_info(
+                    item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
                 )
+                if self.policy is not None:
+                    self.policy.check(info.peer_id, info.membership, now)
+                result.append(info)
             except RecordError as e:
                 logger.warning("dropped a peer record: %s", e)
         return result
 
-    async def publish_spec(self, spec: RunSpec) -> bool:
-        return await self.dht.store(
-            spec_key(self.run),
-            value=encode_run_spec(spec),
-            expiration_time=get_dht_time() + SPEC_TTL_S,
-            return_future=True,
-        )
+    async def publish_spec(self, signed: SignedSpec) -> bool:
+        return await self._publish_owned(spec_key(self.run), signed.raw)
 
-    async def spec(self) -> RunSpec | None:
+    async def _publish_owned(self, key: str, raw: bytes) -> bool:
+        """Store an owner-signed record as it is (peers verify the owner's signature)."""
+        expiration = get_dht_time() + SPEC_TTL_S
+        return await self.dht.store(key, raw, expiration_time=expiration, return_future=True)
+
+    async def spec(self) -> SignedSpec | None:
         found = await self.dht.get(spec_key(self.run), latest=True, return_future=True)
         if found is None:
             return None
@@ -198,12 +210,55 @@ class SwarmDHT:
             logger.warning("dropped the run spec: %s", e)
             return None
 
-    async def wait_for_spec(self, timeout_s: float) -> RunSpec | None:
+    async def wait_for_spec(self, timeout_s: float) -> SignedSpec | None:
         """The run's spec, polling the DHT until it appears; None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while (spec := await self.spec()) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         return spec
+
+    def use_spec(self, spec) -> None:
+        """From now on, read records as members of ``spec``'s run see them."""
+        self.policy = spec.membership
+
+    async def publish_revocations(self, revocations: Revocations, raw: bytes) -> bool:
+        """Store the owner's revocations. They expire a fixed time after they were issued,
+        so a node re-storing an older list can never outlast a newer one (hivemind keeps
+        the value that expires last)."""
+        return await self.dht.store(
+            revocations_key(self.run),
+            raw,
+            expiration_time=revocations.issued + REVOCATIONS_TTL_S,
+            return_future=True,
+        )
+
+    async def revocations(self) -> tuple[Revocations, bytes] | None:
+        """The owner's latest revocations and their signed bytes, if any were published."""
+        found = await self.dht.get(revocations_key(self.run), latest=True, return_future=True)
+        if found is None:
+            return None
+        try:
+            return decode_revocations(found.value, run=self.run), found.value
+        except RecordError as e:
+            logger.warning("dropped a revocation record: %s", e)
+            return None
+
+    async def refresh_revocations(self) -> None:
+        """Apply the owner's latest revocations to ``policy``, and store them again so that
+        they outlive the owner's own presence in the DHT."""
+        found = await self.revocations()
+        if found is None or self.policy is None:
+            return
+        revocations, raw = found
+        await self.publish_revocations(revocations, raw)
+        current = self.policy.revocations
+        if current is None or revocations.issued > current.issued:
+            self.policy = dataclasses.replace(self.policy, revocations=revocations)
+            logger.info(
+                "the owner revoked %d peers and %d invites",
+                len(revocations.peers),
+                len(revocations.invites),
+            )
 
     def shutdown(self) -> None:
         """Stop the DHT process and its ``p2pd`` (blocking, about a second)."""

@@ -33,6 +33,15 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.close(dir_fd)
 
 
+def load_or_create_key(path: Path) -> Ed25519PrivateKey:
+    """The Ed25519 key at ``path``, created (mode 0600) if there is none: a node's identity
+    or a run owner's key, in libp2p's encoding."""
+    path = path.expanduser()
+    if not path.exists():
+        write_atomic(path, encode_private_key(Ed25519PrivateKey.generate()), mode=0o600)
+    return decode_private_key(path.read_bytes())
+
+
 class IdentityInUseError(RuntimeError):
     """Another running node holds this identity file."""
 
@@ -42,8 +51,7 @@ def load_or_create_identity(path: Path) -> tuple[Ed25519PrivateKey, int]:
     file descriptor holding a lock on it: two nodes with one identity would fight over one
     peer id, so the second one is refused."""
     path = path.expanduser()
-    if not path.exists():
-        write_atomic(path, encode_private_key(Ed25519PrivateKey.generate()), mode=0o600)
+    key = load_or_create_key(path)
     lock_fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -53,4 +61,4 @@ def load_or_create_identity(path: Path) -> tuple[Ed25519PrivateKey, int]:
             f"identity {path} is in use by another node on this machine; give this node its "
             "own with --identity PATH"
         ) from None
-    return decode_private_key(path.read_bytes()), lock_fd
+    return key, lock_fd

@@ -104,6 +104,8 @@ def launch_node(
     ]  # fmt: skip
     if initial_peers:
         args += ["--initial-peers", *initial_peers]
+    elif "@" not in run:  # starts a new run: its owner key stays in the work directory
+        args += ["--owner-key", str(workdir / "owner.key")]
     if not train:
         args.append("--no-train")
     # One torch thread per node: several nodes share this machine's cores.

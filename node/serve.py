@@ -9,18 +9,34 @@ import signal
 from pathlib import Path
 
 from node.daemon import Node, NodeSettings, write_maddrs
+from node.membership import read_invite
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="the run's name")
+    p.add_argument(
+        "--run",
+        default="",
+        help="the run's id (NAME@FINGERPRINT); a bare NAME with no --initial-peers starts a "
+        "new public run owned by --owner-key",
+    )
+    p.add_argument("--spec", type=Path, help="the run's signed spec file (swarmtrain run create)")
+    p.add_argument(
+        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
+    )
+    p.add_argument(
+        "--owner-key",
+        type=Path,
+        help="the run owner's key (default ~/.swarmtrain/owner.key): signs a new run's spec; "
+        "the owner's own node needs no invite",
+    )
     p.add_argument(
         "--initial-peers",
         nargs="*",
         default=[],
         metavar="MADDR",
-        help="multiaddrs of nodes of the run; none starts a new run",
+        help="multiaddrs of nodes of the run",
     )
     p.add_argument(
         "--host-maddrs",
@@ -62,8 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> NodeSettings:
+    if not args.run and args.spec is None:
+        raise ValueError("say which run: --run RUN_ID (or NAME for a new run) or --spec FILE")
     return NodeSettings(
         run=args.run,
+        spec_file=args.spec,
+        invite=read_invite(args.invite),
+        owner_key=args.owner_key,
         initial_peers=tuple(args.initial_peers),
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),

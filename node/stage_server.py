@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -102,6 +103,7 @@ class StageServer(NodeServicer):
         compression: str = "none",
         receive_timeout: float = 60.0,
         close_grace: float = 10.0,
+        admission: Callable[[str], str | None] | None = None,
     ) -> None:
         if stage.range != contract.blocks:
             raise ValueError(f"stage holds blocks {stage.range}, the contract {contract.blocks}")
@@ -113,6 +115,7 @@ class StageServer(NodeServicer):
         self.compression = compression  # of the activations and gradients this server sends
         self.receive_timeout = receive_timeout  # for a whole request to arrive
         self.close_grace = close_grace  # for a caller to close the stream after a response
+        self.admission = admission  # a caller's peer id -> why it is refused (private runs)
         self.lock = threading.Lock()  # held while parameters or gradients are read or changed
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._load = 0
@@ -190,6 +193,9 @@ class StageServer(NodeServicer):
         self._load += 1
         try:
             async with asyncio.timeout(self.receive_timeout):
+                if self.admission and (refusal := self.admission(context.remote_id.to_base58())):
+                    await self._discard(requests, 0)
+                    raise StageRequestError(refusal)
                 meta, serialized = await self._receive(kind, requests)
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self._executor, self._compute, meta, serialized)
@@ -291,6 +297,19 @@ class StageServer(NodeServicer):
                  if getattr(request, f, None) is not None}  # fmt: skip
         return dataclasses.replace(request, **moved)
 
+    def _finite(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """``tensor``, if finite. Finite inputs can still overflow a stage (hidden states
+        near the float32 limit): with finite parameters every peer of the stage would do the
+        same, so that is a refusal; with non-finite ones this peer is faulty, not the request."""
+        n_bad = int((~torch.isfinite(tensor)).sum())
+        if not n_bad:
+            return tensor
+        if all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()):
+            raise StageRequestError(
+                f"the request makes the stage's {what} non-finite ({n_bad} values)"
+            )
+        raise RuntimeError(f"this peer's parameters are non-finite ({what}: {n_bad} values)")
+
     def _send(self, tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
         return serialize(tensor.detach().float().cpu(), compression)
 
@@ -298,18 +317,18 @@ class StageServer(NodeServicer):
         x = request.inputs  # (B, T) token ids or (B, T, C) hidden states
         if not self.contract.returns_loss:
             with torch.no_grad():
-                out = self.stage(x)  # (B, T, C)
+                out = self._finite(self.stage(x), "outputs")  # (B, T, C)
             self._forward += 1
             return [self._send(out, self.compression)]
         if not request.meta.train:
             with torch.no_grad():
-                loss = self.stage(x, request.targets)
+                loss = self._finite(self.stage(x, request.targets), "loss")
             self._forward += 1
             return [self._send(loss)]
         wrt_inputs = not self.contract.takes_tokens
         if wrt_inputs:
             x.requires_grad_()
-        loss = self.stage(x, request.targets)
+        loss = self._finite(self.stage(x, request.targets), "loss")
         grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x))
         self._forward += 1
         self._backward += 1

@@ -119,9 +119,17 @@ def generic_header_check(max_bytes: int) -> HeaderCheck:
             header.dtype == "int64" and compression != "NONE"
         ):
             raise StageRequestError(f"unexpected compression {compression} of {header.dtype}")
-        numel = int(np.prod(header.size, dtype=np.float64))  # float: no overflow
-        if numel > max_bytes:
-            raise StageRequestError(f"a tensor of {numel} elements exceeds {max_bytes} bytes")
+        # One dimension at a time, stopping past the limit: a float product of many large
+        # dimensions overflows to inf (and inf * 0 is NaN), an exact one of thousands of
+        # them takes seconds. Zeros are skipped, as torch cannot even shape an empty
+        # tensor whose other dimensions overflow its strides.
+        bound = 1
+        for s in header.size:
+            bound *= max(s, 1)
+            if bound > max_bytes:
+                dims = ", ".join(map(str, header.size[:4])) + (", ..." * (len(header.size) > 4))
+                raise StageRequestError(f"a tensor of shape ({dims}) exceeds {max_bytes} bytes")
+        numel = 0 if 0 in header.size else bound
         return wire_nbytes(compression, header.dtype, numel)
 
     return check

@@ -91,8 +91,12 @@ def render(view: dict) -> str:
 
 async def fetch(dht: SwarmDHT) -> dict:
     """The run's view as ``summarize`` returns it."""
-    spec = await dht.spec()
-    return summarize(await dht.peers(), spec.n_stages if spec else None, get_dht_time())
+    signed = await dht.spec()
+    if signed is not None:  # a private run's non-members are not listed
+        dht.use_spec(signed.spec)
+        await dht.refresh_revocations()
+    n_stages = signed.spec.n_stages if signed else None
+    return summarize(await dht.peers(), n_stages, get_dht_time())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,8 @@ from pathlib import Path
 from models.data import load_corpus
 from node.daemon import NodeError
 from node.dht import SwarmDHT
-from node.files import write_atomic
+from node.files import load_or_create_key, write_atomic
+from node.membership import prove_membership, read_invite
 from node.progress import Progress
 from node.trainer import MicroBatchResult, Trainer, TrainerSettings
 
@@ -27,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-flight", type=int, default=4, help="micro-batches in flight at once")
     p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
     p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
+    p.add_argument(
+        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
+    )
+    p.add_argument(
+        "--identity", type=Path, help="key file, for an invite bound to a peer id (default: new)"
+    )
 
 
 @dataclass
@@ -45,13 +52,24 @@ class Curve:
         write_atomic(path, ("\n".join(lines) + "\n").encode())
 
 
-async def open_trainer(dht: SwarmDHT, settings: TrainerSettings, spec_timeout_s: float = 60):
-    """A ``Trainer`` for the run ``dht`` is in, once its spec is found."""
-    spec = await dht.wait_for_spec(spec_timeout_s)
-    if spec is None:
+async def open_trainer(
+    dht: SwarmDHT,
+    settings: TrainerSettings,
+    spec_timeout_s: float = 60,
+    invite: str | None = None,
+) -> Trainer:
+    """A ``Trainer`` for the run ``dht`` is in, once its spec is found (and, in a private
+    run, once ``invite`` proved us a member)."""
+    signed = await dht.wait_for_spec(spec_timeout_s)
+    if signed is None:
         raise NodeError(f"no spec for run {dht.run!r} found within {spec_timeout_s:.0f} s")
+    spec = signed.spec
+    dht.use_spec(spec)
+    await dht.refresh_revocations()
+    membership = prove_membership(dht.policy, dht.peer_id, invite)
     corpus = await asyncio.to_thread(load_corpus, spec.data)
-    return Trainer(dht, await dht.replicate_p2p(), spec, corpus, settings)
+    p2p = await dht.replicate_p2p()
+    return Trainer(dht, p2p, spec, corpus, settings, membership=membership)
 
 
 async def train_with_progress(
@@ -82,7 +100,8 @@ async def train_with_progress(
 
 
 async def _train(dht: SwarmDHT, args: argparse.Namespace) -> int:
-    trainer = await open_trainer(dht, TrainerSettings(in_flight=args.in_flight, stream=args.stream))
+    settings = TrainerSettings(in_flight=args.in_flight, stream=args.stream)
+    trainer = await open_trainer(dht, settings, invite=read_invite(args.invite))
     try:
         started = time.perf_counter()
         curve = await train_with_progress(trainer, args.micro_batches)
@@ -100,8 +119,14 @@ async def _train(dht: SwarmDHT, args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
+    if args.identity is not None:
+        load_or_create_key(args.identity)
     dht = SwarmDHT.start(
-        args.run, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, client_mode=True
+        args.run,
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs,
+        identity_path=args.identity,
+        client_mode=True,
     )
     try:
         return uvloop.run(_train(dht, args))

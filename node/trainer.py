@@ -25,6 +25,7 @@ from hivemind.p2p import P2P, PeerID
 from models.data import eval_batches, sample_batches, stream_seed
 from node import stage_client
 from node.dht import SwarmDHT
+from node.membership import NOT_A_MEMBER, present
 from node.stage_client import StageRefused, StageUnavailable
 from protocol.routing import BanList, Candidate, candidates_by_stage, choose_peer
 from protocol.run_spec import RunSpec
@@ -53,6 +54,10 @@ class MicroBatchResult:
     route: tuple[str, ...]  # the peer of each stage that served the forward
 
 
+class MembershipRefused(Exception):
+    """A peer did not take our invite (or could not be asked)."""
+
+
 @dataclass(frozen=True)
 class TrainerSettings:
     in_flight: int = 4  # micro-batches in the pipeline at once
@@ -66,10 +71,19 @@ class TrainerSettings:
 
 class Trainer:
     def __init__(
-        self, dht: SwarmDHT, p2p: P2P, spec: RunSpec, corpus, settings: TrainerSettings
+        self,
+        dht: SwarmDHT,
+        p2p: P2P,
+        spec: RunSpec,
+        corpus,
+        settings: TrainerSettings,
+        *,
+        membership: str | None = None,
     ) -> None:
         self.dht, self.p2p, self.spec, self.settings = dht, p2p, spec, settings
         self.corpus = corpus
+        self.membership = membership  # private runs: our proof, shown to each peer we call
+        self._presented: set[str] = set()
         self.stats = TrainerStats()
         self._rng = random.Random(settings.seed)
         self._bans = BanList(settings.ban_s)
@@ -179,10 +193,15 @@ class Trainer:
             peer = choose_peer(candidates, self._rng, self._bans.banned(time.monotonic()))
             self._in_flight[peer] += 1
             try:
+                await self._present(peer)
                 result = await call(PeerID.from_base58(peer))
             except StageRefused as e:
-                raise TrainerError(f"stage {stage} peer {peer} refused our request: {e}") from e
-            except StageUnavailable as e:
+                if NOT_A_MEMBER not in str(e):
+                    raise TrainerError(f"stage {stage} peer {peer} refused our request: {e}") from e
+                self._presented.discard(peer)  # it forgot us (restarted?): present again
+                self._bans.ban(peer, time.monotonic())
+                continue
+            except (StageUnavailable, MembershipRefused) as e:
                 logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)
                 self._bans.ban(peer, time.monotonic())
                 self.stats.rerouted[stage] += 1
@@ -192,6 +211,16 @@ class Trainer:
                 self._in_flight[peer] -= 1
             self.stats.calls[(stage, peer)] += 1
             return result, peer
+
+    async def _present(self, peer: str) -> None:
+        """In a private run, show our invite to ``peer`` before our first call there."""
+        if self.membership is None or peer in self._presented:
+            return
+        try:
+            await present(self.p2p, PeerID.from_base58(peer), self.membership)
+        except Exception as e:  # refused, unreachable or timed out: try another peer
+            raise MembershipRefused(f"{type(e).__name__}: {e}") from None
+        self._presented.add(peer)
 
     async def evaluate(self, n_batches: int = 8) -> float:
         """Mean validation loss over the run's fixed validation windows (no gradients)."""

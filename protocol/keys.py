@@ -13,3 +13,8 @@ def spec_key(run: str) -> str:
 def peers_key(run: str) -> str:
     """The run's ``PeerInfo`` records, one subkey per peer id."""
     return f"swarmtrain/{check_run_name(run)}/peers"
+
+
+def revocations_key(run: str) -> str:
+    """The owner's latest ``Revocations`` (private runs)."""
+    return f"swarmtrain/{check_run_name(run)}/revoked"

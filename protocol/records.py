@@ -23,7 +23,9 @@ MAX_RECORD_BYTES = 16 * 1024  # a peer record is a few hundred bytes; refuse any
 MAX_STAGES = 256
 MAX_CLOCK_SKEW_S = 30.0  # a record from further in the future than this is refused
 MAX_RECORD_AGE_S = 120.0  # peers refresh every few seconds; older signed records are replays
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# A run's name, then (in a run id) '@' and its owner's fingerprint (protocol.ownership).
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(@[a-z2-7]{24})?$")
+MAX_MEMBERSHIP_CHARS = 2048  # a private run's membership proof, base64 (about 500 bytes)
 _PEER_DOMAIN = b"swarmtrain/peer-info"
 
 Rate = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
@@ -34,10 +36,12 @@ class RecordError(ValueError):
 
 
 def check_run_name(run: str) -> str:
+    """A run's name (``NAME``) or id (``NAME@FINGERPRINT``), well formed."""
     if not isinstance(run, str) or not _RUN_NAME.match(run):
         raise ValueError(
             f"run name {run!r:.80} must be 1-64 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+            "starting with a letter or digit (in a run id, then '@' and the owner's "
+            "24-character fingerprint)"
         )
     return run
 
@@ -67,6 +71,8 @@ class PeerInfo(BaseModel):
     state: PeerState
     load: Annotated[int, Field(ge=0, le=1_000_000)]
     timestamp: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    # Private runs: the peer's proof of an invite (protocol.membership), base64.
+    membership: Annotated[str, Field(max_length=MAX_MEMBERSHIP_CHARS)] | None = None
 
     @field_validator("run")
     @classmethod
@@ -108,7 +114,8 @@ def decode_peer_info(
     max_age_s: float,
 ) -> PeerInfo:
     """Validate bytes read from the DHT under ``subkey``; ``RecordError`` if anything is off."""
-    payload, signature = _unpack(raw)
+    envelope = unpack_signed(raw, ("record", "sig"), "record")
+    payload, signature = envelope["record"], envelope["sig"]
     try:
         info = PeerInfo.model_validate_json(payload)
     except ValidationError as e:
@@ -136,23 +143,28 @@ def decode_peer_info(
     return info
 
 
-def _unpack(raw: bytes) -> tuple[bytes, bytes]:
+def unpack_signed(
+    raw: bytes, fields: tuple[str, ...], what: str, optional: tuple[str, ...] = ()
+) -> dict[str, bytes]:
+    """A msgpack map of ``fields`` (and maybe some of ``optional``), each bytes, within
+    ``MAX_RECORD_BYTES``: the envelope every signed record travels in, checked before
+    anything in it is trusted."""
     if not isinstance(raw, bytes):
-        raise RecordError(f"record must be bytes, got {type(raw).__name__}")
+        raise RecordError(f"{what} must be bytes, got {type(raw).__name__}")
     if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError(f"record of {len(raw)} bytes exceeds the limit of {MAX_RECORD_BYTES}")
+        raise RecordError(f"{what} of {len(raw)} bytes exceeds the limit of {MAX_RECORD_BYTES}")
     try:
         envelope = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as e:
-        raise RecordError(f"record is not valid msgpack: {e}") from None
+        raise RecordError(f"{what} is not valid msgpack: {e}") from None
     if (
         not isinstance(envelope, dict)
-        or set(envelope) != {"record", "sig"}
-        or not isinstance(envelope["record"], bytes)
-        or not isinstance(envelope["sig"], bytes)
+        or not set(fields) <= set(envelope) <= set(fields) | set(optional)
+        or not all(isinstance(v, bytes) for v in envelope.values())
     ):
-        raise RecordError("record envelope must be a map of exactly {record: bytes, sig: bytes}")
-    return envelope["record"], envelope["sig"]
+        names = ", ".join([f"{f}: bytes" for f in fields] + [f"[{f}: bytes]" for f in optional])
+        raise RecordError(f"{what} envelope must be a map of exactly {{{names}}}")
+    return envelope
 
 
 def first_error(e: ValidationError, whole: str = "record") -> str:

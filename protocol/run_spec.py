@@ -1,29 +1,37 @@
-"""``RunSpec``: what every peer of a run must agree on (model, stage cut, optimizer, data).
+"""``RunSpec``: what every peer of a run must agree on (model, stage cut, optimizer, data,
+who may join).
 
-Immutable once published. The first node of a run writes it to the DHT; every later
-node reads it from there and builds exactly the same stages. (Owner signatures for
-private runs come with the private-runs work; until then a spec is checked for schema,
-version and consistency, not for authorship.)
+Immutable once published, and signed by the run's owner (``protocol.ownership``): the
+run id carries the owner's fingerprint, so a spec under that id that the owner did not
+sign is refused, wherever it comes from (the DHT or a file). Every node re-publishes the
+owner's signed bytes as they are and builds exactly the same stages from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgpack
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from models.config import ModelConfig, OptimizerConfig, preset
 from models.stages import StageRange, even_boundaries, validate_boundaries
+from protocol.identity import peer_id_of, sign, verify
+from protocol.membership import MembershipPolicy
+from protocol.ownership import check_owner, make_run_id
 from protocol.records import (
-    MAX_RECORD_BYTES,
     PROTOCOL_VERSION,
     RecordError,
     check_run_name,
     first_error,
+    unpack_signed,
 )
+
+_SPEC_DOMAIN = b"swarmtrain/run-spec"
 
 Compression = Literal["none", "float16", "uint8"]
 Seconds = Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
@@ -76,6 +84,8 @@ class RunSpec(BaseModel):
     averaging: AveragingSpec = AveragingSpec()  # among the peers of a stage
     data: Annotated[str, Field(max_length=256)] = "stdlib"
     seed: Annotated[int, Field(ge=0, lt=2**32)] = 0
+    owner: Annotated[str, Field(min_length=1, max_length=64)]  # public key, peer-id form
+    private: bool = False  # only invited peers may take part
 
     @field_validator("run")
     @classmethod
@@ -88,6 +98,7 @@ class RunSpec(BaseModel):
         return json.loads(json.dumps(v))  # tuples become lists: equal after a round trip
 
     def model_post_init(self, _context) -> None:
+        check_owner(self.run, self.owner)
         validate_boundaries(self.model, list(self.boundaries))  # also builds both configs
         self.optim  # noqa: B018  (builds and validates OptimizerConfig)
 
@@ -103,6 +114,11 @@ class RunSpec(BaseModel):
         return OptimizerConfig(**fields)
 
     @property
+    def membership(self) -> MembershipPolicy:
+        """Who may take part (revocations are added as the owner publishes them)."""
+        return MembershipPolicy(self.run, self.owner, self.private)
+
+    @property
     def n_stages(self) -> int:
         return len(self.boundaries)
 
@@ -112,36 +128,46 @@ class RunSpec(BaseModel):
         return StageRange(*self.boundaries[stage])
 
 
-def make_run_spec(run: str, preset_name: str, n_stages: int, **settings: Any) -> RunSpec:
-    """A spec from a model preset cut evenly into ``n_stages`` stages."""
+def make_run_spec(
+    name: str, preset_name: str, n_stages: int, *, owner: str, **settings: Any
+) -> RunSpec:
+    """A spec of run ``name`` (its id: ``NAME@FINGERPRINT`` of ``owner``) from a model
+    preset cut evenly into ``n_stages`` stages."""
     model, optim = preset(preset_name)
     optim_overrides = {k: settings.pop(k) for k in list(settings) if hasattr(optim, k)}
     optim = dataclasses.replace(optim, **optim_overrides)
     return RunSpec(
-        run=run,
+        run=make_run_id(name, owner),
         arch=dataclasses.asdict(model),
         optimizer=dataclasses.asdict(optim),
         boundaries=tuple((r.start, r.end) for r in even_boundaries(model, n_stages)),
+        owner=owner,
         **settings,
     )
 
 
-def encode_run_spec(spec: RunSpec) -> bytes:
-    return msgpack.packb({"spec": spec.model_dump_json().encode()})
+@dataclass(frozen=True)
+class SignedSpec:
+    """A spec with the owner's signature: ``raw`` is what travels and is re-published."""
+
+    spec: RunSpec
+    raw: bytes
 
 
-def decode_run_spec(raw: bytes, *, run: str) -> RunSpec:
-    """Validate a spec read from the DHT; ``RecordError`` if it is not a usable spec of ``run``."""
-    if not isinstance(raw, bytes) or len(raw) > MAX_RECORD_BYTES:
-        raise RecordError(f"run spec must be bytes of at most {MAX_RECORD_BYTES}")
+def sign_run_spec(spec: RunSpec, owner_key: Ed25519PrivateKey) -> SignedSpec:
+    if peer_id_of(owner_key.public_key()) != spec.owner:
+        raise ValueError(f"this key is not the owner ({spec.owner}) of run {spec.run!r}")
+    payload = spec.model_dump_json().encode()
+    raw = msgpack.packb({"spec": payload, "sig": sign(owner_key, _SPEC_DOMAIN, payload)})
+    return SignedSpec(spec, raw)
+
+
+def decode_run_spec(raw: bytes, *, run: str) -> SignedSpec:
+    """Validate a signed spec from the DHT or a file; ``RecordError`` if it is not the
+    owner-signed spec of ``run``."""
+    fields = unpack_signed(raw, ("spec", "sig"), "run spec")
     try:
-        envelope = msgpack.unpackb(raw, raw=False)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise RecordError(f"run spec is not valid msgpack: {e}") from None
-    if not isinstance(envelope, dict) or not isinstance(envelope.get("spec"), bytes):
-        raise RecordError("run spec envelope must be a map with spec: bytes")
-    try:
-        spec = RunSpec.model_validate_json(envelope["spec"])
+        spec = RunSpec.model_validate_json(fields["spec"])
     except ValidationError as e:
         raise RecordError(f"malformed run spec: {first_error(e, 'spec')}") from None
     except (ValueError, TypeError, ArithmeticError) as e:
@@ -154,4 +180,26 @@ def decode_run_spec(raw: bytes, *, run: str) -> RunSpec:
         )
     if spec.run != run:
         raise RecordError(f"spec is for run {spec.run!r}, not {run!r}")
-    return spec
+    if not verify(spec.owner, _SPEC_DOMAIN, fields["spec"], fields["sig"]):
+        raise RecordError(f"the spec of run {run!r} is not signed by its owner")
+    return SignedSpec(spec, raw)
+
+
+def spec_file_text(signed: SignedSpec) -> str:
+    """A spec file's contents: the signed bytes, with the spec readable."""
+    fields = msgpack.unpackb(signed.raw)
+    return (
+        json.dumps({"spec": fields["spec"].decode(), "signature": fields["sig"].hex()}, indent=1)
+        + "\n"
+    )
+
+
+def read_spec_file(text: str) -> SignedSpec:
+    """The signed spec in a spec file (``spec_file_text``), checked as from the network."""
+    try:
+        fields = json.loads(text)
+        payload, sig = fields["spec"].encode(), bytes.fromhex(fields["signature"])
+        run = json.loads(payload)["run"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise RecordError(f"not a swarmtrain spec file ({type(e).__name__}: {e})") from None
+    return decode_run_spec(msgpack.packb({"spec": payload, "sig": sig}), run=str(run))

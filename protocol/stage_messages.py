@@ -242,7 +242,8 @@ def check_layout(
     shape = tuple(int(s) for s in shape)
     pattern = "(B, T)" if ndim == 2 else f"(B, T, {contract.n_embd})"
     if len(shape) != ndim or (ndim == 3 and shape[2] != contract.n_embd):
-        raise StageRequestError(f"expected {name} {pattern}, got {shape}")
+        got = str(shape) if len(shape) <= 4 else f"{len(shape)} dimensions {shape[:4]}..."
+        raise StageRequestError(f"expected {name} {pattern}, got {got}")  # bounded: it is logged
     if dtype != want_dtype:
         raise StageRequestError(f"expected {name} of dtype {want_dtype}, got {dtype}")
     b, t = shape[0], shape[1]

@@ -86,12 +86,13 @@ def main() -> None:
                 extra = ["--stage", str(stage), "--preset", args.preset,
                          "--stages", str(args.stages)]  # fmt: skip
                 peers = [nodes[0].maddr] if nodes else []
-                nodes.append(launch_node(Path(tmp), f"p{i}", "bench", initial_peers=peers,
+                run = nodes[0].run_id if nodes else "bench"
+                nodes.append(launch_node(Path(tmp), f"p{i}", run, initial_peers=peers,
                                          extra=extra))  # fmt: skip
             for n in nodes:
                 n.wait_serving(120)
-            dht = SwarmDHT.start("bench", initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
-                                 client_mode=True)  # fmt: skip
+            dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
+                                 host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
             rate, wire = asyncio.run(swarm_rate(dht, args.micro_batches, args.in_flight))
         finally:
             if dht is not None:

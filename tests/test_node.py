@@ -16,6 +16,7 @@ def test_three_nodes_discover_and_leave(tmp_path):
     try:
         a = launch_node(tmp_path, "a", run, extra=["--stage", "0"])
         nodes.append(a)
+        run = a.run_id  # NAME@FINGERPRINT: how the others join
         for name in ("b", "c"):
             nodes.append(launch_node(tmp_path, name, run, initial_peers=[a.maddr]))
         stages = {n.peer_id: n.wait_serving() for n in nodes}

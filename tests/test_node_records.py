@@ -143,6 +143,7 @@ def _attacker(maddr: str) -> hivemind.DHT:
 def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
     run = "attacked"
     node = launch_node(tmp_path, "honest", run, extra=["--stage", "0"])
+    run = node.run_id
     attacker = None
     try:
         assert node.wait_serving() == 0
@@ -227,6 +228,7 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
     with an expiration within its freshness vanishes as it goes stale."""
     run = "aging"
     node = launch_node(tmp_path, "honest", run, extra=["--stage", "0"])
+    run = node.run_id
     attacker = None
     try:
         assert node.wait_serving() == 0

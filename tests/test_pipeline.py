@@ -28,6 +28,7 @@ def swarm(tmp_path, run, stages_of_peers):
                     tmp_path, f"p{i}", run, initial_peers=peers, extra=["--stage", str(stage)]
                 )  # fmt: skip
             )
+            run = nodes[0].run_id  # the others join the run by its id
         for n in nodes:
             n.wait_serving()
         dht = SwarmDHT.start(run, initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],

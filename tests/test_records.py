@@ -28,6 +28,7 @@ from protocol.identity import (
     sign,
     verify,
 )
+from protocol.ownership import make_run_id
 from protocol.records import (
     _PEER_DOMAIN,  # to sign payloads that PeerInfo itself would refuse to build
     MAX_CLOCK_SKEW_S,
@@ -40,7 +41,15 @@ from protocol.records import (
     decode_peer_info,
     encode_peer_info,
 )
-from protocol.run_spec import RunSpec, decode_run_spec, encode_run_spec, make_run_spec
+from protocol.run_spec import (
+    _SPEC_DOMAIN,  # to sign payloads that RunSpec itself would refuse to build
+    RunSpec,
+    decode_run_spec,
+    make_run_spec,
+    read_spec_file,
+    sign_run_spec,
+    spec_file_text,
+)
 
 RUN = "records-test"
 NOW = 1_700_000_000.0  # a fixed clock: these tests never read the real one
@@ -52,6 +61,9 @@ def _key(seed: int) -> Ed25519PrivateKey:
 
 KEY, OTHER = _key(1), _key(2)
 PEER, OTHER_PEER = peer_id_of(KEY.public_key()), peer_id_of(OTHER.public_key())
+OWNER_KEY = _key(3)
+OWNER = peer_id_of(OWNER_KEY.public_key())
+SPEC_RUN = make_run_id(RUN, OWNER)  # the run id a spec of RUN by OWNER carries
 
 
 def _fields(key: Ed25519PrivateKey = KEY, **changes: Any) -> dict[str, Any]:
@@ -342,18 +354,20 @@ def test_corrupt_private_key_is_refused(mangle, what):
 
 
 def _spec_fields(**changes: Any) -> dict[str, Any]:
-    fields = json.loads(make_run_spec(RUN, "tiny", 2).model_dump_json())
+    fields = json.loads(make_run_spec(RUN, "tiny", 2, owner=OWNER).model_dump_json())
     fields.update(changes)
     return fields
 
 
-def _raw_spec(fields: dict[str, Any]) -> bytes:
-    return msgpack.packb({"spec": json.dumps(fields).encode()})
+def _raw_spec(fields: dict[str, Any], key: Ed25519PrivateKey = OWNER_KEY) -> bytes:
+    payload = json.dumps(fields).encode()
+    return msgpack.packb({"spec": payload, "sig": sign(key, _SPEC_DOMAIN, payload)})
 
 
 def test_run_spec_round_trip():
-    spec = make_run_spec(RUN, "tiny", 3, compression="float16", lr=1e-3)
-    decoded = decode_run_spec(encode_run_spec(spec), run=RUN)
+    spec = make_run_spec(RUN, "tiny", 3, owner=OWNER, compression="float16", lr=1e-3)
+    assert spec.run == SPEC_RUN and spec.run.startswith(f"{RUN}@")
+    decoded = decode_run_spec(sign_run_spec(spec, OWNER_KEY).raw, run=SPEC_RUN).spec
     assert decoded == spec
     assert decoded.model == ModelConfig(**spec.arch)
     assert decoded.optim == OptimizerConfig(**{**spec.optimizer, "betas": (0.9, 0.95)})
@@ -379,7 +393,7 @@ def test_run_spec_with_bad_boundaries_is_refused(boundaries, what):
     with pytest.raises(ValidationError):
         RunSpec(**fields)
     with pytest.raises(RecordError, match=f"malformed run spec: .*{what}"):
-        decode_run_spec(_raw_spec(fields), run=RUN)
+        decode_run_spec(_raw_spec(fields), run=SPEC_RUN)
 
 
 @pytest.mark.parametrize(
@@ -394,20 +408,56 @@ def test_run_spec_with_bad_boundaries_is_refused(boundaries, what):
         ({"optimizer": {**_spec_fields()["optimizer"], "lr": 0}}, "lr must be > 0"),
         ({"compression": "zip"}, "compression: Input should be 'none', 'float16' or 'uint8'"),
         ({"seed": -1}, "seed: Input should be greater than or equal to 0"),
-        ({"owner": "me"}, "owner: Extra inputs are not permitted"),
+        ({"private": "maybe"}, "private: Input should be a valid boolean"),
+        ({"coowner": OWNER}, "coowner: Extra inputs are not permitted"),
     ],
 )
 def test_run_spec_with_bad_settings_is_refused(changes, what):
     with pytest.raises(RecordError, match=f"malformed run spec: .*{what}"):
-        decode_run_spec(_raw_spec(_spec_fields(**changes)), run=RUN)
+        decode_run_spec(_raw_spec(_spec_fields(**changes)), run=SPEC_RUN)
 
 
 def test_run_spec_of_another_version_or_run_is_refused():
     future = _raw_spec(_spec_fields(version=PROTOCOL_VERSION + 1))
     with pytest.raises(RecordError, match=f"protocol version {PROTOCOL_VERSION + 1}, we speak"):
-        decode_run_spec(future, run=RUN)
-    with pytest.raises(RecordError, match=f"spec is for run '{RUN}', not 'another'"):
-        decode_run_spec(encode_run_spec(make_run_spec(RUN, "tiny", 2)), run="another")
+        decode_run_spec(future, run=SPEC_RUN)
+    with pytest.raises(RecordError, match=f"spec is for run '{SPEC_RUN}', not 'another'"):
+        decode_run_spec(_raw_spec(_spec_fields()), run="another")
+
+
+def test_a_spec_not_signed_by_the_runs_owner_is_refused():
+    fields = _spec_fields()
+    with pytest.raises(RecordError, match="is not signed by its owner"):
+        decode_run_spec(_raw_spec(fields, key=OTHER), run=SPEC_RUN)
+    # Claiming another owner does not help: the run id names the owner's fingerprint.
+    forged = {**fields, "owner": OTHER_PEER}
+    with pytest.raises(RecordError, match="does not belong to owner"):
+        decode_run_spec(_raw_spec(forged, key=OTHER), run=SPEC_RUN)
+    # Nor does signing a spec whose bytes differ from what the owner signed.
+    raw = msgpack.unpackb(_raw_spec(fields))
+    tampered = raw["spec"].replace(b'"private": false', b'"private": true')
+    assert tampered != raw["spec"]
+    raw["spec"] = tampered
+    with pytest.raises(RecordError, match="is not signed by its owner"):
+        decode_run_spec(msgpack.packb(raw), run=SPEC_RUN)
+    with pytest.raises(ValueError, match="not the owner"):
+        sign_run_spec(make_run_spec(RUN, "tiny", 2, owner=OWNER), OTHER)
+
+
+def test_a_run_id_without_an_owner_has_no_valid_spec():
+    with pytest.raises(RecordError, match="names no owner"):
+        decode_run_spec(_raw_spec({**_spec_fields(), "run": RUN}), run=RUN)
+
+
+def test_spec_file_round_trip_and_tampering():
+    signed = sign_run_spec(make_run_spec(RUN, "tiny", 2, owner=OWNER, private=True), OWNER_KEY)
+    text = spec_file_text(signed)
+    assert read_spec_file(text) == signed
+    assert '\\"private\\":true' in text  # readable in the file
+    with pytest.raises(RecordError, match="is not signed by its owner"):
+        read_spec_file(text.replace('\\"private\\":true', '\\"private\\":false'))
+    with pytest.raises(RecordError, match="not a swarmtrain spec file"):
+        read_spec_file("{}")
 
 
 @pytest.mark.parametrize(
@@ -417,14 +467,15 @@ def test_run_spec_of_another_version_or_run_is_refused():
         "a string",
         b"\xc1",
         msgpack.packb([1]),
-        msgpack.packb({"spec": 5}),
+        msgpack.packb({"spec": 5, "sig": b""}),
         msgpack.packb({"other": b"{}"}),
-        msgpack.packb({"spec": b"{not json"}),
+        msgpack.packb({"spec": b"{not json", "sig": b""}),
+        msgpack.packb({"spec": b"{}"}),
     ],
 )
 def test_malformed_run_spec_bytes_are_refused(raw):
     with pytest.raises(RecordError, match="run spec"):
-        decode_run_spec(raw, run=RUN)
+        decode_run_spec(raw, run=SPEC_RUN)
 
 
 # --- anything at all: decoded, or refused with a RecordError --------------------------------
@@ -459,7 +510,7 @@ def _decodes_or_refuses(decode, raw) -> None:
 @given(st.binary(max_size=1024))
 def test_arbitrary_bytes_decode_or_raise_record_error(raw):
     _decodes_or_refuses(_decode, raw)
-    _decodes_or_refuses(lambda r: decode_run_spec(r, run=RUN), raw)
+    _decodes_or_refuses(lambda r: decode_run_spec(r, run=SPEC_RUN), raw)
 
 
 @FUZZ
@@ -467,7 +518,7 @@ def test_arbitrary_bytes_decode_or_raise_record_error(raw):
 def test_arbitrary_msgpack_decodes_or_raises_record_error(value):
     raw = msgpack.packb(value)
     _decodes_or_refuses(_decode, raw)
-    _decodes_or_refuses(lambda r: decode_run_spec(r, run=RUN), raw)
+    _decodes_or_refuses(lambda r: decode_run_spec(r, run=SPEC_RUN), raw)
 
 
 @FUZZ
@@ -491,11 +542,11 @@ def test_specs_with_arbitrary_settings_decode_or_raise_record_error(arch, optimi
     fields["arch"].update(arch)
     fields["optimizer"].update(optimizer)
     fields.update(top)
-    _decodes_or_refuses(lambda r: decode_run_spec(r, run=RUN), _raw_spec(fields))
+    _decodes_or_refuses(lambda r: decode_run_spec(r, run=SPEC_RUN), _raw_spec(fields))
 
 
 def test_a_spec_whose_arithmetic_overflows_is_refused():
     # Found by the test above: 10**400 % 1.5 raised OverflowError out of the decoder.
     arch = {**_spec_fields()["arch"], "n_embd": 10**400, "n_head": 1.5}
     with pytest.raises(RecordError, match="malformed run spec"):
-        decode_run_spec(_raw_spec(_spec_fields(arch=arch)), run=RUN)
+        decode_run_spec(_raw_spec(_spec_fields(arch=arch)), run=SPEC_RUN)

@@ -1,0 +1,169 @@
+"""A private run on a real local swarm: invited nodes serve and train; an uninvited node,
+an expired invite, a forged spec and a stranger's calls are refused; a revoked peer leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import P2PHandlerError, PeerID
+from hivemind.utils import get_dht_time
+
+from node import stage_client
+from node.dht import SwarmDHT
+from node.files import load_or_create_key
+from node.membership import present
+from node.stage_client import StageRefused
+from node.train import open_trainer
+from node.trainer import TrainerSettings
+from protocol.identity import peer_id_of, sign
+from protocol.keys import spec_key
+from protocol.membership import issue_invite
+from protocol.records import PeerState
+from protocol.run_spec import _SPEC_DOMAIN, SignedSpec, read_spec_file
+from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
+from tests.test_node_records import _info
+
+
+def _cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "node.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _peers(run: str, maddr: str) -> dict[str, dict]:
+    return {p["peer_id"]: p for p in status(run, maddr)["peers"]}
+
+
+def _refused_at_start(node, reason: str) -> None:
+    assert node.proc.wait(120) == 2, node.output()
+    assert reason in node.output(), node.output()
+
+
+def test_a_private_run_admits_its_invited_peers_only(tmp_path):
+    owner_key, spec_file = tmp_path / "owner.key", tmp_path / "lab.spec.json"
+    created = _cli("run", "create", "lab", "--private", "--stages", "2",
+                   "--owner-key", owner_key, "--out", spec_file)  # fmt: skip
+    run = re.search(r"created private run (\S+)", created.stdout).group(1)
+    assert oct(owner_key.stat().st_mode & 0o777) == "0o600"
+
+    b_id = peer_id_of(load_or_create_key(tmp_path / "b.key").public_key())
+    invite_b = _cli("run", "invite", "--run", run, "--owner-key", owner_key, "--peer", b_id)
+    bearer = _cli("run", "invite", "--run", run, "--owner-key", owner_key, "--expires", "1h")
+    key = load_or_create_key(owner_key)
+    expired = issue_invite(key, run, expires=time.time() - 60)
+
+    nodes = []
+    try:
+        # The owner's node starts from the spec file and needs no invite.
+        a = launch_node(tmp_path, "a", run, extra=["--spec", spec_file, "--owner-key", owner_key,
+                                                    "--stage", "0"])  # fmt: skip
+        nodes.append(a)
+        b = launch_node(tmp_path, "b", run, initial_peers=[a.maddr],
+                        extra=["--invite", invite_b.stdout.strip(), "--stage", "1"])  # fmt: skip
+        nodes.append(b)
+        assert a.wait_serving() == 0 and b.wait_serving() == 1
+
+        # Nodes that are not members are refused, with the reason, before they serve.
+        uninvited = launch_node(tmp_path, "c", run, initial_peers=[a.maddr], wait=False)
+        late = launch_node(tmp_path, "d", run, initial_peers=[a.maddr], wait=False,
+                           extra=["--invite", expired])  # fmt: skip
+        stolen = launch_node(tmp_path, "e", run, initial_peers=[a.maddr], wait=False,
+                             extra=["--invite", invite_b.stdout.strip()])  # fmt: skip
+        nodes += [uninvited, late, stolen]
+        _refused_at_start(uninvited, "is private: start with --invite")
+        _refused_at_start(late, "expired")
+        _refused_at_start(stolen, "this invite is for peer")
+
+        # A spec for this run id signed by anyone but the owner is refused.
+        forged = tmp_path / "forged.spec.json"
+        forged.write_text(_forged_spec_text(spec_file))
+        impostor = launch_node(tmp_path, "f", run, wait=False, extra=["--spec", forged])
+        nodes.append(impostor)
+        _refused_at_start(impostor, "does not belong to owner")
+
+        asyncio.run(_stranger_and_member(run, a, b, bearer.stdout.strip()))
+        peers = _peers(run, a.maddr)
+        assert set(peers) == {a.peer_id, b.peer_id}, "only members are listed"
+
+        # The owner revokes b: b stops, saying why, and drops out of the run's view.
+        _cli("run", "revoke", "--run", run, "--owner-key", owner_key, "--peer", b_id,
+             "--initial-peers", a.maddr, "--host-maddrs", LOCAL)  # fmt: skip
+        assert b.proc.wait(60) == 2, b.output()
+        assert "no longer a member" in b.output() and "revoked" in b.output()
+        wait_until(lambda: b.peer_id not in _peers(run, a.maddr), 30, "b to leave the view")
+    finally:
+        stop_all(nodes)
+
+
+async def _stranger_and_member(run: str, a, b, bearer: str) -> None:
+    """From one uninvited client: every path refused; then, with a bearer invite, served."""
+    dht = SwarmDHT.start(run, initial_peers=[a.maddr], host_maddrs=[LOCAL], client_mode=True)
+    try:
+        p2p = await dht.replicate_p2p()
+        signed: SignedSpec = await dht.wait_for_spec(30)
+        assert signed.spec.private
+        dht.use_spec(signed.spec)
+        tokens = torch.randint(signed.spec.model.vocab_size, (2, 16))
+
+        # A forged spec and its own record, claiming to serve stage 1: stored nowhere or
+        # believed by nobody.
+        forged = _forged_spec_raw(signed)
+        expires = get_dht_time() + 60
+        await dht.dht.store(spec_key(run), forged, expiration_time=expires, return_future=True)
+        assert (await dht.spec()).raw == signed.raw
+        me = Ed25519PrivateKey.generate()
+        info = _info(run, peer_id_of(me.public_key()))
+        assert info.state is PeerState.SERVING and info.membership is None
+        assert await dht.publish_peer(info, me, ttl_s=60), "stored: peers read it, and drop it"
+        assert {p.peer_id for p in await dht.peers()} == {a.peer_id, b.peer_id}
+
+        with pytest.raises(StageRefused, match="not a member"):
+            await stage_client.forward(p2p, PeerID.from_base58(a.peer_id), tokens,
+                                       run_id=run, stage=0)  # fmt: skip
+        # b's proof, read from its record, is bound to b: useless to anyone else.
+        b_record = next(p for p in await dht.peers() if p.peer_id == b.peer_id)
+        with pytest.raises(P2PHandlerError, match="shows an invite for another peer"):
+            await present(p2p, PeerID.from_base58(a.peer_id), b_record.membership)
+        with pytest.raises(P2PHandlerError, match="not base64"):
+            await present(p2p, PeerID.from_base58(a.peer_id), "%%%")
+
+        # The control: the same client with a bearer invite trains through both stages.
+        trainer = await open_trainer(dht, TrainerSettings(in_flight=2, call_timeout_s=20),
+                                     invite=bearer)  # fmt: skip
+        await trainer.train(4)
+        assert trainer.stats.micro_batches == 4
+        assert trainer.stats.calls[(0, a.peer_id)] >= 4 and trainer.stats.calls[(1, b.peer_id)] >= 4
+        await trainer.p2p.shutdown()
+        await p2p.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def _forged_spec_raw(signed: SignedSpec) -> bytes:
+    """The run's spec made public, owned and signed by a stranger, under the same run id."""
+    fields = json.loads(msgpack.unpackb(signed.raw)["spec"])
+    stranger = Ed25519PrivateKey.generate()
+    fields.update(private=False, owner=peer_id_of(stranger.public_key()))
+    payload = json.dumps(fields).encode()
+    return msgpack.packb({"spec": payload, "sig": sign(stranger, _SPEC_DOMAIN, payload)})
+
+
+def _forged_spec_text(spec_file) -> str:
+    fields = msgpack.unpackb(_forged_spec_raw(read_spec_file(spec_file.read_text())))
+    return json.dumps({"spec": fields["spec"].decode(), "signature": fields["sig"].hex()})
