@@ -13,6 +13,9 @@ What the subclasses change in hivemind's behaviour:
   a child that drops and collects it removes the file; with this change it stays;
 - a reducer drops a groupmate that sends a non-finite part or weight from the parts it
   averages (hivemind would average the NaN into everyone's result);
+- in a private run, it averages with members only: it refuses to admit, aggregate for,
+  or send its state to a peer whose DHT record shows no valid invite, and fails a round
+  whose group includes one (a non-member leader may have gathered members around it);
 - a round in which some part came back un-averaged (a groupmate died or timed out while
   reducing it) fails instead of returning a half-averaged result: hivemind fills such
   parts with the local values, and two survivors would then hold different results.
@@ -26,18 +29,30 @@ time. The host side answers state downloads through ``state_source``
 
 from __future__ import annotations
 
+import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
+
+# hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
+from typing import AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 
 from node.child_process import die_with_parent
 from protocol.averaging import check_weight
+from protocol.membership import MembershipPolicy
+
+logger = logging.getLogger(__name__)
+
+MEMBERS_REFRESH_S = 2.0  # a peer we do not know yet is looked up at most this often
 
 EPOCH_BITS = 16  # epochs that differ by a multiple of 2**16 share a group key
 
@@ -86,9 +101,13 @@ class StageAveragerProcess(DecentralizedAverager):
         dht,
         *,
         state_source: Callable[[], tuple[object, Sequence[torch.Tensor]]],
+        membership: MembershipPolicy | None = None,
         **kwargs,
     ) -> None:
         self._state_source = state_source
+        self._membership = membership if membership is not None and membership.private else None
+        self._members: set[PeerID] = set()
+        self._members_read = -float("inf")
         super().__init__(averaged_tensors, dht, **kwargs)
 
     @classmethod
@@ -126,6 +145,74 @@ class StageAveragerProcess(DecentralizedAverager):
         metadata, tensors = self._state_source()
         return metadata, tensors, None
 
+    async def _admits(self, peer: PeerID) -> bool:
+        """Whether ``peer`` is a member of the run (always, in a public run): its record in
+        the DHT must show a valid invite. Unknown peers are looked up at most every
+        ``MEMBERS_REFRESH_S``, so a flood of strangers costs one DHT read per period."""
+        if self._membership is None or peer in self._members or peer == self.peer_id:
+            return True
+        if time.monotonic() - self._members_read >= MEMBERS_REFRESH_S:
+            await self._read_members()
+        if peer not in self._members:
+            logger.warning("refused averaging with %s: not a member of the private run", peer)
+            return False
+        return True
+
+    async def _read_members(self) -> None:
+        from node.dht import SwarmDHT  # the run's record reader, here with our policy
+
+        self._members_read = time.monotonic()
+        swarm = SwarmDHT(self.dht, self._membership.run)
+        swarm.policy = self._membership
+        await swarm.refresh_revocations()
+        self._membership = swarm.policy
+        self._members = {PeerID.from_base58(p.peer_id) for p in await swarm.peers()}
+
+    async def _load_state_from_peers(self, future, timeout: float | None = None):
+        """hivemind's download, from members only: it tries the peers that declared a
+        state one by one and moves on from any whose stub raises."""
+        if self._membership is None:
+            return await super()._load_state_from_peers(future, timeout)
+        await self._read_members()
+        members, plain_stub = set(self._members), self.get_stub
+
+        def members_only_stub(p2p, peer, *, namespace=None):
+            if peer not in members:
+                raise PermissionError(f"{peer} is not a member of the private run")
+            return plain_stub(p2p, peer, namespace=namespace)
+
+        self.get_stub = members_only_stub  # this instance only, for this download
+        try:
+            return await super()._load_state_from_peers(future, timeout)
+        finally:
+            del self.get_stub
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._admits(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._admits(context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_aggregate_part(stream, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._admits(context.remote_id):
+            return  # the stage's state is the run's: members only
+        async for response in super().rpc_download_state(request, context):
+            yield response
+
     async def _run_allreduce_inplace_(
         self,
         tensors: Sequence[torch.Tensor],
@@ -136,6 +223,9 @@ class StageAveragerProcess(DecentralizedAverager):
         # hivemind's own, with the checked runner and the failed-part check (no auxiliary
         # peers here, and averaging_alpha is 1).
         group_id = group_info.group_id if group_id is None else group_id
+        for peer in group_info.peer_ids:
+            if not await self._admits(peer):
+                raise AllreduceException(f"the group includes {peer}, not a member of the run")
         runner = _CheckedAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),

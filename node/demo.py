@@ -3,8 +3,9 @@
 It starts ``stages x peers`` node processes on 127.0.0.1, trains through them from this
 process with a progress line, SIGKILLs one peer part way through and starts a
 replacement later, then prints a per-stage table and writes the loss curve (CSV and
-PNG). Exit status 0 only if the validation loss fell. Every process it started is
-stopped on the way out, also on Ctrl-C.
+PNG). Exit status 0 only if the validation loss fell and the peers of each stage held
+equal copies at every epoch they shared (their averagers log a digest per epoch). Every
+process it started is stopped on the way out, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from node.dht import SwarmDHT
 from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
+from node.stage_averaging import compare_copies
 from node.train import Curve, open_trainer, train_with_progress
 from node.trainer import MicroBatchResult, Trainer, TrainerSettings
 
@@ -55,6 +57,8 @@ class Demo:
                 extra += ["--preset", a.preset, "--stages", str(a.stages)]
             peers = [] if first else [self.nodes[0].maddr]
             self._launch(f"peer{i}", stage, peers, extra)
+            if first:
+                self.run = self.nodes[0].run_id  # NAME@FINGERPRINT: how the others join
         for n in self.nodes:
             n.wait_serving()
 
@@ -102,6 +106,14 @@ class Demo:
                         f"{trainer.stats.rerouted[s]}")  # fmt: skip
         return "\n".join(rows)
 
+    def copies(self) -> tuple[str, bool]:
+        """Whether the peers of each stage held equal parameters at the epochs they share,
+        from the digests their averagers log after every epoch."""
+        logs = [n.output() for n in self.nodes]
+        checks = [compare_copies(logs, s) for s in range(self.args.stages)]
+        text = "\n".join(f"stage {s}: {c}" for s, c in enumerate(checks))
+        return text, all(c.equal for c in checks)
+
     def write_curve(self, curve: Curve) -> None:
         from node.plot import write_line_chart
 
@@ -132,11 +144,13 @@ async def _train(demo: Demo, dht: SwarmDHT) -> int:
     finally:
         await trainer.p2p.shutdown()
     print(demo.table(trainer))
+    copies, equal = demo.copies()
+    print(copies)
     demo.write_curve(curve)
     (_, before), (_, after) = curve.val[0], curve.val[-1]
     print(f"validation loss {before:.3f} -> {after:.3f} in {trainer.stats.samples} samples, "
           f"{trainer.stats.samples / elapsed:.0f} samples/s")  # fmt: skip
-    return 0 if after < before else 1
+    return 0 if after < before and equal else 1
 
 
 def run(args: argparse.Namespace) -> int:

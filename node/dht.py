@@ -109,6 +109,7 @@ class SwarmDHT:
         self.dht = dht
         self.run = run
         self.policy: MembershipPolicy | None = None
+        self._dropped: set[str] = set()  # reasons already logged
 
     @classmethod
     def start(
@@ -189,8 +190,19 @@ class SwarmDHT:
                     self.policy.check(info.peer_id, info.membership, now)
                 result.append(info)
             except RecordError as e:
-                logger.warning("dropped a peer record: %s", e)
+                self._log_dropped(e)
         return result
+
+    def _log_dropped(self, e: RecordError) -> None:
+        """Warn once per distinct reason (records are re-read every second or so)."""
+        reason = str(e)
+        if reason in self._dropped:
+            logger.debug("dropped a peer record: %s", reason)
+            return
+        if len(self._dropped) >= 1000:
+            self._dropped.clear()
+        self._dropped.add(reason)
+        logger.warning("dropped a peer record: %s", reason)
 
     async def publish_spec(self, signed: SignedSpec) -> bool:
         return await self._publish_owned(spec_key(self.run), signed.raw)

@@ -22,6 +22,11 @@ averager itself is a child process. Gradients are moved out of ``.grad`` under t
 when a round starts, so micro-batches served during the round accumulate for the next
 epoch; the round's result is applied under the lock, in a worker thread.
 
+Evidence. After every epoch a peer logs a digest of the stage's parameters (diloco: of the
+anchor, the parameters the outer step set), e.g. ``stage 1 (a1b2c3): epoch 12 params
+3f9a2c1b ...``; ``compare_copies`` reads those lines from several peers' logs and says
+whether their copies were equal at the epochs they share (``swarmtrain demo`` prints it).
+
 Faults. The averaged tensors are a copy, and a result is applied only if it is finite
 and completely averaged (``node.averaging_process``). A failed attempt is retried until
 ``round_timeout_s``; then the peer re-reads the DHT and either catches up (someone got
@@ -35,9 +40,14 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import threading
 import time
+import zlib
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -68,6 +78,23 @@ logger = logging.getLogger(__name__)
 DECLARE_STATE_PERIOD_S = 10.0  # a dead donor stays listed this long for joiners
 MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
 F16_MAX = float(torch.finfo(torch.float16).max)
+SKETCH_WIDTH = 4096  # a digest folds the parameters to this many sums, then projects them
+SKETCH_DIMS = 4  # random directions of the projection
+# Copies closer than this (relative distance) are equal up to float rounding: averaged
+# without compression they differ by ~1e-7; one step apart, by ~1e-3 or more.
+EQUAL_DISTANCE = 1e-5
+
+
+def process_settings(settings: AveragingSpec) -> dict[str, object]:
+    """The round settings of a stage's hivemind averager (``scripts/bench_averaging.py``
+    measures all-reduce with exactly these)."""
+    return {
+        "min_matchmaking_time": settings.matchmaking_s,
+        "request_timeout": min(3.0, settings.matchmaking_s / 2),
+        "allreduce_timeout": settings.allreduce_timeout_s,
+        "next_chunk_timeout": settings.chunk_timeout_s,
+        "compression": NoCompression(),  # float16 is in the buffers' dtype (see ``create``)
+    }
 
 
 class AveragerStartError(RuntimeError):
@@ -84,6 +111,115 @@ class LoadedState:
     step: int
     epoch: int
     source: str | None = None
+
+
+@dataclass(frozen=True)
+class ParamDigest:
+    """A short fingerprint of a stage's parameters, logged after every epoch so that the
+    copies of different peers can be compared from their logs.
+
+    ``crc`` (crc32 of the float32 bytes) is equal only for bitwise equal copies. Copies
+    averaged without compression differ in the last bits (each adds its own rounding of
+    ``average - own``), so the digest also carries the norm and a random projection of the
+    parameters (``sketch``): two copies' sketches differ by about their distance."""
+
+    crc: int
+    norm: float
+    sketch: tuple[float, ...]
+
+    PATTERN = re.compile(
+        r"stage (\d+) \(\w+\): epoch (\d+) params ([0-9a-f]{8}) norm (\S+) sketch (\S+)"
+    )
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> ParamDigest:
+        crc, squares = 0, 0.0
+        folded = torch.zeros(SKETCH_WIDTH, dtype=torch.float64)
+        for t in tensors:
+            flat = t.detach().reshape(-1).float().cpu()
+            crc = zlib.crc32(flat.numpy(), crc)
+            wide = flat.double()
+            squares += float(wide.square().sum())
+            pad = -len(wide) % SKETCH_WIDTH
+            folded += torch.nn.functional.pad(wide, (0, pad)).view(-1, SKETCH_WIDTH).sum(0)
+        sketch = folded @ _directions()
+        return cls(crc, math.sqrt(squares), tuple(float(v) for v in sketch))
+
+    def __str__(self) -> str:
+        values = ",".join(f"{v:.9e}" for v in self.sketch)
+        return f"{self.crc:08x} norm {self.norm:.9e} sketch {values}"
+
+    def distance(self, other: ParamDigest) -> float:
+        """About ``|a - b| / |a|`` for the two copies (0 when bitwise equal)."""
+        if self.crc == other.crc:
+            return 0.0
+        diff = sum((x - y) ** 2 for x, y in zip(self.sketch, other.sketch, strict=True))
+        return math.sqrt(diff / SKETCH_DIMS) / max(self.norm, other.norm, 1e-30)
+
+
+@cache
+def _directions() -> torch.Tensor:
+    """The sketch's random directions: the same on every peer."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(SKETCH_WIDTH, SKETCH_DIMS, generator=g, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class CopiesCheck:
+    """Whether the peers of one stage held equal copies at the epochs two or more of them
+    logged a digest for."""
+
+    peers: int  # peers that logged digests of the stage
+    common: int  # epochs logged by two peers or more
+    bitwise: int  # of those, epochs at which the copies were bitwise equal
+    worst: float  # the largest relative distance between two copies at a common epoch
+    differ: tuple[int, ...]  # epochs at which copies were further apart than EQUAL_DISTANCE
+
+    @property
+    def equal(self) -> bool:
+        return self.peers < 2 or (self.common > 0 and not self.differ)
+
+    def __str__(self) -> str:
+        if self.peers < 2:
+            return "one copy, nothing to compare"
+        if self.common == 0:
+            return "COPIES NEVER COMPARED: no epoch was logged by two peers"
+        if self.differ:
+            return (
+                f"COPIES DIFFER at {len(self.differ)} of {self.common} common epochs "
+                f"(first at epoch {self.differ[0]}; largest relative distance {self.worst:.1e})"
+            )
+        text = f"copies equal at {self.common} of {self.common} common epochs (bitwise at "
+        if self.bitwise == self.common:
+            return text + "all)"
+        return text + f"{self.bitwise}, the others within {self.worst:.1e} relative distance)"
+
+
+def compare_copies(logs: Sequence[str], stage: int) -> CopiesCheck:
+    """Compare the parameter digests that peers (one log each) logged for ``stage``."""
+    by_epoch: dict[int, list[ParamDigest]] = defaultdict(list)
+    peers = 0
+    for log in logs:
+        mine: dict[int, ParamDigest] = {}  # a peer's last digest of each epoch
+        for m in ParamDigest.PATTERN.finditer(log):
+            if int(m[1]) == stage:
+                sketch = tuple(float(v) for v in m[5].split(","))
+                mine[int(m[2])] = ParamDigest(int(m[3], 16), float(m[4]), sketch)
+        peers += bool(mine)
+        for epoch, digest in mine.items():
+            by_epoch[epoch].append(digest)
+    distances = {
+        epoch: max(ds[0].distance(d) for d in ds[1:])
+        for epoch, ds in sorted(by_epoch.items())
+        if len(ds) > 1
+    }
+    return CopiesCheck(
+        peers=peers,
+        common=len(distances),
+        bitwise=sum(d == 0.0 for d in distances.values()),
+        worst=max(distances.values(), default=0.0),
+        differ=tuple(e for e, d in distances.items() if d > EQUAL_DISTANCE),
+    )
 
 
 @dataclass
@@ -198,14 +334,11 @@ class StageAverager:
             dht.dht,
             start=False,
             state_source=self._current_state,
+            membership=spec.membership,  # a private run averages with members only
             prefix=averaging_prefix(spec.run, stage_index),
-            min_matchmaking_time=s.matchmaking_s,
-            request_timeout=min(3.0, s.matchmaking_s / 2),
-            allreduce_timeout=s.allreduce_timeout_s,
-            next_chunk_timeout=s.chunk_timeout_s,
-            compression=NoCompression(),
             allow_state_sharing=False,  # until our own state is loaded
             declare_state_period=DECLARE_STATE_PERIOD_S,
+            **process_settings(s),
         )
         # Not run_in_background: it sets SIGINT to "ignore" in *this* process.
         self._process.start()
@@ -297,6 +430,7 @@ class StageAverager:
             await asyncio.sleep(self.settings.report_period_s)
         else:
             logger.info("%s: no peer holds it, starting from initial weights", self._name)
+        await self._log_digest()
         self._records = await self._read_progress()
         # Visible to the stage's peers (and joiners) from the moment this returns.
         await self._publish(Progress(self.peer_id, self._epoch, self._samples()), self._expiry())
@@ -421,6 +555,9 @@ class StageAverager:
                 continue
             if record.peer_id != self.peer_id:
                 result.append(record)
+        if self.spec.private and result:  # a stranger's progress must not shape our rounds
+            members = {p.peer_id for p in await self.dht.peers()}
+            result = [r for r in result if r.peer_id in members]
         return result
 
     def _view(self) -> list[Progress]:
@@ -500,13 +637,21 @@ class StageAverager:
         self._catch_up_after = 0.0
         self.stats.catch_ups += 1
         logger.info("%s: caught up to epoch %d from %s", self._name, self._epoch, state.source)
-        self._after_epoch()
+        await self._after_epoch()
 
-    def _after_epoch(self) -> None:
+    async def _after_epoch(self) -> None:
         assert self._process is not None and self._publish_now is not None
         if self._process.allow_state_sharing:
             self._process.state_sharing_priority = float(self._epoch)
         self._publish_now.set()
+        await self._log_digest()
+
+    async def _log_digest(self) -> None:
+        """Log the digest of the parameters this epoch's step set. No lock: only this
+        task changes them (gradient mode: the parameters; diloco: the anchor)."""
+        tensors = self._anchor if self._anchor is not None else self._params
+        digest = await asyncio.to_thread(ParamDigest.of, tensors)
+        logger.info("%s: epoch %d params %s", self._name, self._epoch, digest)
 
     async def _step_alone(self) -> None:
         started = time.monotonic()
@@ -530,7 +675,7 @@ class StageAverager:
             self._epoch,
             ", ".join(f"{p.peer_id[-6:]} at {p.epoch}" for p in self._view()) or "none",
         )
-        self._after_epoch()
+        await self._after_epoch()
 
     async def _average(self, group_size: int) -> None:
         """One round: take our contribution, average it until the round's deadline, apply
@@ -583,7 +728,7 @@ class StageAverager:
                 await asyncio.to_thread(self._finish, contribution.tensors, contribution)
                 self.stats.fallbacks += 1
             self.stats.last_round_s = time.monotonic() - started
-            self._after_epoch()
+            await self._after_epoch()
         finally:
             await asyncio.shield(self._give_back(contribution))  # no-op once applied
 

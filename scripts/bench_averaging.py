@@ -1,45 +1,78 @@
-"""Averaging rounds between two peers of one stage on loopback (``node.stage_averaging``).
+"""Averaging among the peers of a stage on loopback (``node.stage_averaging``).
 
     python scripts/bench_averaging.py [--preset tiny] [--rounds 20] [--compression none]
+        [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
 
-Two peers (each its own hivemind DHT and averager process, in this process) hold stage 0
-of the preset cut in two and are fed ``target_batch_size / 2`` samples each per round.
-Printed side by side: a local ``StageOptimizer.step`` on the same stage; a round measured
-from its start to the applied step (``AveragingStats.round_s``: matchmaking, all-reduce,
-apply); and the time from the last micro-batch fed to both copies stepped, which adds the
-progress report period (peers see each other's samples through the DHT). Then the
-largest difference between the two copies.
+Three measurements in one run (a count of 0 skips one). Every peer is its own hivemind DHT
+and averager process, on 127.0.0.1.
+
+1. Rounds (``--rounds``): two peers hold stage 0 of the preset cut in two and are fed
+   ``target_batch_size / 2`` samples each per round. Printed side by side: a local
+   ``StageOptimizer.step`` on the same stage; a round from its start to the applied step
+   (``AveragingStats.round_s``: matchmaking, all-reduce, apply); and the time from the
+   last micro-batch fed to both copies stepped, which adds the progress report period
+   (peers see each other's samples through the DHT). Then the largest difference between
+   the two copies.
+2. All-reduce throughput (``--allreduce-mb``): 2 and 4 peers average one float32 tensor of
+   that many MB (10^6 bytes), uncompressed, with the averager process and round settings
+   a stage uses (``StageAveragerProcess``, ``process_settings``), against a raw TCP copy of
+   the same bytes over loopback between two threads, measured in the same run. All-reduce
+   MB/s is the tensor's size over the round time (all peers call ``step`` -> all hold the
+   average); in that time each peer sends and receives 2(n-1)/n of the tensor.
+3. Gradient vs DiLoCo (``--micro-batches``): the demo's training setup in this process:
+   the tiny preset, 2 stages x 2 peers, one trainer's data stream, micro-batch i served by
+   peer i % 2 of stage 0 and peer (i // 2) % 2 of stage 1 (as a stage server serves it:
+   under the stage's lock, then ``on_accumulated``). The same micro-batches in gradient
+   mode and in DiLoCo mode for each ``--inner-steps``. Averaging bytes are computed from
+   what the all-reduce moves: per successful round, each of a stage's 2 peers sends half
+   of the stage's tensors to the other and returns the averaged half (2 x half = the
+   stage's bytes per peer per round; hivemind's framing and failed attempts not counted).
+   Loopback bytes (every process on this machine, DHT traffic included) are printed as a
+   cross-check.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import os
+import socket
 import statistics
+import threading
 import time
+from dataclasses import dataclass
 
+import psutil
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.averaging.control import AveragingStage, StepControl
 
-from models.config import preset
-from models.stages import Stage, even_boundaries
-from models.training import StageOptimizer
+from models.data import Corpus, eval_batches, load_corpus, sample_batches, stream_seed
+from models.stages import Stage
+from models.training import StageOptimizer, evaluate
+from node.averaging_process import StageAveragerProcess
 from node.dht import SwarmDHT
-from node.stage_averaging import StageAverager
-from protocol.run_spec import AveragingSpec, RunSpec
+from node.stage_averaging import ParamDigest, StageAverager, process_settings
+from protocol.averaging import averaging_prefix
+from protocol.identity import peer_id_of
+from protocol.run_spec import AveragingSpec, RunSpec, make_run_spec
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+MB = 10**6
+PEERS = 2  # per stage, in the rounds and training measurements
+OWNER = peer_id_of(Ed25519PrivateKey.generate().public_key())  # the benchmark's runs
 
 
-def _spec(name: str, compression: str) -> RunSpec:
-    model, optim = preset(name)
-    return RunSpec(
-        run=f"bench-{name}",
-        arch=dataclasses.asdict(model),
-        optimizer=dataclasses.asdict(optim),
-        boundaries=tuple((r.start, r.end) for r in even_boundaries(model, 2)),
-        averaging=AveragingSpec(compression=compression),
-    )
+def _spec(name: str, preset: str, **averaging) -> RunSpec:
+    return make_run_spec(name, preset, 2, owner=OWNER, averaging=AveragingSpec(**averaging))
+
+
+def _loopback_bytes() -> int:
+    lo = psutil.net_io_counters(pernic=True).get("lo")
+    return lo.bytes_sent if lo else 0
+
+
+# -- 1. rounds ----------------------------------------------------------------------------
 
 
 def _backward(stage: Stage, optimizer: StageOptimizer, seed: int) -> None:
@@ -58,13 +91,13 @@ def _feed(stage: Stage, optimizer: StageOptimizer, averager: StageAverager, seed
         averager.on_accumulated()
 
 
-async def _bench(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
+async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
     stages = [Stage(spec.model, spec.stage_range(0)) for _ in dhts]
     optimizers = [StageOptimizer(s, spec.optim) for s in stages]
     averagers: list[StageAverager] = []
     try:
         for d, s, o in zip(dhts, stages, optimizers, strict=True):
-            averagers.append(await StageAverager.create(d, spec, 0, s, o))
+            averagers.append(await StageAverager.create(SwarmDHT(d.dht, spec.run), spec, 0, s, o))
             await averagers[-1].load_state()
         while not all(a.peers == 1 for a in averagers):
             await asyncio.sleep(0.05)
@@ -95,7 +128,7 @@ async def _bench(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
             (p - q).abs().max().item()
             for p, q in zip(stages[0].parameters(), stages[1].parameters(), strict=True)
         )
-        print(f"stage 0 of {spec.model.n_layer}-layer preset: {n_params:,} parameters, "
+        print(f"1. rounds: stage 0 of {spec.model.n_layer}-layer preset: {n_params:,} parameters, "
               f"compression {spec.averaging.compression}, {rounds} rounds")  # fmt: skip
         print(f"  local optimizer step        median {statistics.median(local_s) * 1e3:7.1f} ms")
         print(f"  round (start -> applied)    median {statistics.median(round_s) * 1e3:7.1f} ms"
@@ -110,21 +143,262 @@ async def _bench(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
             await a.shutdown()
 
 
+# -- 2. all-reduce throughput -----------------------------------------------------------
+
+
+def _raw_tcp_s(nbytes: int, repeats: int) -> list[float]:
+    """Seconds to copy ``nbytes`` through one loopback TCP connection, thread to thread."""
+    payload = os.urandom(nbytes)
+    times = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for _ in range(repeats):
+            sink = bytearray(nbytes)
+
+            def receive(sink: bytearray = sink) -> None:
+                conn, _ = server.accept()
+                with conn:
+                    view, got = memoryview(sink), 0
+                    while got < nbytes and (n := conn.recv_into(view[got:])):
+                        got += n
+
+            receiver = threading.Thread(target=receive)
+            receiver.start()
+            with socket.create_connection(server.getsockname()) as conn:
+                started = time.perf_counter()
+                conn.sendall(payload)
+                receiver.join()
+                times.append(time.perf_counter() - started)
+            assert sink == payload, "the raw TCP copy lost bytes"
+    return times
+
+
+def _wait_allreduce(controls: list[StepControl], timeout: float) -> float:
+    """Wait for every step; the time (perf_counter) the first all-reduce began."""
+    began, deadline = None, time.monotonic() + timeout
+    while not all(c.done() for c in controls):
+        if began is None and any(
+            c.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED) for c in controls
+        ):
+            began = time.perf_counter()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the all-reduce did not end within {timeout:.0f} s")
+        time.sleep(0.002)
+    for c in controls:
+        gathered = c.result()
+        if not isinstance(gathered, dict) or len(gathered) != len(controls):
+            raise RuntimeError(f"a round averaged {len(gathered or ())} of {len(controls)} peers")
+    return began if began is not None else time.perf_counter()
+
+
+def _allreduce_s(
+    spec: RunSpec, dhts: list[SwarmDHT], n: int, nbytes: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    """Round and all-reduce seconds of ``n`` peers averaging ``nbytes`` of float32."""
+    settings = process_settings(spec.averaging)
+    g = torch.Generator().manual_seed(n)
+    processes: list[StageAveragerProcess] = []
+    rounds, allreduces = [], []
+    try:
+        for d in dhts[:n]:
+            processes.append(
+                StageAveragerProcess(
+                    [torch.randn(nbytes // 4, generator=g)],
+                    d.dht,
+                    start=False,
+                    state_source=lambda: ({}, []),
+                    prefix=averaging_prefix(spec.run, n),
+                    allow_state_sharing=False,
+                    **settings,
+                )
+            )
+            processes[-1].start()
+        for p in processes:
+            p.wait_until_ready(60)
+        for r in range(repeats + 1):  # the first round is a warm-up
+            for p in processes:
+                p.set_round(r, n)
+            started = time.perf_counter()
+            controls = [p.step(weight=1.0, allow_retries=False, wait=False) for p in processes]
+            began = _wait_allreduce(controls, 120.0)
+            if r:
+                rounds.append(time.perf_counter() - started)
+                allreduces.append(time.perf_counter() - began)
+    finally:
+        for p in processes:
+            p.shutdown()
+            p.join(10)
+    return rounds, allreduces
+
+
+def _throughput(spec: RunSpec, dhts: list[SwarmDHT], mb: int, peers: list[int]) -> None:
+    nbytes, repeats = mb * MB, 3
+    raw = statistics.median(_raw_tcp_s(nbytes, repeats))
+    print(f"2. all-reduce of {mb} MB of float32, compression none, median of {repeats} rounds")
+    print(f"  raw TCP over loopback (thread to thread): {nbytes / raw / MB:7.1f} MB/s")
+    for n in peers:
+        rounds, allreduces = _allreduce_s(spec, dhts, n, nbytes, repeats)
+        mb_s = nbytes / statistics.median(rounds) / MB
+        print(f"  {n} peers: round {statistics.median(rounds):6.2f} s ({mb_s:6.1f} MB/s, "
+              f"{mb_s * MB / (nbytes / raw):.3f} of raw TCP), of which all-reduce "
+              f"{statistics.median(allreduces):6.2f} s; each peer sends and receives "
+              f"{2 * (n - 1) / n * mb:.0f} MB")  # fmt: skip
+    print("  MB/s of all-reduce: MB of the averaged tensor per second of round time "
+          "(all peers call step -> all hold the average)")  # fmt: skip
+
+
+# -- 3. gradient vs DiLoCo on the demo's setup -----------------------------------------
+
+
+@dataclass
+class _Trained:
+    label: str
+    samples: int
+    seconds: float
+    val: tuple[float, float]  # before, after (through the copies of peer 0 of each stage)
+    val_other: float  # after, through the copies of peer 1
+    epochs: list[int]  # per stage
+    rounds: int  # successful rounds, all peers
+    alone: int  # steps alone and fallbacks, all peers
+    averaging_bytes: int
+    loopback_bytes: int
+    distance: list[float]  # per stage: relative distance between the copies at the end
+
+
+async def _train(
+    spec: RunSpec, dhts: list[SwarmDHT], corpus: Corpus, micro_batches: int, label: str
+) -> _Trained:
+    model, optim = spec.model, spec.optim
+    copies: list[list[StageAverager]] = []
+    try:
+        for s in range(spec.n_stages):
+            copies.append([])
+            for k in range(PEERS):
+                stage = Stage(model, spec.stage_range(s))
+                averager = await StageAverager.create(
+                    SwarmDHT(dhts[PEERS * s + k].dht, spec.run),
+                    spec,
+                    s,
+                    stage,
+                    StageOptimizer(stage, optim),
+                )
+                copies[-1].append(averager)
+                await averager.load_state()
+        everyone = [a for row in copies for a in row]
+        while not all(a.peers == PEERS - 1 for a in everyone):
+            await asyncio.sleep(0.05)
+        val = eval_batches(corpus.val, model.block_size, optim.micro_batch_size, 8)
+        before = evaluate([row[0].module for row in copies], val)
+        data = sample_batches(
+            corpus.train, model.block_size, optim.micro_batch_size, stream_seed(spec.seed, 0)
+        )
+
+        def train() -> None:
+            for i in range(micro_batches):
+                x, y = next(data)
+                first, last = copies[0][i % PEERS], copies[1][(i // PEERS) % PEERS]
+                with first.lock, torch.no_grad():
+                    hidden = first.module(x)  # (B, T, C)
+                hidden.requires_grad_()
+                with last.lock:
+                    (last.module(hidden, y) * len(x)).backward()
+                    last.optimizer.accumulated(len(x))
+                    last.on_accumulated()
+                with first.lock:  # recomputed, as a server does for a backward call
+                    first.module(x).backward(hidden.grad)
+                    first.optimizer.accumulated(len(x))
+                    first.on_accumulated()
+
+        lo_before, started = _loopback_bytes(), time.perf_counter()
+        await asyncio.to_thread(train)
+        seconds = time.perf_counter() - started
+        deadline = time.monotonic() + 60
+        while any(a.busy for a in everyone) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        loopback = _loopback_bytes() - lo_before
+        sizes = [sum(p.numel() for p in row[0].module.parameters()) for row in copies]
+        width = 2 if spec.averaging.compression == "float16" else 4
+        return _Trained(
+            label=label,
+            samples=micro_batches * optim.micro_batch_size,
+            seconds=seconds,
+            val=(before, evaluate([row[0].module for row in copies], val)),
+            val_other=evaluate([row[1].module for row in copies], val),
+            epochs=[row[0].epoch for row in copies],
+            rounds=sum(a.stats.rounds for a in everyone),
+            alone=sum(a.stats.alone + a.stats.fallbacks for a in everyone),
+            # per round, each peer sends half the stage and returns the averaged half
+            averaging_bytes=sum(
+                a.stats.rounds * 2 * (PEERS - 1) * width * size // PEERS
+                for row, size in zip(copies, sizes, strict=True)
+                for a in row
+            ),
+            loopback_bytes=loopback,
+            distance=[
+                ParamDigest.of(list(row[0].module.parameters())).distance(
+                    ParamDigest.of(list(row[1].module.parameters()))
+                )
+                for row in copies
+            ],
+        )
+    finally:
+        for row in copies:
+            for a in row:
+                await a.shutdown()
+
+
+async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
+    corpus = load_corpus()
+    runs = [("gradient", _spec("bench-gradient", "tiny", compression=args.compression))]
+    runs += [
+        (f"diloco H={h}", _spec(f"bench-diloco-{h}", "tiny", mode="diloco", inner_steps=h,
+                                compression=args.compression))
+        for h in args.inner_steps
+    ]  # fmt: skip
+    results = [await _train(spec, dhts, corpus, args.micro_batches, label) for label, spec in runs]
+    print(f"3. gradient vs DiLoCo: tiny, 2 stages x {PEERS} peers in this process, "
+          f"{args.micro_batches} micro-batches, compression {args.compression}")  # fmt: skip
+    print(f"  {'mode':<13} {'val before':>10} {'val after':>10} {'(peer 1)':>9} {'epochs':>9} "
+          f"{'rounds':>6} {'alone':>5} {'avg bytes/sample':>16} {'loopback/sample':>15} "
+          f"{'samples/s':>9} {'copies apart':>12}")  # fmt: skip
+    for r in results:
+        print(f"  {r.label:<13} {r.val[0]:>10.3f} {r.val[1]:>10.3f} {r.val_other:>9.3f} "
+              f"{'/'.join(map(str, r.epochs)):>9} {r.rounds:>6} {r.alone:>5} "
+              f"{r.averaging_bytes / r.samples:>16,.0f} {r.loopback_bytes / r.samples:>15,.0f} "
+              f"{r.samples / r.seconds:>9.0f} {max(r.distance):>12.1e}")  # fmt: skip
+    print("  avg bytes/sample: computed from the rounds (each peer sends half of its stage's "
+          "tensors and returns the averaged half);\n  loopback/sample: all loopback traffic "
+          "on this machine during training (DHT included); copies apart: relative distance "
+          "\n  between the two copies of a stage at the end (DiLoCo: after the last inner "
+          "steps)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--preset", default="tiny", help="for the rounds measurement")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--compression", default="none", choices=["none", "float16"])
+    parser.add_argument("--allreduce-mb", type=int, default=100)
+    parser.add_argument("--allreduce-peers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--micro-batches", type=int, default=800, help="gradient vs DiLoCo")
+    parser.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    spec = _spec(args.preset, args.compression)
-    dhts = [SwarmDHT.start(spec.run, host_maddrs=[LOOPBACK])]  # before the event loop: forks
-    dhts.append(SwarmDHT.start(spec.run, host_maddrs=[LOOPBACK],
-                               initial_peers=dhts[0].visible_maddrs()))  # fmt: skip
+    n_dhts = max([PEERS * 2 if args.micro_batches else 0, PEERS, *args.allreduce_peers])
+    dhts = [SwarmDHT.start("bench", host_maddrs=[LOOPBACK])]  # before the event loop: forks
+    while len(dhts) < n_dhts:
+        dhts.append(SwarmDHT.start("bench", host_maddrs=[LOOPBACK],
+                                   initial_peers=dhts[0].visible_maddrs()))  # fmt: skip
     try:
         import uvloop
 
-        uvloop.run(_bench(spec, dhts, args.rounds))
+        if args.rounds:
+            spec = _spec(f"bench-{args.preset}", args.preset, compression=args.compression)
+            uvloop.run(_rounds(spec, dhts[:PEERS], args.rounds))
+        if args.allreduce_mb:
+            _throughput(_spec("bench-allreduce", "tiny"), dhts, args.allreduce_mb,
+                        args.allreduce_peers)  # fmt: skip
+        if args.micro_batches:
+            uvloop.run(_modes(args, dhts))
     finally:
         for d in dhts:
             d.shutdown()

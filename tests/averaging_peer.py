@@ -1,10 +1,11 @@
 """Peers of one stage for the averaging tests, in this process or as a subprocess.
 
-A peer here is a DHT, the last stage of a small model, its ``StageOptimizer`` and a
-``StageAverager``; ``feed`` does what a stage server does for one micro-batch (backward of
-``loss * B`` into ``.grad`` under the lock, then ``on_accumulated``).
+A peer here is a DHT, one stage (by default the last stage of a small model), its
+``StageOptimizer`` and a ``StageAverager``; ``feed`` and ``feed_tokens`` do what a stage
+server does for one micro-batch (backward of ``loss * B`` into ``.grad`` under the lock,
+then ``on_accumulated``).
 
-As a script (``python -m tests.averaging_peer --initial-peer MADDR --run RUN``) it is the
+As a script (``python -m tests.averaging_peer --initial-peer MADDR --run NAME``) it is the
 victim of the kill test: it joins, accumulates two micro-batches, prints ``READY``, and in
 its first all-reduce prints ``ALLREDUCE`` and stalls, waiting to be killed.
 """
@@ -15,9 +16,11 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from models.config import ModelConfig, OptimizerConfig
 from models.stages import Stage, even_boundaries
@@ -25,6 +28,8 @@ from models.training import StageOptimizer
 from node.averaging_process import StageAveragerProcess
 from node.dht import SwarmDHT
 from node.stage_averaging import StageAverager
+from protocol.identity import peer_id_of
+from protocol.ownership import make_run_id
 from protocol.run_spec import AveragingSpec, RunSpec
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -42,10 +47,16 @@ FAST = {
 }
 
 
-def make_spec(run: str, **averaging) -> RunSpec:
+# The tests' run owner: a fixed key, so that the victim subprocess derives the same run id.
+OWNER = peer_id_of(Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key())
+
+
+def make_spec(name: str, **averaging) -> RunSpec:
+    """A run of ``CFG`` cut in two, owned by ``OWNER``, with ``FAST`` averaging settings."""
     optim = OptimizerConfig(micro_batch_size=MICRO, target_batch_size=TARGET, warmup_steps=0)
     return RunSpec(
-        run=run,
+        run=make_run_id(name, OWNER),
+        owner=OWNER,
         arch=CFG.to_dict(),
         optimizer=optim.to_dict(),
         boundaries=tuple((r.start, r.end) for r in even_boundaries(CFG, 2)),
@@ -72,24 +83,39 @@ class Peer:
     spec: RunSpec
     stage: Stage = field(init=False)
     optimizer: StageOptimizer = field(init=False)
+    stage_index: int = STAGE
     averager: StageAverager | None = None
     fed: int = 0  # samples fed
 
     def __post_init__(self) -> None:
-        self.stage = Stage(CFG, self.spec.stage_range(STAGE))
+        self.stage = Stage(self.spec.model, self.spec.stage_range(self.stage_index))
         self.optimizer = StageOptimizer(self.stage, self.spec.optim)
 
     async def start(self, averager_cls: type[StageAverager] = StageAverager) -> StageAverager:
         self.averager = await averager_cls.create(
-            self.dht, self.spec, STAGE, self.stage, self.optimizer
+            self.dht, self.spec, self.stage_index, self.stage, self.optimizer
         )
         return self.averager
 
     def feed(self, seed: int) -> None:
-        """One micro-batch, as a stage server serves it (call from any thread)."""
+        """One micro-batch of random hidden states (a last stage of ``CFG``), as a stage
+        server serves it (call from any thread)."""
+        self._accumulate(lambda: backward(self.stage, seed))
+
+    def feed_tokens(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One micro-batch of tokens (B, T) and targets (B, T), for a stage that holds the
+        whole model."""
+
+        def loss_backward() -> int:
+            (self.stage(x, y) * len(x)).backward()
+            return len(x)
+
+        self._accumulate(loss_backward)
+
+    def _accumulate(self, backward_fn: Callable[[], int]) -> None:
         assert self.averager is not None
         with self.averager.lock:
-            n = backward(self.stage, seed)
+            n = backward_fn()
             self.optimizer.accumulated(n)
             self.fed += n
             self.averager.on_accumulated()
@@ -128,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = make_spec(args.run)
-    dht = SwarmDHT.start(args.run, initial_peers=[args.initial_peer], host_maddrs=[LOOPBACK])
+    dht = SwarmDHT.start(spec.run, initial_peers=[args.initial_peer], host_maddrs=[LOOPBACK])
     print(f"STARTED {time.time():.3f}", flush=True)
     import uvloop
 

@@ -24,19 +24,33 @@ import psutil
 import pytest
 import torch
 import uvloop
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
+from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
-from models.training import StageOptimizer
+from models.training import StageOptimizer, evaluate
 from node import stage_client, stage_state
 from node.dht import SwarmDHT
-from node.stage_averaging import AveragedStageServer, StageAverager
+from node.files import load_or_create_key
+from node.stage_averaging import (
+    EQUAL_DISTANCE,
+    AveragedStageServer,
+    ParamDigest,
+    StageAverager,
+    compare_copies,
+)
 from protocol.averaging import Action, Progress, decide
+from protocol.membership import issue_invite, parse_invite_token
+from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
+from protocol.run_spec import AveragingSpec, RunSpec, make_run_spec
 from protocol.stage_messages import StageContract
 from tests.averaging_peer import (
     CFG,
     FAST,
     LOOPBACK,
+    OWNER,
     STAGE,
     TARGET,
     Peer,
@@ -48,16 +62,28 @@ from tests.averaging_peer import (
 ATOL = 1e-6  # copies agree to float rounding: each adds (average - own) to its own
 
 
+KEYS: dict[str, Ed25519PrivateKey] = {}  # the DHTs' identities, by peer id: to sign records
+
+
 @pytest.fixture(scope="module")
-def dhts():
+def dhts(tmp_path_factory):
     """Three DHT processes on loopback, shared by the module's tests (each test uses its own
     run name, so records and averaging groups do not mix)."""
     started: list[SwarmDHT] = []
+    keys = tmp_path_factory.mktemp("keys")
     try:
-        started.append(SwarmDHT.start("avg", host_maddrs=[LOOPBACK]))
-        first = started[0].visible_maddrs()
-        for _ in range(2):
-            started.append(SwarmDHT.start("avg", host_maddrs=[LOOPBACK], initial_peers=first))
+        for i in range(3):
+            key = load_or_create_key(keys / f"{i}.key")
+            first = started[0].visible_maddrs() if started else []
+            started.append(
+                SwarmDHT.start(
+                    "avg",
+                    host_maddrs=[LOOPBACK],
+                    initial_peers=first,
+                    identity_path=keys / f"{i}.key",
+                )  # fmt: skip
+            )
+            KEYS[started[-1].peer_id] = key
         yield [d.dht for d in started]
     finally:
         for d in started:
@@ -264,7 +290,7 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
             await survivor.averager.load_state()
             with open(tmp_path / "victim.log", "w") as log:
                 victim = subprocess.Popen(
-                    [sys.executable, "-m", "tests.averaging_peer", "--run", spec.run,
+                    [sys.executable, "-m", "tests.averaging_peer", "--run", "avg-kill",
                      "--initial-peer", maddr, "--seeds", "11", "12"],
                     stdout=subprocess.PIPE, stderr=log, text=True,
                     env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -470,3 +496,130 @@ def test_diloco_copies_are_equal_after_an_outer_step(dhts):
             await _shutdown(a, b, c)
 
     _run(body())
+
+
+def test_diloco_trains_the_tiny_model_to_a_lower_validation_loss(dhts, corpus):
+    """DiLoCo on real data: two peers, each holding the whole ``tiny`` model as one stage and
+    training on its own data stream, take ``inner_steps`` AdamW steps alone between outer
+    steps. After a few outer steps the validation loss is well below where it began, and
+    the copies are bitwise equal after every outer step (deltas travel as float16)."""
+    inner, outer = 5, 4
+    averaging = AveragingSpec(**FAST, mode="diloco", inner_steps=inner, compression="float16")
+    spec = make_run_spec("avg-diloco-tiny", "tiny", 1, owner=OWNER, averaging=averaging)
+    a, b = (Peer(SwarmDHT(d, spec.run), spec, stage_index=0) for d in dhts[:2])
+    model, optim = spec.model, spec.optim
+    val = eval_batches(corpus.val, model.block_size, optim.micro_batch_size, 8)
+    streams = [
+        sample_batches(corpus.train, model.block_size, optim.micro_batch_size, stream_seed(0, k))
+        for k in (1, 2)
+    ]
+    per_outer = inner * optim.target_batch_size // optim.micro_batch_size  # micro-batches/peer
+
+    def train_one_outer_step() -> None:
+        for _ in range(per_outer):
+            for peer, stream in zip((a, b), streams, strict=True):
+                peer.feed_tokens(*next(stream))
+
+    async def body():
+        try:
+            for peer in (a, b):
+                await peer.start()
+                await peer.averager.load_state()
+            # Each reaches its share of the inner steps alone: unseen, it would step alone.
+            await _until(
+                lambda: a.averager.peers == b.averager.peers == 1, 5, "they see each other"
+            )
+            before = evaluate([a.stage], val)
+            for epoch in range(1, outer + 1):
+                await asyncio.to_thread(train_one_outer_step)
+                await _until(lambda e=epoch: _at_epoch(e, a, b), 15, f"outer step {epoch}")
+                assert _close(a.params(), b.params(), 0), f"copies differ after outer step {epoch}"
+            after = evaluate([a.stage], val)
+            for peer in (a, b):
+                stats = peer.averager.stats
+                assert (stats.rounds, stats.alone, stats.fallbacks) == (outer, 0, 0), stats
+                assert stats.inner_steps == inner * outer
+            assert after < before - 0.5, f"validation loss {before:.3f} -> {after:.3f}"
+        finally:
+            await _shutdown(a, b)
+
+    _run(body())
+
+
+def test_digests_tell_equal_copies_from_diverged_ones():
+    """The logged digests: bitwise equal copies share a crc; copies apart by float rounding
+    are within ``EQUAL_DISTANCE``, copies a step apart are far outside it; a log line
+    round-trips through ``compare_copies``."""
+    stage = Stage(CFG, make_spec("avg-digest").stage_range(STAGE))
+    params = [p.detach().clone() for p in stage.parameters()]
+    g = torch.Generator().manual_seed(0)
+    rounding = [p * (1 + 1e-7 * torch.randn(p.shape, generator=g)) for p in params]
+    step = [p + 1e-3 * torch.randn(p.shape, generator=g) for p in params]
+    same, close, far = (ParamDigest.of(t) for t in (params, rounding, step))
+    assert ParamDigest.of(params) == same and same.distance(same) == 0.0
+    assert 1e-9 < same.distance(close) < EQUAL_DISTANCE < 10 * EQUAL_DISTANCE < same.distance(far)
+
+    def log(*digests: ParamDigest, first: int = 0) -> str:
+        return "".join(
+            f"INFO stage {STAGE} (a1b2c3): epoch {e} params {d}\n"
+            for e, d in enumerate(digests, start=first)
+        )
+
+    check = compare_copies([log(same, same, same), log(same, close)], STAGE)
+    assert (check.peers, check.common, check.bitwise, check.equal) == (2, 2, 1, True), check
+    assert str(check).startswith("copies equal at 2 of 2 common epochs")
+    check = compare_copies([log(same, same), log(same, far), log(same)], STAGE)
+    assert (check.common, check.differ, check.equal) == (2, (1,), False), check
+    assert str(check).startswith("COPIES DIFFER at 1 of 2")
+    assert not compare_copies([log(same), log(same, first=1)], STAGE).equal  # never compared
+    assert compare_copies([log(same)], STAGE).equal and not compare_copies([log(same)], 0).peers
+
+
+def test_a_private_stage_averages_with_its_members_only(dhts):
+    """In a private run, two invited peers average; a third peer of the stage without an
+    invite is refused by both: its progress is ignored, its join requests and parts are
+    refused, its state is never downloaded, nor is theirs handed to it."""
+    spec = make_spec("avg-private").model_copy(update={"private": True})
+    owner_key = Ed25519PrivateKey.from_private_bytes(bytes(32))  # OWNER's
+    a, b, stranger = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts)
+
+    async def body():
+        try:
+            for peer in (stranger, a, b):  # the stranger first: it could offer its state
+                peer.dht.use_spec(spec)
+                peer_id = peer.dht.peer_id
+                proof = None
+                if peer is not stranger:
+                    token = issue_invite(owner_key, spec.run, expires=time.time() + 600,
+                                         peer_id=peer_id)  # fmt: skip
+                    proof = parse_invite_token(token, owner=OWNER).proof(peer_id)
+                record = _peer_record(spec, peer_id, proof)
+                assert await peer.dht.publish_peer(record, KEYS[peer_id], ttl_s=60)
+                await peer.start()
+                loaded = await peer.averager.load_state()
+                assert loaded.source in (None, a.dht.peer_id), "never from the stranger"
+            assert {p.peer_id for p in await a.dht.peers()} == {a.dht.peer_id, b.dht.peer_id}
+            for k, peer in enumerate((a, b, stranger)):
+                for i in range(2):
+                    peer.feed(10 * k + i)  # 8 samples each: 16 (the target) from any two
+            await _until(lambda: _at_epoch(1, a, b), 30, "the members' round")
+            for member in (a, b):
+                assert member.averager.stats.rounds == 1 and member.averager.stats.last_group == 2
+            assert _close(a.params(), b.params())
+            assert _close(a.params(), _reference([0, 1], [10, 11]))
+            # The stranger sees peers ahead of it, but nobody hands it the state.
+            assert stranger.averager.stats.rounds == 0, "nobody averaged with the stranger"
+            assert stranger.averager.epoch == 0 and stranger.averager.stats.catch_ups == 0
+        finally:
+            await _shutdown(a, b, stranger)
+
+    _run(body())
+
+
+def _peer_record(spec: RunSpec, peer_id: str, membership: str | None) -> PeerInfo:
+    return PeerInfo(
+        peer_id=peer_id, run=spec.run, version=PROTOCOL_VERSION, device="cpu",
+        throughput=(1.0, 1.0), throughput_source="declared", bandwidth_up_mbps=1.0,
+        bandwidth_down_mbps=1.0, bandwidth_source="declared", stage=STAGE,
+        state=PeerState.SERVING, load=0, timestamp=get_dht_time(), membership=membership,
+    )  # fmt: skip
