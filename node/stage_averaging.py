@@ -277,6 +277,7 @@ class StageAverager:
         self._seen: dict[str, tuple[Progress, float]] = {}  # peer -> last record, when (_view)
         self._known: dict[str, int] = {}  # peer -> the highest epoch we know it reached
         self._busy = False
+        self._stepped_now = False  # on_accumulated stepped alone; _after_epoch is due
         self._catch_up_after = 0.0
         self._process: StageAveragerProcess | None = None
         self._buffers: list[torch.Tensor] = []
@@ -391,6 +392,12 @@ class StageAverager:
             self._inner_samples += self.optimizer.samples
             self.optimizer.step()
             self.stats.inner_steps += 1
+        elif self._alone_and_due():
+            # Nobody to average with: step now, as the micro-batch that completed the
+            # target batch returns, so that the next one sees the step (a single-peer
+            # stage then computes exactly what one process would).
+            self._step_locked()
+            self._stepped_now = True
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: we are shutting down
@@ -599,6 +606,9 @@ class StageAverager:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._stepped_now:  # on_accumulated stepped alone: announce the epoch
+                self._stepped_now = False
+                await self._after_epoch()
             decision = decide(
                 self.peer_id,
                 self._epoch,
@@ -653,21 +663,39 @@ class StageAverager:
         digest = await asyncio.to_thread(ParamDigest.of, tensors)
         logger.info("%s: epoch %d params %s", self._name, self._epoch, digest)
 
+    def _alone_and_due(self) -> bool:
+        """Gradient mode, the target batch reached, no round in flight, and no other peer
+        of the stage in sight (as of the last progress read, which ``load_state`` did)."""
+        return (
+            self.mode == "gradient"
+            and self._loop is not None
+            and not self._busy
+            and not self._records
+            and not self._seen
+            and self.optimizer.samples >= self._target()
+        )
+
+    def _step_locked(self) -> None:
+        """A step on our own samples; the caller holds ``lock``."""
+        self.stats.samples += self.optimizer.samples
+        self.optimizer.step()
+        self._epoch += 1
+        self.stats.alone += 1
+
     async def _step_alone(self) -> None:
         started = time.monotonic()
         if self.mode == "diloco":
             contribution = await asyncio.to_thread(self._begin_outer)
             await asyncio.to_thread(self._finish, contribution.tensors, contribution)
+            self.stats.alone += 1
         else:
 
             def step() -> None:
                 with self.lock:
-                    self.stats.samples += self.optimizer.samples
-                    self.optimizer.step()  # samples >= target: decide() saw them
-                    self._epoch += 1
+                    if self.optimizer.samples >= self._target():  # else: stepped already
+                        self._step_locked()
 
             await asyncio.to_thread(step)
-        self.stats.alone += 1
         self.stats.last_round_s = time.monotonic() - started
         logger.debug(
             "%s: stepped alone to epoch %d (others: %s)",
