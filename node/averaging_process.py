@@ -11,8 +11,9 @@ What the subclasses change in hivemind's behaviour:
   ``__del__`` removes the *parent's* handler socket file, after which the parent's p2pd can
   no longer deliver incoming streams (the stage server's RPCs) to the parent. Measured:
   a child that drops and collects it removes the file; with this change it stays;
-- a reducer drops a groupmate that sends a non-finite part or weight from the parts it
-  averages (hivemind would average the NaN into everyone's result);
+- a reducer drops a groupmate that sends a non-finite or wildly out-of-range part, or a
+  bad weight, from the parts it averages (hivemind would average the NaN into everyone's
+  result);
 - in a private run, it averages with members only: it refuses to admit, aggregate for,
   or send its state to a peer whose DHT record shows no valid invite, and fails a round
   whose group includes one (a non-member leader may have gathered members around it);
@@ -47,7 +48,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 
 from node.child_process import die_with_parent
-from protocol.averaging import check_weight
+from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight
 from protocol.membership import MembershipPolicy
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,13 @@ class _FiniteReducer(TensorPartReducer):
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
     ) -> torch.Tensor:
         if sender_index != self.local and (
-            not check_weight(weight) or not bool(torch.isfinite(tensor_part).all())
+            not check_weight(weight)
+            or not bool(torch.isfinite(tensor_part).all())
+            or (tensor_part.numel() and float(tensor_part.abs().max()) > MAX_ABS_CONTRIBUTION)
         ):
             raise AllreduceException(
-                f"sender {sender_index} sent part {part_index} with a non-finite value or weight"
+                f"sender {sender_index} sent part {part_index} with a non-finite or "
+                f"out-of-range (> {MAX_ABS_CONTRIBUTION:g}) value, or a bad weight"
             )
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
 

@@ -62,6 +62,7 @@ from node.dht import SwarmDHT
 from node.stage_server import StageServer
 from node.stage_state import StageState, StateError
 from protocol.averaging import (
+    MAX_ABS_CONTRIBUTION,
     Action,
     Progress,
     averaging_prefix,
@@ -714,10 +715,10 @@ class StageAverager:
         deadline = started + self.settings.round_timeout_s
         begin = self._begin_outer if self.mode == "diloco" else self._take_gradients
         contribution = await asyncio.to_thread(begin)
-        if not all(bool(torch.isfinite(t).all()) for t in contribution.tensors):
+        if not _in_range(contribution.tensors):
             # The server checks every micro-batch, so this is a bug or broken hardware: drop
             # what we hold, and still take part (weight 0) to stay in step with the others.
-            logger.error("%s: our own contribution is not finite: dropped", self._name)
+            logger.error("%s: our own contribution is not finite or out of range", self._name)
             contribution = _Contribution(0, [torch.zeros_like(t) for t in contribution.tensors], [])
         try:
             result = None
@@ -819,9 +820,10 @@ class StageAverager:
             self.stats.discarded += 1
             return None
         averaged = await asyncio.to_thread(self._read_buffers, timeout)
-        if averaged is None or not all(bool(torch.isfinite(t).all()) for t in averaged):
+        if averaged is None or not _in_range(averaged):
+            # An average of in-range values is in range: this one has a faulty groupmate's.
             self.stats.discarded += 1
-            logger.warning("%s: discarded a non-finite averaging result", self._name)
+            logger.warning("%s: discarded a non-finite or out-of-range result", self._name)
             return None
         return averaged, list(mates)
 
@@ -988,6 +990,15 @@ class StageAverager:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5.0)
+
+
+def _in_range(tensors: list[torch.Tensor]) -> bool:
+    """Finite, and within what training produces (``MAX_ABS_CONTRIBUTION``)."""
+    return all(
+        bool(torch.isfinite(t).all())
+        and (t.numel() == 0 or float(t.abs().max()) <= MAX_ABS_CONTRIBUTION)
+        for t in tensors
+    )
 
 
 class _FellBehind(Exception):

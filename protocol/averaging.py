@@ -113,6 +113,12 @@ def decide(
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
 
 
+# Averaged entries are per-sample mean gradients or DiLoCo parameter deltas: training
+# produces values orders of magnitude below this, so a part beyond it is a faulty or
+# hostile peer's, and is dropped like a non-finite one.
+MAX_ABS_CONTRIBUTION = 1e4
+
+
 def check_weight(weight: float) -> bool:
     """A peer's averaging weight (its sample count) is usable."""
     return isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0

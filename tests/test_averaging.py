@@ -331,15 +331,24 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
 class _NaNAverager(StageAverager):
     """Fault: sends NaN in place of its contribution (past its own finiteness check)."""
 
+    value = math.nan
+
     def _write_buffers(self, tensors, timeout):
-        super()._write_buffers([torch.full_like(t, math.nan) for t in tensors], timeout)
+        super()._write_buffers([torch.full_like(t, self.value) for t in tensors], timeout)
 
 
-def test_a_nan_contribution_does_not_poison_the_other_peer(dhts):
-    """(d) An honest peer that averages with a peer sending NaN discards every such result
-    (its reducer also drops the NaN sender's parts) and, at the round's timeout, applies its
-    own gradient alone: finite, exactly its own step."""
-    spec = make_spec("avg-nan")
+class _HugeAverager(_NaNAverager):
+    """Fault: sends finite values far out of range (1e6, where gradients are ~1e-2)."""
+
+    value = 1e6
+
+
+@pytest.mark.parametrize("fault", [_NaNAverager, _HugeAverager])
+def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
+    """(d) An honest peer that averages with a peer sending NaN (or huge values) discards
+    every such result (its reducer also drops the sender's parts) and, at the round's
+    timeout, applies its own gradient alone: finite, exactly its own step."""
+    spec = make_spec(f"avg-{fault.__name__.strip('_').lower()}")
     honest, faulty = (
         Peer(SwarmDHT(dhts[0], spec.run), spec),
         Peer(SwarmDHT(dhts[1], spec.run), spec),
@@ -349,7 +358,7 @@ def test_a_nan_contribution_does_not_poison_the_other_peer(dhts):
         try:
             await honest.start()
             await honest.averager.load_state()
-            await faulty.start(_NaNAverager)
+            await faulty.start(fault)
             await faulty.averager.load_state()
             for seed in (1, 2):
                 honest.feed(seed)
