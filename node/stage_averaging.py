@@ -280,6 +280,9 @@ class StageAverager:
         self._busy = False
         self._stepped_now = False  # on_accumulated stepped alone; _after_epoch is due
         self._catch_up_after = 0.0
+        # Until then, an epoch's step waits for peers behind us (joiners) rather than
+        # stepping alone: once per epoch, at most a round's timeout.
+        self._patience_until = 0.0
         self._process: StageAveragerProcess | None = None
         self._buffers: list[torch.Tensor] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -617,6 +620,7 @@ class StageAverager:
                 self._view(),
                 self._target(),
                 catch_up=time.monotonic() >= self._catch_up_after,
+                patient=time.monotonic() < self._patience_until,
                 per_peer=self.mode == "diloco",
             )
             if decision.action is Action.WAIT:
@@ -652,6 +656,7 @@ class StageAverager:
 
     async def _after_epoch(self) -> None:
         assert self._process is not None and self._publish_now is not None
+        self._patience_until = time.monotonic() + self.settings.round_timeout_s
         if self._process.allow_state_sharing:
             self._process.state_sharing_priority = float(self._epoch)
         self._publish_now.set()

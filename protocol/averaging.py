@@ -88,14 +88,18 @@ def decide(
     *,
     catch_up: bool = True,
     per_peer: bool = False,
+    patient: bool = False,
 ) -> Decision:
     """What a peer at ``epoch`` holding ``samples`` does, given the other peers' records.
 
     ``per_peer``: the target is per peer at our epoch (DiLoCo: each peer's share of inner
     steps), so it grows with their number. ``catch_up`` False: a download just failed, so
-    a peer behind waits rather than try again at once. A peer's count is capped at the
-    target: one peer claiming huge numbers can start a round early, not skip one. Records
-    of ``me`` are ignored (our own count is ``samples``)."""
+    a peer behind waits rather than try again at once. ``patient``: a peer that would step
+    alone while others are behind it (joiners downloading the state) waits for them
+    instead, so that they land at its epoch and average with it; the caller bounds the
+    wait (a dead peer behind stays listed until its record expires). A peer's count is
+    capped at the target: one peer claiming huge numbers can start a round early, not skip
+    one. Records of ``me`` are ignored (our own count is ``samples``)."""
     if target < 1:
         raise ValueError(f"target must be >= 1, got {target}")
     others = [p for p in others if p.peer_id != me]
@@ -110,6 +114,8 @@ def decide(
         return Decision(Action.WAIT, total, len(same))
     # A peer with no samples of its own still averages (with weight 0): it applies the same
     # step as the others and stays in step with them without downloading their state.
+    if not same and patient and any(p.epoch < epoch for p in others):
+        return Decision(Action.WAIT, total, 0)
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
 
 

@@ -409,6 +409,11 @@ def test_decide():
     assert decide("me", 3, 10, [p("a", 4, 0)], 16).action is Action.CATCH_UP
     assert decide("me", 3, 16, [p("a", 4, 0)], 16, catch_up=False).action is Action.WAIT
     assert decide("me", 3, 1, [p("a", 3, 10**9)], 16).action is Action.AVERAGE  # capped
+    joiner = [p("a", 1, 0)]  # behind, downloading the state: wait for it, if patient
+    assert decide("me", 3, 16, joiner, 16).action is Action.STEP_ALONE
+    assert decide("me", 3, 16, joiner, 16, patient=True).action is Action.WAIT
+    both = [p("a", 1, 0), p("b", 3, 0)]  # someone to average with: no waiting
+    assert decide("me", 3, 16, both, 16, patient=True).action is Action.AVERAGE
     assert decide("me", 0, 20, [p("a", 0, 10)], 16, per_peer=True).action is Action.WAIT
     assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
     with pytest.raises(ValueError):
