@@ -16,8 +16,9 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -32,6 +33,8 @@ from protocol.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
+# The micro-batch a trainer's task is driving, for fixed wiring: ``_call`` has no index.
+_micro_batch_index: ContextVar[int] = ContextVar("micro_batch_index", default=0)
 
 
 class TrainerError(RuntimeError):
@@ -67,6 +70,9 @@ class TrainerSettings:
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
     seed: int = 0  # of the routing draws
+    # "fixed": micro-batch i always takes route i mod n (GPipe-like), the baseline that
+    # benchmarks compare stochastic wiring against; a failed peer is still routed around.
+    wiring: Literal["stochastic", "fixed"] = "stochastic"
 
 
 class Trainer:
@@ -132,6 +138,7 @@ class Trainer:
             refresher.cancel()
 
     async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
+        _micro_batch_index.set(index)  # this task's calls below read it (fixed wiring)
         last = self.spec.n_stages - 1
         inputs, route = [x], []
         for s in range(last):
@@ -190,7 +197,7 @@ class Trainer:
                 await asyncio.sleep(0.5)
                 await self.refresh()
                 continue
-            peer = choose_peer(candidates, self._rng, self._bans.banned(time.monotonic()))
+            peer = self._choose(candidates, self._bans.banned(time.monotonic()))
             self._in_flight[peer] += 1
             try:
                 await self._present(peer)
@@ -221,6 +228,12 @@ class Trainer:
         except Exception as e:  # refused, unreachable or timed out: try another peer
             raise MembershipRefused(f"{type(e).__name__}: {e}") from None
         self._presented.add(peer)
+
+    def _choose(self, candidates: list[Candidate], banned: frozenset[str]) -> str:
+        if self.settings.wiring == "fixed":
+            pool = [c for c in candidates if c.peer_id not in banned] or candidates
+            return pool[_micro_batch_index.get() % len(pool)].peer_id
+        return choose_peer(candidates, self._rng, banned)
 
     async def evaluate(self, n_batches: int = 8) -> float:
         """Mean validation loss over the run's fixed validation windows (no gradients)."""

@@ -1,0 +1,369 @@
+"""Swarm behaviour under heterogeneity, churn and stragglers, measured side by side.
+
+Each scenario starts its own swarm (``--stages`` x ``--peers`` node processes) and a
+trainer process, and alternates phases in one run so that the ratios compare like with
+like on this machine:
+
+- ``wiring``: one stage-1 peer declares a fifth of the others' throughput and is capped
+  at a fifth of the CPU it used; fixed wiring (GPipe-like) vs stochastic wiring.
+- ``churn``: a random peer of a stage that has another is SIGKILLed every ``--kill-every``
+  seconds and replaced at once, vs undisturbed; bytes on the wire per sample vs the
+  activation and averaging bytes the run needs.
+- ``straggler``: a stage-1 peer is capped at a fifth of its CPU mid-run; throughput before
+  and after, and how long until routing avoids it.
+
+Loopback by default; ``--netem PROFILE`` runs each node in its own network namespace
+behind a shaped link and a latency relay (``scripts/netem``; root only). PNG plots of
+throughput over time go to ``--out``.
+
+    python scripts/bench_swarm.py --scenarios wiring churn straggler
+    python scripts/bench_swarm.py --netem home --scenarios churn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from node.plot import write_line_chart  # noqa: E402
+from scripts.netem.network import ROOT, NetemUnavailable, Network  # noqa: E402
+from scripts.netem.profiles import profile  # noqa: E402
+from scripts.swarm_bench.swarm import BenchSwarm  # noqa: E402
+from scripts.swarm_bench.throttle import (  # noqa: E402
+    CpuThrottle,
+    ThrottleUnavailable,
+    tree_cpu_seconds,
+)
+from scripts.swarm_bench.wire import loopback_bytes  # noqa: E402
+
+SLOWDOWN = 5.0
+
+
+@dataclass
+class Record:
+    """What the trainer reported, with the orchestrator's events and byte counts."""
+
+    spec: dict = field(default_factory=dict)
+    phases: list[tuple[str, float]] = field(default_factory=list)  # (name, start)
+    wire: dict[str, int] = field(default_factory=dict)  # phase -> wire bytes at its start
+    end: float = 0.0
+    mbs: list[dict] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)
+
+    def span(self, name: str) -> tuple[float, float]:
+        starts = [t for _, t in self.phases] + [self.end]
+        i = [n for n, _ in self.phases].index(name)
+        return starts[i], starts[i + 1]
+
+    def rate(self, lo: float, hi: float) -> float:
+        return sum(m["samples"] for m in self.mbs if lo <= m["t"] < hi) / (hi - lo)
+
+    def phase_rate(self, name: str) -> float:
+        return self.rate(*self.span(name))
+
+    def samples(self, name: str) -> int:
+        lo, hi = self.span(name)
+        return sum(m["samples"] for m in self.mbs if lo <= m["t"] < hi)
+
+    def series(self, bin_s: float = 2.0) -> list[tuple[float, float]]:
+        t0 = self.phases[0][1]
+        n = int((self.end - t0) // bin_s)
+        return [(i * bin_s, self.rate(t0 + i * bin_s, t0 + (i + 1) * bin_s)) for i in range(n)]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, net: Network | None) -> None:
+        self.args, self.net = args, net
+        self.rng = random.Random(args.seed)
+        self.out: Path = args.out
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def wire_bytes(self) -> int:
+        return self.net.tx_bytes() if self.net else loopback_bytes()
+
+    def swarm(self, workdir: Path) -> BenchSwarm:
+        a = self.args
+        return BenchSwarm(workdir, a.stages, a.peers, a.preset, self.net)
+
+    def run_worker(
+        self, swarm: BenchSwarm, phases: list[str], tick: Callable[[Record, str, float], None]
+    ) -> Record:
+        """Run the trainer through ``phases``, calling ``tick(record, phase, seconds into
+        it)`` about ten times a second; return what it reported."""
+        rec, lines = Record(), queue.Queue()
+        log = (swarm.workdir / "worker.log").open("w")
+        cmd = swarm.worker_command(phases, self.args.in_flight)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
+        reader.start()
+        try:
+            while reader.is_alive() or not lines.empty():
+                try:
+                    event = json.loads(lines.get(timeout=0.1))
+                except queue.Empty:
+                    event = None
+                if event is not None:
+                    self._record(rec, event)
+                if rec.phases and not rec.end:
+                    name, start = rec.phases[-1]
+                    tick(rec, name, time.time() - start)
+        finally:
+            proc.kill()
+            proc.wait()
+            log.close()
+        if proc.returncode not in (0, -9) or not rec.end:
+            raise RuntimeError(f"the trainer failed; see {swarm.workdir / 'worker.log'}")
+        return rec
+
+    def _record(self, rec: Record, event: dict) -> None:
+        kind = event.pop("event")
+        if kind == "spec":
+            rec.spec = event
+        elif kind == "phase":
+            rec.phases.append((event["name"], event["t"]))
+            rec.wire[event["name"]] = self.wire_bytes()
+        elif kind == "mb":
+            rec.mbs.append(event)
+        elif kind == "end":
+            rec.end = event["t"]
+            rec.wire["end"] = self.wire_bytes()
+
+    def cap(self, swarm: BenchSwarm, name: str, since: float, cpu0: float) -> CpuThrottle:
+        """Cap node ``name`` at 1/SLOWDOWN of the CPU it used since ``since``."""
+        node = next(n for n in swarm.nodes if n.name == name)
+        used = (tree_cpu_seconds(node.proc.pid) - cpu0) / (time.time() - since)
+        throttle = CpuThrottle(name)
+        throttle.apply(node.proc.pid, used / SLOWDOWN)
+        print(f"  {name} used {used:.2f} cores; capped at {used / SLOWDOWN:.3f}")
+        return throttle
+
+    # --- scenarios -----------------------------------------------------------------
+
+    def wiring(self, workdir: Path) -> None:
+        a, swarm, throttle = self.args, self.swarm(workdir), None
+        slow = f"p{2 * a.stages - 1}"  # stage stages-1's second peer
+        phases = [f"warmup:stochastic:{a.warmup}"]
+        for i in range(a.repeat):
+            phases += [f"fixed{i}:fixed:{a.phase}", f"stochastic{i}:stochastic:{a.phase}"]
+        try:
+            swarm.start({2 * a.stages - 1: ["--throughput", str(100 / SLOWDOWN)]})
+            cpu0 = {}
+
+            def tick(rec: Record, phase: str, _: float) -> None:
+                nonlocal throttle
+                node = next(n for n in swarm.nodes if n.name == slow)
+                if phase == "warmup" and not cpu0:
+                    cpu0["t"], cpu0["cpu"] = time.time(), tree_cpu_seconds(node.proc.pid)
+                if phase != "warmup" and throttle is None:
+                    throttle = self.cap(swarm, slow, cpu0["t"], cpu0["cpu"])
+
+            rec = self.run_worker(swarm, phases, tick)
+        finally:
+            if throttle is not None:
+                throttle.close()
+            swarm.close()
+        ratios = [rec.phase_rate(f"stochastic{i}") / rec.phase_rate(f"fixed{i}")
+                  for i in range(a.repeat)]  # fmt: skip
+        fixed = [rec.phase_rate(f"fixed{i}") for i in range(a.repeat)]
+        stoch = [rec.phase_rate(f"stochastic{i}") for i in range(a.repeat)]
+        print(f"wiring, one slow peer ({slow}: declared and CPU-capped 1/{SLOWDOWN:.0f}):")
+        print(f"  fixed (GPipe-like) samples/s:  {_spread(fixed)}")
+        print(f"  stochastic samples/s:          {_spread(stoch)}")
+        print(f"  ratio stochastic / fixed:      {_spread(ratios, 2)}")
+
+    def churn(self, workdir: Path) -> None:
+        a, swarm = self.args, self.swarm(workdir)
+        phases = [f"warmup:stochastic:{a.warmup}"]
+        for i in range(a.repeat):
+            phases += [f"steady{i}:stochastic:{a.phase}", f"churn{i}:stochastic:{a.phase}"]
+        kills: list[str] = []
+        last_kill = {}
+        try:
+            swarm.start()
+
+            def tick(rec: Record, phase: str, into: float) -> None:
+                if not phase.startswith("churn") or into > a.phase * 2 / 3:
+                    return  # no kill late in a phase: replacements join within it
+                if into - last_kill.get(phase, 0.0) < a.kill_every:
+                    return
+                last_kill[phase] = into
+                victim = swarm.kill_random(self.rng)
+                if victim is None:
+                    rec.events.append((time.time(), "no peer to kill"))
+                    return
+                kills.append(victim.name)
+                rec.events.append((time.time(), f"kill {victim.name}"))
+                swarm.replace(victim)
+
+            rec = self.run_worker(swarm, phases, tick)
+        finally:
+            swarm.close()
+        steady = [rec.phase_rate(f"steady{i}") for i in range(a.repeat)]
+        churn = [rec.phase_rate(f"churn{i}") for i in range(a.repeat)]
+        ratios = [c / s for c, s in zip(churn, steady, strict=True)]
+        print(f"churn: a SIGKILL every {a.kill_every:.0f} s, replaced at once ({len(kills)} kills)")
+        print(f"  undisturbed samples/s:         {_spread(steady)}")
+        print(f"  with churn samples/s:          {_spread(churn)}")
+        print(f"  ratio churn / undisturbed:     {_spread(ratios, 2)}")
+        self._wire(rec, [f"steady{i}" for i in range(a.repeat)])
+        t0 = rec.phases[0][1]
+        markers = [(t - t0, n) for n, t in rec.phases[1:]]
+        markers += [(t - t0, what) for t, what in rec.events]
+        self._plot("churn", rec, markers, "throughput with a peer SIGKILLed and replaced")
+
+    def _wire(self, rec: Record, names: list[str]) -> None:
+        keys = [n for n, _ in rec.phases] + ["end"]
+        per_sample = []
+        for n in names:
+            nxt = keys[keys.index(n) + 1]
+            per_sample.append((rec.wire[nxt] - rec.wire[n]) / rec.samples(n))
+        need = rec.spec["activation_bytes"] + rec.spec["averaging_bytes"]
+        where = "on the bridge (all hosts)" if self.net else "on loopback (whole machine)"
+        print(f"  bytes per sample {where}: {_spread(per_sample)}")
+        print(f"  needed: activations {rec.spec['activation_bytes']:.0f} + averaging "
+              f"({rec.spec['mode']}) {rec.spec['averaging_bytes']:.0f} = {need:.0f}")  # fmt: skip
+        print(f"  ratio wire / needed:           {_spread([b / need for b in per_sample], 2)}")
+
+    def straggler(self, workdir: Path) -> None:
+        a, swarm, throttle = self.args, self.swarm(workdir), None
+        slow = f"p{2 * a.stages - 1}"
+        at = a.phase  # seconds into the run phase
+        phases = [f"warmup:stochastic:{a.warmup}", f"run:stochastic:{3 * a.phase}"]
+        state: dict = {}
+        try:
+            swarm.start()
+            node = next(n for n in swarm.nodes if n.name == slow)
+
+            def tick(rec: Record, phase: str, into: float) -> None:
+                nonlocal throttle
+                if phase == "run" and "t" not in state:
+                    state["t"], state["cpu"] = time.time(), tree_cpu_seconds(node.proc.pid)
+                if phase == "run" and into >= at and throttle is None:
+                    throttle = self.cap(swarm, slow, state["t"], state["cpu"])
+                    state["throttled"] = time.time()
+                    rec.events.append((state["throttled"], f"{slow} slowed 5x"))
+
+            rec = self.run_worker(swarm, phases, tick)
+            peer_id = node.peer_id
+        finally:
+            if throttle is not None:
+                throttle.close()
+            swarm.close()
+        start, end = rec.span("run")
+        t_slow = state["throttled"]
+        before, after = rec.rate(start, t_slow), rec.rate(t_slow, end)
+        stage = swarm.stage_of[slow]
+        share = _share(rec, peer_id, stage, 2.0)
+        share_before = _mean([s for t, s in share if start <= t < t_slow])
+        avoid = _avoided(share, t_slow, share_before / 2)
+        print(f"straggler: {slow} (stage {stage}) capped at 1/{SLOWDOWN:.0f} of its CPU at "
+              f"{at:.0f} s")  # fmt: skip
+        print(f"  samples/s before {before:.1f}, after {after:.1f}: ratio {after / before:.2f}")
+        print(
+            f"  its share of micro-batches: {share_before:.2f} before, "
+            f"{_mean([s for t, s in share if t >= t_slow + 10]):.2f} from 10 s after"
+        )
+        print(f"  routing avoids it (share < half of before, 3 bins running) after: "
+              f"{'never' if avoid is None else f'{avoid:.1f} s'}")  # fmt: skip
+        t0 = rec.phases[0][1]
+        markers = [(t - t0, what) for t, what in rec.events]
+        via = [(t - t0, 100 * s) for t, s in share]
+        extra = {"share of micro-batches via the straggler (%)": via}
+        self._plot("straggler", rec, markers, "throughput with one peer slowed 5x", extra)
+
+    def _plot(self, name, rec, markers, title, extra=None) -> None:
+        path = self.out / f"{name}{'-' + self.args.netem if self.args.netem else ''}.png"
+        series = {"samples/s (2 s bins)": rec.series(), **(extra or {})}
+        where = f"netem {self.args.netem}" if self.args.netem else "loopback"
+        write_line_chart(path, series, title=f"{title} ({where})", x_label="seconds",
+                         y_label="samples/s", markers=markers)  # fmt: skip
+        print(f"  plot: {path}")
+
+
+def _share(rec: Record, peer_id: str, stage: int, bin_s: float) -> list[tuple[float, float]]:
+    """(bin start, fraction of micro-batches whose route went through ``peer_id``)."""
+    t0, result = rec.phases[0][1], []
+    t = t0
+    while t < rec.end:
+        mbs = [m for m in rec.mbs if t <= m["t"] < t + bin_s]
+        if mbs:
+            result.append((t, sum(m["route"][stage] == peer_id for m in mbs) / len(mbs)))
+        t += bin_s
+    return result
+
+
+def _avoided(share: list[tuple[float, float]], since: float, below: float) -> float | None:
+    after = [(t, s) for t, s in share if t >= since]
+    for i in range(len(after) - 2):
+        if all(s < below for _, s in after[i : i + 3]):
+            return after[i][0] - since
+    return None
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _spread(xs: list[float], digits: int = 1) -> str:
+    """Median, and the range when there are several."""
+    med = f"{statistics.median(xs):.{digits}f}"
+    if len(xs) < 2:
+        return med
+    return f"{med}  (median of {len(xs)}; {min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenarios", nargs="+", default=["wiring", "churn", "straggler"],
+                   choices=["wiring", "churn", "straggler"])  # fmt: skip
+    p.add_argument("--netem", help="a link profile (scripts/netem/profiles.py) for every host")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--peers", type=int, default=2, help="peers per stage")
+    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--warmup", type=float, default=8.0, help="seconds before measuring")
+    p.add_argument("--phase", type=float, default=20.0, help="seconds per measured phase")
+    p.add_argument("--repeat", type=int, default=2, help="measured phase pairs per scenario")
+    p.add_argument("--kill-every", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = p.parse_args()
+    if args.peers < 2:
+        p.error("--peers must be at least 2: scenarios kill or slow one peer of a stage")
+
+    def run_all(net: Network | None) -> None:
+        bench = Bench(args, net)
+        with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
+            for name in args.scenarios:
+                getattr(bench, name)(Path(tmp) / name)
+
+    started = time.time()
+    try:
+        if args.netem:
+            hosts = [profile(args.netem)] * (args.stages * args.peers + 1)
+            with Network(hosts) as net:
+                run_all(net)
+        else:
+            run_all(None)
+    except (NetemUnavailable, ThrottleUnavailable) as e:
+        print(f"SKIPPED: {e}")
+        return 2
+    print(f"done in {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

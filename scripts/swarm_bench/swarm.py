@@ -1,0 +1,125 @@
+"""The benchmark's swarm: ``stages x peers`` node processes, on loopback or one per
+emulated host, with seeded kills and replacements."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
+from scripts.netem.network import NODE_PORT, ROOT, Host, Network, pids_in
+
+
+class BenchSwarm:
+    """Node ``i`` serves stage ``i % stages``. Under ``net``, node ``i`` runs in host ``i``
+    (behind its relay) and the trainer in the last host."""
+
+    def __init__(
+        self, workdir: Path, stages: int, peers: int, preset: str, net: Network | None = None
+    ) -> None:
+        self.workdir, self.stages, self.peers, self.preset, self.net = (
+            workdir, stages, peers, preset, net,
+        )  # fmt: skip
+        self.nodes: list[NodeProcess] = []
+        self.stage_of: dict[str, int] = {}
+        self.host_of: dict[str, Host] = {}
+        self.relays: dict[str, subprocess.Popen] = {}  # host namespace -> its relay
+        self.run = ""
+
+    def start(self, extra: dict[int, list[str]] | None = None) -> None:
+        """Start every node (``extra[i]``: more arguments for node ``i``), until all serve."""
+        extra = extra or {}
+        if self.net is not None:
+            for h in self.net.hosts[:-1]:
+                self.relays[h.ns] = self.net.start_relay(h)
+        first_args = ["--preset", self.preset, "--stages", str(self.stages)]
+        first = self._launch("p0", 0, [*first_args, *extra.get(0, [])], host_index=0)
+        first.wait_serving(120)
+        self.run = first.run_id
+        for i in range(1, self.stages * self.peers):
+            self._launch(f"p{i}", i % self.stages, extra.get(i, []), host_index=i)
+        for n in self.nodes:
+            n.wait_serving(180)
+
+    def _launch(self, name: str, stage: int, extra: Sequence[str], host_index: int) -> NodeProcess:
+        peers = [n.maddr for n in self.serving()][:1]
+        args = ["--stage", str(stage), *extra]
+        if self.net is None:
+            node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
+                               extra=args, wait=False)  # fmt: skip
+        else:
+            host = self.net.hosts[host_index]
+            node = self._launch_in(host, name, peers, args)
+            self.host_of[name] = host
+        self.nodes.append(node)
+        self.stage_of[name] = stage
+        return node
+
+    def _launch_in(self, host: Host, name: str, peers: list[str], args: list[str]):
+        """``launch_node``'s command, inside ``host``'s namespace, announcing its relay."""
+        log, maddrs = self.workdir / f"{name}.log", self.workdir / f"{name}.maddrs"
+        cmd = [sys.executable, "-m", "node.cli", "node", "--run", self.run or "bench",
+               "--host-maddrs", f"/ip4/127.0.0.1/tcp/{NODE_PORT}",
+               "--announce-maddrs", host.relay_maddr,
+               "--identity", str(self.workdir / f"{name}.key"), "--maddrs-file", str(maddrs),
+               "--update-period", "1", "--throughput", "100", "--no-train"]  # fmt: skip
+        if peers:
+            cmd += ["--initial-peers", *peers]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as out:
+            proc = subprocess.Popen(host.exec([*cmd, *args]), stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, cwd=ROOT)  # fmt: skip
+        return NodeProcess(name, proc, log, maddrs)
+
+    def serving(self) -> list[NodeProcess]:
+        return [n for n in self.nodes if n.alive() and n.stage() is not None]
+
+    def kill_random(self, rng: random.Random) -> NodeProcess | None:
+        """SIGKILL a random serving peer of a stage that has another; None if none has."""
+        serving = self.serving()
+        count = Counter(self.stage_of[n.name] for n in serving)
+        eligible = [n for n in serving if count[self.stage_of[n.name]] > 1]
+        if not eligible:
+            return None
+        victim = rng.choice(eligible)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        return victim
+
+    def replace(self, victim: NodeProcess) -> NodeProcess:
+        """A new peer (a new identity) for ``victim``'s stage, not waited for."""
+        name = f"{victim.name}r"
+        host_index = 0
+        if self.net is not None:
+            host = self.host_of[victim.name]
+            relay = self.relays[host.ns].pid
+            # the namespace's port is free once the victim's p2pd has died with it
+            wait_until(lambda: set(pids_in(host.ns)) <= {relay}, 30, f"{victim.name} to exit")
+            host_index = host.index
+        return self._launch(name, self.stage_of[victim.name], [], host_index)
+
+    def worker_command(self, phases: Sequence[str], in_flight: int) -> list[str]:
+        cmd = [sys.executable, "-m", "scripts.swarm_bench.worker", "--run", self.run,
+               "--initial-peers", self.serving()[0].maddr, "--in-flight", str(in_flight),
+               "--peers-per-stage", str(self.peers), "--phases", *phases]  # fmt: skip
+        if self.net is None:
+            return [*cmd, "--host-maddrs", LOCAL]
+        return self.net.hosts[-1].exec(cmd)
+
+    def close(self) -> None:
+        """Kill nodes and relays; under ``net``, until the hosts are empty again, so the
+        next swarm can bind the same ports."""
+        stop_all(self.nodes)
+        for relay in self.relays.values():
+            relay.kill()
+            relay.wait()
+        if self.net is not None:
+            for h in self.net.hosts:
+                wait_until(lambda h=h: not pids_in(h.ns), 30, f"{h.ns} to be empty")

@@ -1,0 +1,78 @@
+"""The benchmark's trainer: trains through a swarm in timed phases, reporting as it goes.
+
+Each phase runs ``wiring`` for ``seconds`` (micro-batches still in flight when it ends
+are dropped). Stdout carries one JSON object a line: ``spec`` (what the run moves per
+sample), ``phase`` (a phase starts), ``mb`` (a micro-batch completed: time, route,
+samples, loss), ``end``. Times are ``time.time()``, comparable with the orchestrator's.
+
+    python -m scripts.swarm_bench.worker --run RUN --initial-peers MADDR \
+        --phases warmup:stochastic:5 fixed:fixed:15
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+
+from node.dht import SwarmDHT
+from node.train import open_trainer
+from node.trainer import MicroBatchResult, TrainerSettings
+from scripts.swarm_bench.wire import required_bytes
+
+
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _phase(text: str) -> tuple[str, str, float]:
+    name, wiring, seconds = text.split(":")
+    if wiring not in ("stochastic", "fixed"):
+        raise argparse.ArgumentTypeError(f"wiring must be stochastic or fixed, got {wiring!r}")
+    return name, wiring, float(seconds)
+
+
+async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
+    settings = TrainerSettings(in_flight=args.in_flight, call_timeout_s=10)
+    trainer = await open_trainer(dht, settings)
+    try:
+        _emit(event="spec", **required_bytes(trainer.spec, args.peers_per_stage))
+
+        def on_result(r: MicroBatchResult) -> None:
+            _emit(event="mb", t=time.time(), route=r.route, samples=r.samples, loss=r.loss)
+
+        for name, wiring, seconds in args.phases:
+            trainer.settings = dataclasses.replace(settings, wiring=wiring)
+            _emit(event="phase", name=name, wiring=wiring, t=time.time())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await trainer.train(10**9, on_result)
+        _emit(event="end", t=time.time())
+    finally:
+        await trainer.p2p.shutdown()
+
+
+def main() -> None:
+    import uvloop
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True)
+    p.add_argument("--initial-peers", nargs="+", required=True)
+    p.add_argument("--host-maddrs", default="/ip4/127.0.0.1/tcp/0")
+    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--peers-per-stage", type=int, required=True)
+    p.add_argument("--phases", type=_phase, nargs="+", required=True, metavar="NAME:WIRING:S")
+    args = p.parse_args()
+    dht = SwarmDHT.start(args.run, initial_peers=args.initial_peers,
+                         host_maddrs=[args.host_maddrs], client_mode=True)  # fmt: skip
+    try:
+        uvloop.run(_run(dht, args))
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()
