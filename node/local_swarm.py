@@ -91,14 +91,17 @@ def launch_node(
     train: bool = False,
     update_period: float = 1.0,
     wait: bool = True,
+    host_maddr: str = LOCAL,
+    wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> NodeProcess:
     """Start ``swarmtrain node`` in its own process; with ``wait``, return once it has
-    written its maddrs."""
+    written its maddrs. ``wrap`` turns the command into the one to run (e.g. inside a
+    network namespace)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log, maddrs = workdir / f"{name}.log", workdir / f"{name}.maddrs"
     maddrs.unlink(missing_ok=True)
     args = [
-        sys.executable, "-m", "node.cli", "node", "--run", run, "--host-maddrs", LOCAL,
+        sys.executable, "-m", "node.cli", "node", "--run", run, "--host-maddrs", host_maddr,
         "--identity", str(workdir / f"{name}.key"), "--maddrs-file", str(maddrs),
         "--update-period", str(update_period), "--throughput", "100",
     ]  # fmt: skip
@@ -110,8 +113,11 @@ def launch_node(
         args.append("--no-train")
     # One torch thread per node: several nodes share this machine's cores.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = [*args, *extra]
     with log.open("w") as out:
-        proc = subprocess.Popen([*args, *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            wrap(command) if wrap else command, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
     node = NodeProcess(name, proc, log, maddrs)
     if not wait:
         return node

@@ -3,7 +3,6 @@ emulated host, with seeded kills and replacements."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
-from scripts.netem.network import NODE_PORT, ROOT, Host, Network, pids_in
+from scripts.netem.network import NODE_PORT, Host, Network, pids_in
 
 
 class BenchSwarm:
@@ -54,29 +53,16 @@ class BenchSwarm:
             node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
                                extra=args, wait=False)  # fmt: skip
         else:
+            # Inside the host's namespace, announcing its relay, which delays its traffic.
             host = self.net.hosts[host_index]
-            node = self._launch_in(host, name, peers, args)
+            node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
+                               extra=["--announce-maddrs", host.relay_maddr, *args],
+                               wait=False, host_maddr=f"/ip4/127.0.0.1/tcp/{NODE_PORT}",
+                               wrap=host.exec)  # fmt: skip
             self.host_of[name] = host
         self.nodes.append(node)
         self.stage_of[name] = stage
         return node
-
-    def _launch_in(self, host: Host, name: str, peers: list[str], args: list[str]):
-        """``launch_node``'s command, inside ``host``'s namespace, announcing its relay."""
-        log, maddrs = self.workdir / f"{name}.log", self.workdir / f"{name}.maddrs"
-        cmd = [sys.executable, "-m", "node.cli", "node", "--run", self.run or "bench",
-               "--host-maddrs", f"/ip4/127.0.0.1/tcp/{NODE_PORT}",
-               "--announce-maddrs", host.relay_maddr,
-               "--identity", str(self.workdir / f"{name}.key"), "--maddrs-file", str(maddrs),
-               "--update-period", "1", "--throughput", "100", "--no-train"]  # fmt: skip
-        if peers:
-            cmd += ["--initial-peers", *peers]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as out:
-            proc = subprocess.Popen(host.exec([*cmd, *args]), stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, cwd=ROOT)  # fmt: skip
-        return NodeProcess(name, proc, log, maddrs)
 
     def serving(self) -> list[NodeProcess]:
         return [n for n in self.nodes if n.alive() and n.stage() is not None]
