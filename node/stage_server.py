@@ -2,7 +2,8 @@
 
 Handlers (``StageServer.rpc_forward`` / ``rpc_backward``) are hivemind stream handlers:
 a request and its response are each a stream of protobufs carrying tensors in 64 KiB
-chunks (``node.stage_wire``). hivemind's unary calls cannot carry activations: a unary
+chunks (``node.stage_wire``), whose frames ``NodeServicer`` reads (refusing one over
+``MAX_FRAME_BYTES`` before reading it). hivemind's unary calls cannot carry activations: a unary
 message travels through the daemon's persistent connection, which holds 4 MiB
 (``DEFAULT_MAX_MSG_SIZE``; hivemind's own MoE client streams anything above
 ``MAX_UNARY_PAYLOAD_SIZE``, 2 MiB). Over that, a unary request fails at the caller
@@ -25,6 +26,10 @@ seen ``target_batch_size`` samples.
 Every request is checked (``protocol.stage_messages``) before it touches any state, and
 gradients are computed into fresh tensors and checked finite before they are added, so a
 bad request leaves parameters, gradients and counters as they were (but ``rejected``).
+Every refusal counts against its caller (``NodeServicer.refused``): one that is refused
+``BAN_AFTER`` times within ``BAN_WINDOW_S`` is banned for ``BAN_S``, its streams refused
+before they are read. In a private run, refusals as a non-member are forgiven once the
+caller is admitted (it presented its invite after a restart of either side).
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ from hivemind.proto import runtime_pb2
 from models.stages import Stage
 from models.training import StageOptimizer
 from node.capacity import autocast_for
-from node.servicer import NodeServicer
+from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S, NodeServicer
 from node.stage_wire import (
     FAILED,
+    MAX_FRAME_BYTES,
     REFUSED,
     Assembler,
     compression_name,
@@ -59,6 +65,7 @@ from node.stage_wire import (
     serialize,
     split_message,
 )
+from protocol.routing import BanList
 from protocol.stage_messages import (
     BACKWARD,
     FORWARD,
@@ -73,6 +80,8 @@ from protocol.stage_messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+MEMBERSHIP = "membership"  # the cause of a refusal as a non-member (``BanList.strike``)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,8 @@ class StageServer(NodeServicer):
     """
 
     service_name = "StageServer"
+    max_frame_bytes = MAX_FRAME_BYTES
+    refusal_prefix = REFUSED
 
     def __init__(
         self,
@@ -104,6 +115,7 @@ class StageServer(NodeServicer):
         receive_timeout: float = 60.0,
         close_grace: float = 10.0,
         admission: Callable[[str], str | None] | None = None,
+        callers: BanList | None = None,
     ) -> None:
         if stage.range != contract.blocks:
             raise ValueError(f"stage holds blocks {stage.range}, the contract {contract.blocks}")
@@ -116,6 +128,7 @@ class StageServer(NodeServicer):
         self.receive_timeout = receive_timeout  # for a whole request to arrive
         self.close_grace = close_grace  # for a caller to close the stream after a response
         self.admission = admission  # a caller's peer id -> why it is refused (private runs)
+        self.callers = BanList(BAN_S, BAN_AFTER, BAN_WINDOW_S) if callers is None else callers
         self.lock = threading.Lock()  # held while parameters or gradients are read or changed
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._load = 0
@@ -158,6 +171,10 @@ class StageServer(NodeServicer):
             samples=self.optimizer.samples,
         )
 
+    def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
+        self._rejected += 1  # bad frames too, which the handler never sees
+        super().refused(context, what, reason, cause)
+
     def on_accumulated(self) -> None:
         """Called on the compute thread, holding ``lock``, after a micro-batch's gradients
         were added to ``.grad``. Steps locally once ``target_batch_size`` samples are in;
@@ -191,24 +208,27 @@ class StageServer(NodeServicer):
         self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> list[runtime_pb2.ExpertResponse]:
         self._load += 1
+        cause = ""  # of a refusal, for the caller's ban count
         try:
             async with asyncio.timeout(self.receive_timeout):
-                if self.admission and (refusal := self.admission(context.remote_id.to_base58())):
-                    await self._discard(requests, 0)
-                    raise StageRequestError(refusal)
+                if self.admission:
+                    caller = context.remote_id.to_base58()
+                    if refusal := self.admission(caller):
+                        cause = MEMBERSHIP
+                        await self._discard(requests, 0)
+                        raise StageRequestError(refusal)
+                    self.callers.forgive(caller, MEMBERSHIP)
                 meta, serialized = await self._receive(kind, requests)
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self._executor, self._compute, meta, serialized)
-        except StageRequestError as e:
-            self._rejected += 1
-            logger.warning(f"refused a {kind} request from {context.remote_id}: {e}")
-            raise StageRequestError(REFUSED + str(e)) from None
-        except TimeoutError:
-            self._rejected += 1
-            logger.warning(f"a {kind} request from {context.remote_id} did not arrive in time")
-            raise StageRequestError(
-                f"{REFUSED}request not received within {self.receive_timeout} s"
-            ) from None
+        except (StageRequestError, TimeoutError) as e:
+            reason = (
+                str(e)
+                if isinstance(e, StageRequestError)
+                else f"request not received within {self.receive_timeout} s"
+            )
+            self.refused(context, f"a {kind} request", reason, cause)
+            raise StageRequestError(REFUSED + reason) from None
         except Exception as e:
             logger.exception(f"failed to serve a {kind} request from {context.remote_id}")
             raise RuntimeError(f"{FAILED}{type(e).__name__}: {e}") from None

@@ -45,7 +45,9 @@ COMPRESSIONS = {
 REFUSED = "stage refused the request: "  # the request is bad: any peer of the stage refuses it
 FAILED = "stage failed: "  # the server could not serve it: another peer may
 CHUNK_BYTES = 2**16  # hivemind's streaming chunk: 3 MiB moves as fast as with 1 MiB chunks
-MAX_CHUNK_BYTES = 2**20  # a receiver refuses bigger parts (hivemind has read them already)
+MAX_CHUNK_BYTES = 2**20  # a receiver refuses bigger parts (a client after hivemind read them)
+# A server refuses a bigger stream frame unread: a part, its header and the metadata.
+MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 2**12
 MAX_RESPONSE_TENSORS = 8
 
 Message = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse

@@ -4,7 +4,8 @@ A trainer picks, per micro-batch and per stage, a peer at random with probabilit
 proportional to its throughput over its expected queue (``throughput / (load + 1)``, the
 inverse of its expected busy time), as SWARM parallelism does: fast, idle peers get more
 work, and no single peer's slowness stalls the pipeline. Peers that failed recently are
-banned for a while; a ban that would leave a stage with no peer is ignored.
+banned for a while; a ban that would leave a stage with no peer is ignored. A server bans
+callers whose requests it keeps refusing with the same ``BanList``.
 """
 
 from __future__ import annotations
@@ -48,14 +49,64 @@ def choose_peer(
 
 @dataclass
 class BanList:
-    """Peers that failed recently, each until a deadline (times are the caller's clock)."""
+    """Peers banned until a deadline (times are the caller's clock): at once (``ban``), or
+    once ``strikes`` strikes fall within ``window_s`` (``strike``), so that one honest
+    mistake does not ban. At most ``max_peers`` peers are remembered (the oldest are
+    forgotten first): a caller with endless fresh identities cannot exhaust memory."""
 
     duration_s: float = 15.0
+    strikes: int = 1
+    window_s: float = 60.0
+    max_peers: int = 10_000
     _until: dict[str, float] = field(default_factory=dict)
+    _strikes: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # (time, cause)
 
-    def ban(self, peer_id: str, now: float) -> None:
-        self._until[peer_id] = now + self.duration_s
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or self.strikes < 1 or self.window_s <= 0 or self.max_peers < 1:
+            raise ValueError(
+                f"duration_s ({self.duration_s}) and window_s ({self.window_s}) must be > 0, "
+                f"strikes ({self.strikes}) and max_peers ({self.max_peers}) >= 1"
+            )
+
+    def ban(self, peer_id: str, now: float) -> float:
+        """Ban ``peer_id`` from ``now``; returns the deadline."""
+        self._strikes.pop(peer_id, None)
+        self._until.pop(peer_id, None)  # re-inserted last: the newest ban is forgotten last
+        self._until[peer_id] = until = now + self.duration_s
+        _forget_oldest(self._until, self.max_peers)
+        return until
+
+    def strike(self, peer_id: str, now: float, cause: str = "") -> float | None:
+        """Count a strike against ``peer_id``; the deadline if this one bans it, else None
+        (also while it is banned already: a ban is not extended by what it was for)."""
+        if self.until(peer_id, now) is not None:
+            return None
+        recent = [s for s in self._strikes.pop(peer_id, ()) if s[0] > now - self.window_s]
+        recent.append((now, cause))
+        if len(recent) >= self.strikes:
+            return self.ban(peer_id, now)
+        self._strikes[peer_id] = recent
+        _forget_oldest(self._strikes, self.max_peers)
+        return None
+
+    def forgive(self, peer_id: str, cause: str) -> None:
+        """Drop ``peer_id``'s strikes for ``cause`` (it has fixed what they were for)."""
+        if recent := [s for s in self._strikes.pop(peer_id, ()) if s[1] != cause]:
+            self._strikes[peer_id] = recent
+
+    def until(self, peer_id: str, now: float) -> float | None:
+        """When ``peer_id``'s ban ends, or None if it is not banned."""
+        until = self._until.get(peer_id)
+        if until is not None and until <= now:
+            del self._until[peer_id]
+            return None
+        return until
 
     def banned(self, now: float) -> frozenset[str]:
         self._until = {p: t for p, t in self._until.items() if t > now}
         return frozenset(self._until)
+
+
+def _forget_oldest(entries: dict, limit: int) -> None:
+    while len(entries) > limit:
+        del entries[next(iter(entries))]

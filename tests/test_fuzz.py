@@ -4,8 +4,8 @@ message; they never raise anything else, never hang, never allocate what a decla
 asks for, and never change a stage's parameters, gradients or optimizer state on the way.
 
 The first part drives the decoders (and the server's handler code) directly, with no
-network; the last test sends malformed streams to real stage servers over real ``p2pd``
-daemons. Examples are derandomized, so a run is reproducible."""
+network; the last two send malformed streams (and a frame declaring 2**62 bytes) to real
+stage servers over real ``p2pd`` daemons. Examples are derandomized, so a run is reproducible."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 
 import msgpack
+import psutil
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -32,6 +33,7 @@ from hypothesis import strategies as st
 from models.stages import Stage
 from models.training import StageOptimizer
 from node import stage_client, stage_state
+from node.servicer import FrameError, read_frame
 from node.stage_client import StageCallError
 from node.stage_server import StageServer
 from node.stage_wire import (
@@ -69,7 +71,17 @@ from protocol.stage_messages import (
     parse_request,
     wire_nbytes,
 )
-from tests.test_stage_rpc import CFG, MAX_TOKENS, OPT, RUN, THREE, TWO, _assert_same, _swarm
+from tests.test_stage_rpc import (
+    CFG,
+    MAX_TOKENS,
+    OPT,
+    RUN,
+    THREE,
+    TWO,
+    _assert_same,
+    _patient,
+    _swarm,
+)
 
 # Pure decoders: cheap, so many examples; the handler and state tests build tensors.
 FAST = settings(
@@ -851,10 +863,11 @@ def test_captured_states_parse():
 
 
 class _QuickServer(StageServer):
-    """Gives up on a request that stops arriving after 1 s, not 60."""
+    """Gives up on a request that stops arriving after 1 s, not 60, and bans nobody: the
+    hostile streams all come from one caller."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, receive_timeout=1.0, **kwargs)
+        super().__init__(*args, receive_timeout=1.0, callers=_patient(), **kwargs)
 
 
 _MESSAGE, _ERROR = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
@@ -989,7 +1002,7 @@ def _live_cases() -> list[tuple[str, int, str, bytes, str]]:
         ("empty messages", 0, F, empties, "carry metadata"),
         ("stalled mid-tensor", 1, F, to(1, half)[: -len(END)], "not received within"),
         ("stalled mid-frame", 0, F, mid_frame, "not received within"),
-        ("frame of 2**62 bytes", 0, F, huge_frame, "not received within"),
+        ("frame of 2**62 bytes", 0, F, huge_frame, "a frame of 4611686018427387904 bytes"),
         ("garbage frame marker", 0, F, b"\x07" + b"garbage" * 10, "closed"),
         ("garbage protobuf", 0, F, garbage_body, "closed"),
         ("garbage end of stream", 1, F, garbage_end, "closed"),
@@ -1008,6 +1021,14 @@ def _live_cases() -> list[tuple[str, int, str, bytes, str]]:
     return cases
 
 
+async def _train_one(client: P2P, s0: StageServer, s1: StageServer, x, y) -> None:
+    """A forward and backward through ``TWO``'s two stages."""
+    kw = {"run_id": RUN, "timeout": 10}
+    a = await stage_client.forward(client, s0.peer_id, x, stage=0, **kw)
+    _, grad = await stage_client.loss(client, s1.peer_id, a, y, stage=1, train=True, **kw)
+    await stage_client.backward(client, s0.peer_id, x, grad, stage=0, **kw)
+
+
 def test_live_server_refuses_malformed_streams_and_keeps_serving():
     cases = _live_cases()
     g = torch.Generator().manual_seed(9)
@@ -1018,16 +1039,10 @@ def test_live_server_refuses_malformed_streams_and_keeps_serving():
         for _ in range(4)
     ]
 
-    async def train_one(client, s0, s1, x, y):
-        kw = {"run_id": RUN, "timeout": 10}
-        a = await stage_client.forward(client, s0.peer_id, x, stage=0, **kw)
-        _, grad = await stage_client.loss(client, s1.peer_id, a, y, stage=1, train=True, **kw)
-        await stage_client.backward(client, s0.peer_id, x, grad, stage=0, **kw)
-
     async def body():
         async with _swarm(TWO, [0, 1], server_cls=_QuickServer) as (client, (s0, s1)):
             for x, y in batches[:3]:
-                await train_one(client, s0, s1, x, y)
+                await _train_one(client, s0, s1, x, y)
             servers = {0: s0, 1: s1}
             assert all(s.optimizer.optimizer.state for s in servers.values())
             assert all(s.optimizer.samples == 4 for s in servers.values())
@@ -1055,9 +1070,103 @@ def test_live_server_refuses_malformed_streams_and_keeps_serving():
                 [c for c in cases if c[4] not in ("any", "closed")]
             )
             # Still serving, and the valid micro-batch counts (8 samples: a step).
-            await train_one(client, s0, s1, *batches[3])
+            await _train_one(client, s0, s1, *batches[3])
             assert all(s.counters.steps == 2 and s.optimizer.samples == 0 for s in (s0, s1))
             return outcomes
 
     outcomes = asyncio.run(asyncio.wait_for(body(), 120))
     assert len(outcomes) == len(cases) >= 30
+
+
+def test_read_frame_refuses_before_reading_a_body():
+    request = runtime_pb2.ExpertRequest(metadata=b"m" * 100)
+    n = len(request.SerializeToString())
+
+    def read(raw: bytes, max_bytes: int = 1024) -> tuple[object, int]:
+        """What ``read_frame`` makes of ``raw`` (a message, None or a FrameError), and how
+        many bytes of it it left unread."""
+
+        async def feed():
+            reader = asyncio.StreamReader()
+            reader.feed_data(raw)
+            reader.feed_eof()
+            try:
+                out = await read_frame(reader, runtime_pb2.ExpertRequest, max_bytes)
+            except FrameError as e:
+                out = e
+            return out, len(await reader.read())
+
+        return asyncio.run(feed())
+
+    assert read(_frame(request)) == (request, 0)
+    assert read(END) == (None, 0)
+    huge = _MESSAGE + (2**62).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bytes(100)
+    garbage = _MESSAGE + (4).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\xff" * 4
+    for raw, max_bytes, words, unread in [
+        (huge, 1024, "a frame of 4611686018427387904 bytes exceeds the limit of 1024", 100),
+        (_frame(request), 64, f"a frame of {n} bytes exceeds the limit of 64", n),
+        (b"\x07" + bytes(20), 1024, "with marker b'\\x07'", 20),
+        (garbage, 1024, "a frame of 4 bytes is not a ExpertRequest", 0),
+    ]:
+        error, left = read(raw, max_bytes)
+        assert isinstance(error, FrameError) and words in str(error), error
+        assert left == unread
+
+
+async def _flood(client: P2P, peer, header: bytes, nbytes: int) -> tuple[str, float, int]:
+    """Open a raw stream to ``peer``'s forward handler, send ``header`` and then zeros, up
+    to ``nbytes`` of them, for as long as the stream takes them. Returns how the server
+    answered (its error, or "closed"), after how many seconds, and the bytes sent."""
+    _, reader, writer = await client.call_binary_stream_handler(
+        peer, f"{StageServer.service_name}.rpc_forward"
+    )
+    sent = 0
+
+    async def send() -> None:
+        nonlocal sent
+        chunk = bytes(2**16)
+        writer.write(header)
+        with contextlib.suppress(ConnectionError):
+            while sent < nbytes:
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+
+    started = time.monotonic()
+    sending = asyncio.create_task(send())
+    try:
+        async with asyncio.timeout(5):
+            try:
+                _, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+                answer = error.message if error is not None else "answered"
+            except (asyncio.IncompleteReadError, ConnectionError):
+                answer = "closed"  # reset while we were still sending: no time to read it
+            answered_after = time.monotonic() - started
+            await sending
+    finally:
+        sending.cancel()
+        writer.close()
+    return answer, answered_after, sent
+
+
+def test_a_frame_declaring_2_62_bytes_is_refused_unread():
+    # hivemind reads a frame of any declared length whole; the server refuses this one
+    # after its 9-byte header. Served by hivemind's own reader, a flood of 256 MiB grew
+    # the server's process by 257 MiB, with no answer within 8 s.
+    x, y = (torch.randint(0, CFG.vocab_size, (4, T)) for _ in range(2))
+    header = _MESSAGE + (2**62).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+
+    async def body():
+        async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
+            process = psutil.Process()
+            rss = process.memory_info().rss
+            answer, after, sent = await _flood(client, s0.peer_id, header, 64 * 2**20)
+            grew = process.memory_info().rss - rss
+            assert answer == "closed" or "a frame of 4611686018427387904 bytes" in answer, answer
+            # Refused at once, the stream cut after the server dropped at most 1 MiB more.
+            assert after < 2 and grew < 8 * 2**20 and sent < 8 * 2**20, (after, grew, sent)
+            assert s0.counters.rejected == 1
+            await _train_one(client, s0, s1, x, y)  # one refusal bans nobody
+            assert s0.counters.backward == 1
+
+    asyncio.run(asyncio.wait_for(body(), 60))

@@ -1,6 +1,7 @@
 """Stage servers on real hivemind P2P daemons (loopback): the pipeline they compute is the
 local one, gradients accumulate as in ``models.training``, and bad requests are refused
-without touching state. The last part tests ``protocol.stage_messages`` alone."""
+without touching state, and callers refused again and again are banned for a while. The
+last part tests ``protocol.stage_messages`` alone."""
 
 from __future__ import annotations
 
@@ -8,20 +9,26 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 
 import msgpack
 import pytest
 import torch
-from hivemind.p2p import P2P
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from models.config import ModelConfig, OptimizerConfig
 from models.stages import Stage, StageRange, even_boundaries, validate_boundaries
 from models.training import StageOptimizer, pipeline_loss
 from node import stage_client
+from node.membership import NOT_A_MEMBER
+from node.servicer import BAN_AFTER, BAN_WINDOW_S
 from node.stage_client import StageRefused, StageTimeout, StageUnavailable
 from node.stage_server import StageServer
 from node.stage_wire import MAX_CHUNK_BYTES, Assembler, serialize, split_message
+from protocol.identity import peer_id_of
+from protocol.routing import BanList
 from protocol.stage_messages import (
     BACKWARD,
     FORWARD,
@@ -66,8 +73,10 @@ async def _swarm(
     server_cls=StageServer,
     cfg=CFG,
     max_tokens=MAX_TOKENS,
+    **settings,
 ):
-    """One P2P and server per entry of ``stage_indices``, and a client P2P that knows them."""
+    """One P2P and server per entry of ``stage_indices`` (built with ``settings``), and a
+    client P2P that knows them."""
     p2ps: list[P2P] = []
     servers: list[StageServer] = []
     try:
@@ -77,7 +86,7 @@ async def _swarm(
             stage = Stage(cfg, cut[i])
             contract = StageContract.for_stage(cfg, cut[i], i, max_tokens=max_tokens)
             opt = StageOptimizer(stage, OPT)
-            servers.append(await server_cls.create(p2p, stage, opt, contract, RUN))
+            servers.append(await server_cls.create(p2p, stage, opt, contract, RUN, **settings))
         maddrs = [m for p in p2ps for m in await p.get_visible_maddrs()]
         client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
         p2ps.append(client)
@@ -87,6 +96,12 @@ async def _swarm(
             await server.shutdown()
         for p2p in p2ps:
             await p2p.shutdown()
+
+
+def _patient() -> BanList:
+    """Bans of callers that ban nobody: for tests that send one caller's bad requests by
+    the dozen."""
+    return BanList(strikes=10**6)
 
 
 def _peer(server: StageServer):
@@ -351,8 +366,8 @@ def test_bad_requests_are_refused_and_leave_state_alone(caplog):
     ]
 
     async def body():
-        caplog.set_level(logging.WARNING, logger="node.stage_server")
-        async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
+        caplog.set_level(logging.WARNING, logger="node.servicer")
+        async with _swarm(TWO, [0, 1], callers=_patient()) as (client, (s0, s1)):
             # One good micro-batch first, so that there are gradients to keep intact.
             a = await stage_client.forward(client, _peer(s0), x, run_id=RUN, stage=0)
             _, g = await stage_client.loss(client, _peer(s1), a, y, run_id=RUN, stage=1, train=True)
@@ -372,7 +387,7 @@ def test_bad_requests_are_refused_and_leave_state_alone(caplog):
                 _assert_same(_grads(server.stage), state[i][1])
                 assert server.optimizer.samples == B and server.load == 0
             assert s0.counters.rejected + s1.counters.rejected == len(cases)
-            logged = [r.getMessage() for r in caplog.records if r.name == "node.stage_server"]
+            logged = [r.getMessage() for r in caplog.records if r.name == "node.servicer"]
             assert len(logged) == len(cases)
             assert all(f"from {client.peer_id}" in line for line in logged), logged[:2]
             assert s0.counters.backward == 1 and s1.counters.backward == 1
@@ -461,6 +476,129 @@ def test_assembler_refuses_oversized_input_at_the_first_chunk():
     short.add(runtime_pb2.ExpertRequest(tensors=[_tensor("float32", [8], b"\0" * 16)]))
     with pytest.raises(StageRequestError, match="has 16 bytes, its header declares 32"):
         short.tensors()
+
+
+# Bans of callers whose requests keep being refused (node/servicer.py, protocol/routing.py).
+
+
+def test_ban_list_bans_after_repeated_strikes_within_a_window():
+    bans = BanList(duration_s=60.0, strikes=5, window_s=60.0)
+    assert bans.strike("a", 0.0) is None and bans.until("a", 0.0) is None  # one never bans
+    for t in (1.0, 2.0, 3.0):
+        assert bans.strike("a", t) is None
+    assert bans.strike("a", 4.0) == 64.0
+    assert bans.until("a", 10.0) == 64.0 and bans.banned(10.0) == {"a"}
+    assert bans.strike("a", 20.0) is None and bans.until("a", 20.0) == 64.0  # not extended
+    assert bans.until("a", 64.0) is None and bans.banned(64.0) == frozenset()
+
+    for t in (100.0, 101.0, 102.0, 103.0, 170.0, 171.0, 172.0, 173.0):
+        assert bans.strike("b", t) is None  # 4 and 4, over a minute apart
+
+    for cause in ("membership", "membership", "membership", ""):
+        bans.strike("c", 200.0, cause)
+    bans.forgive("c", "membership")  # the other cause's strike stays
+    for _ in range(3):
+        assert bans.strike("c", 201.0) is None
+    assert bans.strike("c", 201.0) == 261.0
+
+    client = BanList(duration_s=15.0)  # the trainer's: a failed peer is banned at once
+    assert client.strike("p", 0.0) == 15.0 and client.ban("q", 1.0) == 16.0
+    assert client.banned(2.0) == {"p", "q"}
+
+    small = BanList(strikes=2, max_peers=2)
+    for peer in "pqr":
+        small.strike(peer, 0.0)  # p's strike is forgotten: two peers are remembered
+    assert small.strike("p", 1.0) is None and small.strike("r", 1.0) == 16.0
+    with pytest.raises(ValueError, match="strikes"):
+        BanList(strikes=0)
+
+
+def test_refusals_as_a_non_member_are_forgiven_once_admitted():
+    # A trainer whose invite a restarted server forgot is refused until it presents it
+    # again: that must not add up to a ban with its later mistakes.
+    x, _ = _batch()
+    caller = PeerID.from_base58(peer_id_of(Ed25519PrivateKey.generate().public_key()))
+    admitted: set[str] = set()
+    stage = Stage(CFG, TWO[0])
+    contract = StageContract.for_stage(CFG, TWO[0], 0, max_tokens=MAX_TOKENS)
+    server = StageServer(
+        stage,
+        StageOptimizer(stage, OPT),
+        contract,
+        RUN,
+        admission=lambda peer: None if peer in admitted else NOT_A_MEMBER + "no invite",
+    )
+    context = P2PContext(handle_name="test", local_id=caller, remote_id=caller)
+
+    async def serve(run: str) -> None:
+        async def requests():
+            meta = StageMeta(run, 0, FORWARD, 1).encode()
+            for message in split_message(runtime_pb2.ExpertRequest, meta, [serialize(x)]):
+                yield message
+
+        await server._serve(FORWARD, requests(), context)
+
+    def banned() -> bool:
+        return server.callers.until(caller.to_base58(), time.monotonic()) is not None
+
+    async def body():
+        for _ in range(BAN_AFTER - 1):
+            with pytest.raises(StageRequestError, match="not a member"):
+                await serve(RUN)
+        admitted.add(caller.to_base58())
+        await serve(RUN)
+        for _ in range(BAN_AFTER - 1):
+            with pytest.raises(StageRequestError, match="request for run 'other'"):
+                await serve("other")
+        assert not banned()
+        with pytest.raises(StageRequestError, match="request for run 'other'"):
+            await serve("other")
+        assert banned() and server.counters.rejected == 2 * BAN_AFTER - 1
+
+    try:
+        _run(body())
+    finally:
+        asyncio.run(server.shutdown())
+
+
+def test_a_caller_refused_again_and_again_is_banned_for_a_while(caplog):
+    x, _ = _batch()
+    bad = StageMeta("other", 0, FORWARD, 1).encode()
+    kw = {"run_id": RUN, "stage": 0, "timeout": 10}
+
+    async def body():
+        caplog.set_level(logging.WARNING, logger="node.servicer")
+        bans = BanList(duration_s=2.0, strikes=BAN_AFTER, window_s=BAN_WINDOW_S)
+        async with _swarm(TWO, [0], callers=bans) as (client, (s0,)):
+            other = await P2P.create(
+                host_maddrs=[LOOPBACK], initial_peers=await s0.p2p.get_visible_maddrs()
+            )
+            try:
+                for _ in range(BAN_AFTER):
+                    with pytest.raises(StageRefused, match="run 'other'"):
+                        await stage_client.call(client, s0.peer_id, FORWARD, bad, [serialize(x)])
+                banned_at = time.monotonic()
+                with pytest.raises(StageUnavailable, match="banned until") as info:
+                    await stage_client.forward(client, s0.peer_id, x, **kw)
+                assert info.value.retry_elsewhere and time.monotonic() - banned_at < 1
+                assert s0.counters.rejected == BAN_AFTER  # refused unread: not counted again
+                await stage_client.forward(other, s0.peer_id, x, **kw)  # others are served
+                logged = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
+                assert len(logged) == 1 and str(client.peer_id) in logged[0], logged
+
+                deadline = banned_at + 10
+                while True:  # served again once the ban ends
+                    try:
+                        await stage_client.forward(client, s0.peer_id, x, **kw)
+                        break
+                    except StageUnavailable as e:
+                        assert "banned" in e.reason and time.monotonic() < deadline, e.reason
+                        await asyncio.sleep(0.2)
+                assert time.monotonic() - banned_at > 1.5
+            finally:
+                await other.shutdown()
+
+    _run(body())
 
 
 # Pure checks of protocol/stage_messages.py.
