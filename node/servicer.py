@@ -47,9 +47,9 @@ class FrameError(Exception):
 
 async def read_frame(
     reader: asyncio.StreamReader, message_type: type[Message], max_bytes: int
-) -> Message | None:
-    """The next message of a hivemind stream, or None at the caller's end of stream (an
-    error frame: a caller has no error to report, so its body is skipped unparsed)."""
+) -> Message | RPCError:
+    """The next message of a hivemind stream, or an ``RPCError`` (a server's error, or
+    a caller's end of stream)."""
     marker = await reader.readexactly(1)
     if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
         raise FrameError(f"a frame with marker {marker!r}, not a message or an end of stream")
@@ -57,9 +57,7 @@ async def read_frame(
     if length > max_bytes:
         raise FrameError(f"a frame of {length} bytes exceeds the limit of {max_bytes} bytes")
     body = await reader.readexactly(length)
-    if marker == P2P.ERROR_MARKER:
-        return None
-    message = message_type()
+    message = message_type() if marker == P2P.MESSAGE_MARKER else RPCError()
     try:
         message.ParseFromString(body)
     except DecodeError:
@@ -159,7 +157,8 @@ class NodeServicer(ServicerBase):
             async def read() -> None:
                 with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
                     while True:  # past the end of stream too: the caller closing ends it
-                        await requests.put(await read_frame(reader, request_type, max_bytes))
+                        frame = await read_frame(reader, request_type, max_bytes)
+                        await requests.put(None if isinstance(frame, RPCError) else frame)
 
             async def incoming() -> AsyncIterator[Message]:
                 while (request := await requests.get()) is not None:

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import torch
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
+from node.servicer import FrameError, read_frame
 from node.stage_server import StageServer
 from node.stage_wire import (
     FAILED,
+    MAX_FRAME_BYTES,
     REFUSED,
     Assembler,
     decode_response_meta,
@@ -74,26 +77,18 @@ async def call(
     """Send one raw request to ``peer_id``'s ``rpc_<kind>`` and return the response's tensors."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
-    stub = StageServer.get_stub(p2p, peer_id)
-    method = stub.rpc_forward if kind == FORWARD else stub.rpc_backward
-
-    async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        for message in split_message(runtime_pb2.ExpertRequest, metadata, tensors):
-            yield message
-
+    handle = StageServer._get_handle_name(None, f"rpc_{kind}")
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
     try:
         async with asyncio.timeout(timeout):
-            responses = await method(requests())
-            n_tensors = None
-            async with contextlib.aclosing(responses):  # closing tells the server we are done
-                async for response in responses:
-                    if n_tensors is None:
-                        n_tensors = decode_response_meta(response.metadata)
-                    assembler.add(response)
-                    if assembler.complete(n_tensors):
-                        return [deserialize(t) for t in assembler.tensors()]
-            raise StageUnavailable(peer_id, "the stream closed before the response was complete")
+            _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handle)
+            with contextlib.closing(writer):  # closing tells the server we are done
+                sending = asyncio.create_task(_send(writer, metadata, tensors))
+                try:
+                    return await _receive(reader, assembler)
+                finally:
+                    sending.cancel()  # done, or the server answered before reading it all
+                    await asyncio.gather(sending, return_exceptions=True)
     except TimeoutError:
         raise StageTimeout(peer_id, f"no response within {timeout} s") from None
     except P2PHandlerError as e:
@@ -105,6 +100,34 @@ async def call(
         raise StageUnavailable(peer_id, f"malformed response: {e}") from None
     except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:
         raise StageUnavailable(peer_id, f"unreachable: {type(e).__name__}: {e}") from None
+
+
+async def _send(
+    writer: asyncio.StreamWriter, metadata: bytes, tensors: list[runtime_pb2.Tensor]
+) -> None:
+    for message in split_message(runtime_pb2.ExpertRequest, metadata, tensors):
+        await P2P.send_protobuf(message, writer)
+    await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+
+async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[torch.Tensor]:
+    """Read response frames (each capped, like the server's: a hostile server cannot make
+    us buffer a frame larger than ``MAX_FRAME_BYTES``) until the response is complete."""
+    n_tensors = None
+    while True:
+        try:
+            frame = await read_frame(reader, runtime_pb2.ExpertResponse, MAX_FRAME_BYTES)
+        except FrameError as e:
+            raise StageRequestError(str(e)) from None
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("the stream closed before the response was complete") from None
+        if isinstance(frame, RPCError):
+            raise P2PHandlerError(frame.message)
+        if n_tensors is None:
+            n_tensors = decode_response_meta(frame.metadata)
+        assembler.add(frame)
+        if assembler.complete(n_tensors):
+            return [deserialize(t) for t in assembler.tensors()]
 
 
 def _meta(run_id: str, stage: int, kind: str, micro_batch: int, train: bool = False) -> bytes:

@@ -25,8 +25,9 @@ import psutil
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.p2p import P2P, P2PHandlerError, PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -640,22 +641,34 @@ def test_a_peer_with_non_finite_parameters_fails_rather_than_refuses():
 
 class _ReplayP2P:
     """Stands in for a ``P2P`` whose peer answers with ``responses`` (then, optionally,
-    an error), whatever it was asked."""
+    an error), whatever it was asked: the stream's bytes, framed as a server frames them."""
 
     def __init__(self, responses: list, error: str | None = None) -> None:
         self.responses = responses
         self.error = error
 
-    async def iterate_protobuf_handler(self, peer, name, requests, output_type):
-        async def stream() -> AsyncIterator[runtime_pb2.ExpertResponse]:
-            async for _ in requests:
-                pass
-            for r in self.responses:
-                yield r
-            if self.error is not None:
-                raise P2PHandlerError(self.error)
+    async def call_binary_stream_handler(self, peer, name):
+        reader = asyncio.StreamReader()
+        for r in self.responses:
+            reader.feed_data(_frame(r))
+        if self.error is not None:
+            body = RPCError(message=self.error).SerializeToString()
+            reader.feed_data(_ERROR + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body)
+        reader.feed_eof()
+        return None, reader, _NullWriter()
 
-        return stream()
+
+class _NullWriter:
+    """A stream writer that takes whatever the client sends."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @st.composite
@@ -1099,7 +1112,8 @@ def test_read_frame_refuses_before_reading_a_body():
         return asyncio.run(feed())
 
     assert read(_frame(request)) == (request, 0)
-    assert read(END) == (None, 0)
+    end, left = read(END)
+    assert isinstance(end, RPCError) and left == 0
     huge = _MESSAGE + (2**62).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bytes(100)
     garbage = _MESSAGE + (4).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\xff" * 4
     for raw, max_bytes, words, unread in [
