@@ -3,6 +3,8 @@
 - ``cli``: the ``swarmtrain`` console script; ``serve``, ``status``, ``train``, ``demo``,
   ``baseline``: its subcommands. ``progress`` and ``plot``: what a person sees.
 - ``daemon``: ``Node``, the lifecycle: join, measure, announce, take a stage, serve, leave.
+- ``placement``: the node's stage at join and its rebalancing moves, over the run's gossip
+  topic (``gossip``: GossipSub through the node's own ``p2pd``).
 - ``dht``: ``SwarmDHT``, hivemind's DHT behind a small surface; every record read is checked.
 - ``capacity``: device choice and per-stage throughput; ``bandwidth``: link speed to a peer.
 - ``files``: atomic writes and the identity key file.

@@ -27,11 +27,13 @@ from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
 from node.capacity import Device, pick_device, stage_throughputs
 from node.dht import SwarmDHT
 from node.files import load_or_create_identity, load_or_create_key, write_atomic
+from node.gossip import GossipUnavailable
 from node.membership import MembershipGate, prove_membership
+from node.placement import Placement
 from node.stage_averaging import AveragedStageServer, StageAverager
 from node.stage_server import StageServer
 from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
-from protocol.assignment import least_served_stage
+from protocol.assignment import Params
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError, issue_invite
 from protocol.ownership import fingerprint
@@ -58,7 +60,9 @@ class NodeSettings:
     announce_maddrs: tuple[str, ...] = ()
     identity: Path | None = None  # default: ~/.swarmtrain/<run>/identity.key
     device: str = "auto"
-    stage: int | None = None  # pin a stage instead of choosing one
+    stage: int | None = None  # pin a stage instead of choosing one (a pinned node never moves)
+    rebalance: bool = True  # move to another stage when that raises the swarm's bottleneck
+    rebalance_period_s: float = 60.0  # mean time between rebalancing checks
     spec_file: Path | None = None  # the run's signed spec (``swarmtrain run create``)
     invite: str | None = None  # private runs: the invite token from the run's owner
     owner_key: Path | None = None  # default: ~/.swarmtrain/owner.key
@@ -145,6 +149,7 @@ class Node:
         self.averager: StageAverager | None = None
         self.corpus: Corpus | None = None
         self.probe: BandwidthProbe | None = None
+        self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
 
     @classmethod
@@ -162,6 +167,7 @@ class Node:
                 host_maddrs=settings.host_maddrs,
                 announce_maddrs=settings.announce_maddrs,
                 identity_path=settings.identity_path(),
+                pubsub=True,  # the run's gossip topic (node.placement)
             )
         except BaseException:
             os.close(lock_fd)
@@ -274,6 +280,18 @@ class Node:
         self.probe = await BandwidthProbe.create(self.p2p)
         self.gate = await MembershipGate.create(self.p2p, lambda: self.dht.policy)
         try:
+            self.placement = await Placement.create(
+                self.dht,
+                self.p2p,
+                self.key,
+                self.spec,
+                self.throughput,
+                update_period_s=self.settings.update_period_s,
+                params=Params(mean_period_s=self.settings.rebalance_period_s),
+            )
+        except GossipUnavailable as e:
+            raise NodeError(f"cannot use the run's gossip topic: {e}") from None
+        try:
             await self._run_tasks(stop, on_ready)
         except* NodeError as group:  # a task's reason to stop, for the person running us
             raise group.exceptions[0] from None
@@ -284,10 +302,14 @@ class Node:
                 tasks.create_task(self._announce_loop(), name="announce"),
                 tasks.create_task(self._spec_loop(), name="refresh-spec"),
                 tasks.create_task(self._revocations_loop(), name="revocations"),
+                tasks.create_task(self.placement.follow(), name="gossip"),
+                tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
             ]
             await self._take_stage()
             if on_ready is not None:
                 on_ready()
+            if self.settings.stage is None and self.settings.rebalance:
+                background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
             if self.settings.bandwidth_mbps is None:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
             if self.settings.train:
@@ -297,12 +319,50 @@ class Node:
                 task.cancel()
 
     async def _take_stage(self) -> None:
-        assert self.spec is not None
+        """Choose a stage (``--stage`` pins it) and load it."""
+        assert self.spec is not None and self.placement is not None
         if self.settings.stage is not None:
             self.stage = self.settings.stage
         else:
-            peers = [p for p in await self.dht.peers() if p.peer_id != self.peer_id]
-            self.stage = least_served_stage(peers, self.spec.n_stages, seed=self.peer_id)
+
+            def on_choice(stage: int) -> None:
+                self.stage = stage
+                self.set_state(PeerState.JOINING)  # the record and the gossip carry the intent
+
+            await self.placement.join(on_choice)
+        await self._load_stage()
+
+    async def _rebalance_loop(self) -> None:
+        """Move when a check says so and the stage we leave keeps a serving peer."""
+        while True:
+            move = await self.placement.next_move(lambda: self.stage)
+            started = asyncio.get_running_loop().time()
+            if not await self.placement.confirm_move(move):
+                self._changed.set()  # re-announce that we stay
+                continue
+            self.stage = move.to_stage
+            self.set_state(PeerState.LOADING)
+            await self._unload_stage()
+            await self._load_stage()
+            logger.info(
+                "moved from stage %d to %d in %.1f s (announced, confirmed, loaded)",
+                move.from_stage,
+                move.to_stage,
+                asyncio.get_running_loop().time() - started,
+            )
+
+    async def _unload_stage(self) -> None:
+        """Stop serving and averaging the current stage (before taking another)."""
+        server, self.server = self.server, None
+        if server is not None:
+            await server.shutdown()
+        averager, self.averager = self.averager, None
+        if averager is not None:
+            await averager.shutdown()
+
+    async def _load_stage(self) -> None:
+        """Build ``self.stage``, download its state from a peer of it (``loading``
+        meanwhile), then serve it."""
         self.set_state(PeerState.LOADING)
         logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
         model = self.spec.model
@@ -368,7 +428,9 @@ class Node:
     async def _announce_loop(self) -> None:
         while True:
             self._changed.clear()
-            await self._publish(self.info(), self.settings.record_ttl_s)
+            info = self.info()
+            await self._publish(info, self.settings.record_ttl_s)
+            await self.placement.announce(info.stage, info.state, info.load)
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
             # that lands as the event fires (seen: a node that ignored SIGTERM).
             with contextlib.suppress(TimeoutError):
@@ -408,10 +470,14 @@ class Node:
             if self.spec is not None and self.device is not None:
                 leaving = self.info(PeerState.LEAVING)
                 async with asyncio.timeout(grace_s):
+                    if self.placement is not None:  # gossip first: it arrives in milliseconds
+                        await self.placement.announce(self.stage, PeerState.LEAVING, 0)
                     await self._publish(leaving, self.settings.record_ttl_s)
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
+            if self.placement is not None:
+                await self.placement.close()
             if self.server is not None:
                 await self.server.shutdown()
             if self.averager is not None:

@@ -56,7 +56,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--identity", type=Path, help="key file (default ~/.swarmtrain/RUN/identity.key)"
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--stage", type=int, help="serve this stage instead of choosing one")
+    p.add_argument(
+        "--stage", type=int, help="serve this stage instead of choosing one (and never move)"
+    )
+    p.add_argument(
+        "--rebalance-period",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="mean time between checks whether moving to another stage would raise the "
+        "swarm's bottleneck (randomised around it)",
+    )
+    p.add_argument(
+        "--no-rebalance", action="store_true", help="keep the stage taken at join; never move"
+    )
     p.add_argument("--preset", default="tiny", help="new run only: model preset")
     p.add_argument("--stages", type=int, default=2, help="new run only: number of stages")
     p.add_argument(
@@ -80,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace) -> NodeSettings:
     if not args.run and args.spec is None:
         raise ValueError("say which run: --run RUN_ID (or NAME for a new run) or --spec FILE")
+    if not args.rebalance_period > 0:
+        raise ValueError(f"--rebalance-period must be > 0 seconds, got {args.rebalance_period}")
     return NodeSettings(
         run=args.run,
         spec_file=args.spec,
@@ -91,6 +106,8 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         identity=args.identity,
         device=args.device,
         stage=args.stage,
+        rebalance=not args.no_rebalance,
+        rebalance_period_s=args.rebalance_period,
         preset=args.preset,
         n_stages=args.stages,
         compression=args.compression,

@@ -1,0 +1,306 @@
+"""Stage assignment and rebalancing on real local swarms (issue 6, item 5): node processes
+with their own ``p2pd`` running GossipSub, real DHT records, real state downloads.
+
+- a wave of joiners spreads over every stage;
+- when every peer of a stage is SIGKILLed, a peer of another stage moves to refill it
+  (never emptying its own) and a trainer completes micro-batches again;
+- gossip with a bad signature, an old sequence number, another run or another peer's
+  name is ignored by the nodes: a joiner that believed it would take another stage.
+
+Nodes re-announce every second and check for a move every 3 s on average (60 s by
+default), so that each test fits in about a minute and a half on two loaded cores. Each
+prints what it measured (seconds to spread, to refill, to train again)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+from collections import Counter
+from datetime import datetime
+
+import msgpack
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from node.files import load_or_create_key
+from node.local_swarm import NodeProcess
+from protocol.gossip import GossipSigner, JoinIntent, run_topic
+from protocol.identity import peer_id_of
+from protocol.records import PROTOCOL_VERSION
+from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
+
+REBALANCE_S = 3.0
+FAST = ["--rebalance-period", str(REBALANCE_S)]
+
+
+def _serving(run: str, maddr: str) -> dict[str, int]:
+    """Peer id -> stage, for the peers whose record says they serve."""
+    return {
+        p["peer_id"]: p["stage"] for p in status(run, maddr)["peers"] if p["state"] == "serving"
+    }
+
+
+def _moves(node: NodeProcess) -> list[tuple[int, int]]:
+    return [
+        (int(a), int(b)) for a, b in re.findall(r"moved from stage (\d+) to (\d+)", node.output())
+    ]
+
+
+def _moved_at(node: NodeProcess) -> float:
+    """When (epoch seconds) the node's log says it finished its first move."""
+    m = re.search(r"^(\S+ \S+) INFO node.daemon: moved from stage", node.output(), re.M)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _ignored(node: NodeProcess) -> dict[str, int]:
+    """The node's last log line of ignored gossip counts, by reason."""
+    lines = re.findall(r"ignored gossip so far: (\{.*\})", node.output())
+    return json.loads(lines[-1]) if lines else {}
+
+
+def test_gossip_overrides_records_only_when_newer():
+    """The view the node decides on (``node.placement.merge_gossip``), without a network:
+    gossip newer than a record wins; an older one does not; a peer without a record counts
+    through its gossip only while that is younger than a record would live (a killed
+    peer's last word must not keep its stage looking served); a newer ``leaving`` drops
+    the peer."""
+    from node.placement import merge_gossip
+    from protocol.assignment import Claim
+    from protocol.gossip import GossipView
+    from tests.test_node_records import _info
+
+    run, now = "merge", 1_700_000_000.0
+    keys = [Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32) for i in range(1, 6)]
+    me, moved, stale, newcomer, gone = (GossipSigner(k, run) for k in keys)
+    records = [
+        _info(run, s.peer_id, stage=0, timestamp=now - 1.0) for s in (me, moved, stale, gone)
+    ]
+    view = GossipView(run, num_stages=2)
+    for signer, raw in [
+        (me, me.serving(1, 50.0, now)),
+        (moved, moved.move(0, 1, 40.0, now)),  # newer than its record: counts
+        (stale, stale.serving(1, 50.0, now - 2.0)),  # older than its record: ignored
+        (newcomer, newcomer.join(1, 30.0, now - 2.0)),  # no record, young enough
+        (gone, gone.leaving(0, now)),
+    ]:
+        view.receive(raw, signer.peer_id, now)
+    kept, claims = merge_gossip(records, view.latest, me=me.peer_id, now=now, max_silence_s=3.0)
+    assert {p.peer_id for p in kept} == {moved.peer_id, stale.peer_id}
+    assert sorted(claims, key=lambda c: c.peer) == sorted(
+        [
+            Claim(moved.peer_id, 1, 40.0, serving=False),
+            Claim(newcomer.peer_id, 1, 30.0, serving=False),
+        ],
+        key=lambda c: c.peer,
+    )
+    # the newcomer's join intent outlives no record: 4 s later it no longer counts
+    _, later = merge_gossip([], view.latest, me=me.peer_id, now=now + 4.0, max_silence_s=3.0)
+    assert [c.peer for c in later] == []
+
+
+def test_six_nodes_joining_at_once_spread_over_three_stages(tmp_path):
+    """Equal declared throughput, 3 stages, 6 nodes: the optimum is 2-2-2. The first node
+    starts the run; the other five start together while it is still choosing."""
+    nodes: list[NodeProcess] = []
+    try:
+        a = launch_node(tmp_path, "a", "spread", extra=["--stages", "3", *FAST])
+        nodes.append(a)
+        run = a.run_id
+        started = time.monotonic()
+        for name in "bcdef":
+            nodes.append(
+                launch_node(tmp_path, name, run, initial_peers=[a.maddr], extra=FAST, wait=False)
+            )
+        chosen = Counter(n.wait_serving(timeout=90) for n in nodes)  # the stage each took first
+        all_serving = time.monotonic() - started
+
+        def every_stage_served() -> dict[str, int] | None:
+            view = _serving(run, a.maddr)
+            return view if len(view) == 6 and set(view.values()) == {0, 1, 2} else None
+
+        wait_until(every_stage_served, 60, "all six nodes to serve, every stage served")
+        covered = time.monotonic() - started
+
+        def balanced() -> Counter | None:
+            counts = Counter(_serving(run, a.maddr).values())
+            return counts if sorted(counts.values()) == [2, 2, 2] else None
+
+        wait_until(balanced, 60, "the six nodes to settle at 2-2-2")
+        settled = time.monotonic() - started
+        moves = sum(len(_moves(n)) for n in nodes)
+        print(
+            f"stages taken at join: {dict(sorted(chosen.items()))}; every node serving after "
+            f"{all_serving:.1f} s, every stage served after {covered:.1f} s, 2-2-2 after "
+            f"{settled:.1f} s with {moves} moves"
+        )
+        assert all(n.alive() for n in nodes)
+    finally:
+        stop_all(nodes)
+
+
+def test_a_stage_whose_peers_are_all_killed_is_refilled_and_training_resumes(tmp_path):
+    """2 stages: c and d pinned to stage 1, a and b free (so both take stage 0). A trainer
+    runs micro-batches; c and d get SIGKILL. Exactly one of a and b moves to stage 1 (the
+    other may not: it would empty stage 0), downloads what it can, and the trainer's next
+    micro-batches complete."""
+    from node.dht import SwarmDHT
+    from node.train import open_trainer
+    from node.trainer import TrainerError, TrainerSettings
+
+    nodes: list[NodeProcess] = []
+    dht = None
+    try:
+        c = launch_node(tmp_path, "c", "refill", extra=["--stages", "2", "--stage", "1"])
+        nodes.append(c)
+        run = c.run_id
+        d = launch_node(
+            tmp_path, "d", run, initial_peers=[c.maddr], extra=["--stage", "1"], wait=False
+        )
+        a = launch_node(tmp_path, "a", run, initial_peers=[c.maddr], extra=FAST, wait=False)
+        b = launch_node(tmp_path, "b", run, initial_peers=[c.maddr], extra=FAST, wait=False)
+        nodes += [d, a, b]
+        # stage 0 is empty, or holds the other's claim while 1 holds two: both take 0
+        assert [n.wait_serving(timeout=90) for n in nodes] == [1, 1, 0, 0]
+        dht = SwarmDHT.start(run, initial_peers=[a.maddr], host_maddrs=[LOCAL], client_mode=True)
+
+        async def main() -> dict[str, float]:
+            settings = TrainerSettings(in_flight=2, call_timeout_s=20, stage_wait_s=60)
+            trainer = await open_trainer(dht, settings)  # reads the spec while c is alive
+            try:
+                await asyncio.wait_for(trainer.train(4), 60)
+                before = trainer.stats.micro_batches
+                for victim in (c, d):
+                    victim.stop(signal.SIGKILL)
+                killed, killed_at = time.monotonic(), time.time()
+                # The trainer waits for stage 1 to have a serving peer again, then trains.
+                paused = 0
+                while trainer.stats.micro_batches < before + 8:
+                    assert time.monotonic() - killed < 90, "training did not resume within 90 s"
+                    try:
+                        await asyncio.wait_for(trainer.train(4), 60)
+                    except TrainerError as e:  # a stale route to a peer that has just moved
+                        paused += 1
+                        print(f"trainer paused: {e}")
+                        await asyncio.sleep(1.0)
+                resumed = time.monotonic() - killed
+            finally:
+                await trainer.p2p.shutdown()
+            return {"killed_at": killed_at, "resumed": resumed, "paused": paused}
+
+        result = asyncio.run(main())  # micro-batches completed: both stages are served
+        moved = {n.name: _moves(n) for n in (a, b)}
+        assert sorted(m for ms in moved.values() for m in ms) == [(0, 1)], moved
+        mover = next(n for n in (a, b) if _moves(n))
+        refill = _moved_at(mover) - result["killed_at"]
+        print(
+            f"stage 1 lost both peers; {mover.name} moved 0 -> 1 and served it {refill:.1f} s "
+            f"after the kill (rebalance period {REBALANCE_S:.0f} s, records live 3 s); the "
+            f"trainer completed 8 micro-batches {result['resumed']:.1f} s after the kill "
+            f"(paused {result['paused']} times on a stale route)"
+        )
+        assert a.alive() and b.alive()
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        stop_all(nodes)
+
+
+def test_bad_gossip_is_ignored_by_the_nodes(tmp_path):
+    """a serves stage 0 and b stage 1 (pinned) of 3 stages. A peer of the test's own (a
+    DHT whose p2pd runs GossipSub) publishes, again and again, claims that stage 2 holds
+    a peer of 1e6 samples/s: with a bad signature, with an old sequence number of its own,
+    signed for another run, and node a's genuine message sent under the test peer's name.
+    Node c then joins: had it believed any of them it would not take the empty stage 2.
+    Every node's log counts each kind as ignored."""
+    from hivemind.utils import get_dht_time
+
+    from node.dht import SwarmDHT
+    from node.gossip import Gossip
+
+    nodes: list[NodeProcess] = []
+    dht = None
+    try:
+        a = launch_node(tmp_path, "a", "badgossip", extra=["--stages", "3", "--stage", "0"])
+        nodes.append(a)
+        run = a.run_id
+        b = launch_node(tmp_path, "b", run, initial_peers=[a.maddr], extra=["--stage", "1"])
+        nodes.append(b)
+        a.wait_serving(timeout=90)
+        b.wait_serving(timeout=90)
+        key_path = tmp_path / "mallory.key"
+        key = load_or_create_key(key_path)
+        dht = SwarmDHT.start(
+            run, initial_peers=[a.maddr], host_maddrs=[LOCAL], identity_path=key_path, pubsub=True
+        )
+        signer = GossipSigner(key, run)
+        a_signer = GossipSigner(load_or_create_key(tmp_path / "a.key"), run)  # a's own key
+        other_run = GossipSigner(key, "other-run")
+        lie = 1e6
+        reasons = (
+            "bad signature",
+            "old or repeated sequence number",
+            "other run",
+            "claimed peer is not the libp2p sender",
+        )
+
+        def forged(now: float) -> bytes:
+            claim = JoinIntent(
+                peer_id=peer_id_of(key.public_key()), run=run, version=PROTOCOL_VERSION,
+                seqno=10**16, timestamp=now, stage=2, throughput=lie,
+            )  # fmt: skip
+            payload = claim.model_dump_json().encode()
+            signature = Ed25519PrivateKey.generate().sign(b"swarmtrain/gossip\0" + payload)
+            return msgpack.packb({"msg": payload, "sig": signature})
+
+        async def main(c_box: list[NodeProcess]) -> float:
+            gossip = await Gossip.create((await dht.replicate_p2p()).daemon_listen_maddr)
+            topic = run_topic(run)
+            try:
+                for n in (a, b):
+                    await gossip.connect(n.peer_id, [n.maddr.rsplit("/p2p/", 1)[0]])
+                t0 = time.monotonic()
+                while True:
+                    c = c_box[0] if c_box else None
+                    if c is not None and not c.alive():
+                        raise AssertionError(f"node c exited:\n{c.output()[-3000:]}")
+                    ready = c is not None and c.stage() is not None
+                    if ready and all(_ignored(n).get(r) for n in (a, b, c) for r in reasons):
+                        return time.monotonic() - t0
+                    assert time.monotonic() - t0 < 90, {n.name: _ignored(n) for n in nodes}
+                    now = get_dht_time()
+                    replayed = signer.join(2, lie, now)  # older than the next one
+                    # our genuine newest word first (a harmless claim), then the bad ones
+                    await gossip.publish(topic, signer.load(0, 1.0, 0, now))
+                    for raw in (
+                        forged(now),
+                        replayed,
+                        other_run.join(2, lie, now),
+                        a_signer.join(2, lie, now),
+                    ):
+                        await gossip.publish(topic, raw)
+                    if not c_box and time.monotonic() - t0 > 2.0:  # a heartbeat: mesh formed
+                        c_box.append(
+                            launch_node(tmp_path, "c", run, initial_peers=[a.maddr], wait=False)
+                        )
+                        nodes.append(c_box[0])
+                    await asyncio.sleep(0.2)
+            finally:
+                await gossip.close()
+
+        c_box: list[NodeProcess] = []
+        elapsed = asyncio.run(main(c_box))
+        c = c_box[0]
+        assert c.stage() == 2, c.output()[-3000:]
+        print(
+            f"c took the empty stage 2 despite {lie:.0e} samples/s of bad claims on it; "
+            f"ignored counts after {elapsed:.1f} s: " + "; ".join(
+                f"{n.name} {_ignored(n)}" for n in (a, b, c)
+            )
+        )  # fmt: skip
+        assert all(n.alive() for n in nodes)
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        stop_all(nodes)
