@@ -30,6 +30,7 @@ from node.membership import NOT_A_MEMBER, present
 from node.stage_client import StageRefused, StageUnavailable
 from protocol.routing import BanList, Candidate, candidates_by_stage, choose_peer
 from protocol.run_spec import RunSpec
+from protocol.stage_messages import WRONG_STAGE
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -203,10 +204,12 @@ class Trainer:
                 await self._present(peer)
                 result = await call(PeerID.from_base58(peer))
             except StageRefused as e:
-                if NOT_A_MEMBER not in str(e):
+                if NOT_A_MEMBER in str(e):
+                    self._presented.discard(peer)  # it forgot us (restarted?): present again
+                elif WRONG_STAGE not in str(e):  # else: it moved to another stage since
                     raise TrainerError(f"stage {stage} peer {peer} refused our request: {e}") from e
-                self._presented.discard(peer)  # it forgot us (restarted?): present again
                 self._bans.ban(peer, time.monotonic())
+                self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
                 continue
             except (StageUnavailable, MembershipRefused) as e:
                 logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)

@@ -45,6 +45,9 @@ MAX_MICRO_BATCH_ID = 2**63 - 1
 _ITEMSIZE = {"int64": 8, "float32": 4}
 
 
+WRONG_STAGE = "this server serves stage "  # a peer that moved: the caller's view is stale
+
+
 class StageRequestError(ValueError):
     """A request a stage refuses: the same request would be refused by any peer of the stage."""
 
@@ -202,7 +205,7 @@ def check_meta(contract: StageContract, meta: StageMeta, *, run_id: str, kind: s
         raise StageRequestError(f"request for run {meta.run_id!r}, this server serves {run_id!r}")
     if meta.stage != contract.stage_index:
         raise StageRequestError(
-            f"request for stage {meta.stage}, this server serves stage {contract.stage_index}"
+            f"request for stage {meta.stage}, {WRONG_STAGE}{contract.stage_index}"
         )
     if meta.kind != kind:
         raise StageRequestError(f"a {meta.kind} request sent to the {kind} handler")
