@@ -56,6 +56,7 @@ DAEMON_MAX_FRAME = 1 << 20  # go-libp2p-pubsub's cap on one RPC frame; larger on
 MAX_PUBLISH_BYTES = DAEMON_MAX_FRAME - 4096  # room for the envelope (ids, key, signature)
 MAX_TOPIC_CHARS = 256
 SELF_TEST_TIMEOUT_S = 10.0
+MAX_TOLD = 10_000  # (sender, reason) pairs already logged at info level
 
 
 class GossipUnavailable(RuntimeError):
@@ -378,13 +379,18 @@ async def receive_run(
     subscription: Subscription, view: GossipView, clock: Callable[[], float]
 ) -> AsyncIterator[GossipMessage]:
     """The messages of a run's topic that ``view`` accepts, as they arrive; the others
-    are logged (at debug level for replays, which re-announcements make common) and
-    counted in ``view.ignored``."""
+    are counted in ``view.ignored`` and logged: at info level the first time a sender
+    earns a reason, at debug level after that and for replays (re-announcements make
+    those common), so that a flood of bad messages cannot flood the log."""
+    told: set[tuple[str, Ignored]] = set()
     async for delivery in subscription:
         try:
             message = view.receive(delivery.data, delivery.sender, clock())
         except GossipError as e:
-            level = logging.DEBUG if e.reason is Ignored.REPLAYED else logging.INFO
+            first = e.reason is not Ignored.REPLAYED and (delivery.sender, e.reason) not in told
+            if first and len(told) < MAX_TOLD:
+                told.add((delivery.sender, e.reason))
+            level = logging.INFO if first else logging.DEBUG
             logger.log(level, "ignored gossip from %s: %s", delivery.sender, e)
             continue
         yield message
