@@ -36,7 +36,7 @@ from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSetting
 from protocol.assignment import Params
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError, issue_invite
-from protocol.ownership import fingerprint
+from protocol.ownership import check_run_id, fingerprint
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
 from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file, sign_run_spec
 from protocol.stage_messages import StageContract
@@ -104,10 +104,7 @@ def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
     if "@" in settings.run:
         return settings.run, None  # the spec comes from the DHT
     if settings.initial_peers:
-        raise NodeError(
-            f"name the run by its id, NAME@FINGERPRINT, as its first node printed it "
-            f"(got {settings.run!r})"
-        )
+        check_run_id(settings.run)  # joining: the run's id, not a name
     owner_key = load_or_create_key(settings.owner_key_path())
     owner = peer_id_of(owner_key.public_key())
     spec = make_run_spec(

@@ -10,6 +10,7 @@ from hivemind.utils import get_dht_time
 
 from node.dht import SwarmDHT
 from protocol.assignment import stage_throughput
+from protocol.ownership import check_run_id
 from protocol.records import PeerInfo, PeerState
 
 
@@ -101,7 +102,10 @@ async def fetch(dht: SwarmDHT) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     dht = SwarmDHT.start(
-        args.run, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, client_mode=True
+        check_run_id(args.run),
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs,
+        client_mode=True,
     )
     try:
         view = asyncio.run(fetch(dht))

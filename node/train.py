@@ -18,6 +18,7 @@ from node.files import load_or_create_key, write_atomic
 from node.membership import prove_membership, read_invite
 from node.progress import Progress
 from node.trainer import MicroBatchResult, Trainer, TrainerSettings
+from protocol.ownership import check_run_id
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.identity is not None:
         load_or_create_key(args.identity)
     dht = SwarmDHT.start(
-        args.run,
+        check_run_id(args.run),
         initial_peers=args.initial_peers,
         host_maddrs=args.host_maddrs,
         identity_path=args.identity,

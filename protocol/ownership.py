@@ -39,15 +39,20 @@ def make_run_id(name: str, owner: str) -> str:
     return f"{name}@{fingerprint(owner)}"
 
 
+def check_run_id(run: str) -> str:
+    """``run`` if it is a run id (``NAME@FINGERPRINT``); else ``RecordError`` saying so."""
+    if "@" not in check_run_name(run):
+        raise RecordError(
+            f"run {run!r} names no owner: run ids are NAME@FINGERPRINT, as the run's "
+            "first node printed it"
+        )
+    return run
+
+
 def check_owner(run: str, owner: str | Ed25519PublicKey) -> None:
     """``RecordError`` unless ``run``'s id was made from ``owner``'s key."""
     if isinstance(owner, Ed25519PublicKey):
         owner = peer_id_of(owner)
-    name, _, fp = check_run_name(run).partition("@")
-    if not fp:
-        raise RecordError(
-            f"run {run!r} names no owner: run ids are NAME@FINGERPRINT, as the run's "
-            "creator printed it"
-        )
+    fp = check_run_id(run).partition("@")[2]
     if fp != fingerprint(owner):
         raise RecordError(f"run {run!r} does not belong to owner {owner}")
