@@ -733,6 +733,8 @@ class StageAverager:
             while result is None and time.monotonic() < last_start and not self._someone_ahead():
                 attempt_end = min(deadline, time.monotonic() + 3 * self.settings.matchmaking_s)
                 result = await self._attempt(contribution, attempt_end, group_size)
+                if result is None and not self._mates_left():
+                    break  # our groupmates are gone (killed mid-round): no one to wait for
             if result is not None:
                 averaged, mates = result
                 await asyncio.to_thread(self._finish, averaged, contribution)
@@ -754,9 +756,9 @@ class StageAverager:
                     self._catch_up_after = 0.0
                     return
                 logger.warning(
-                    "%s: no averaging result within %.0f s, stepping alone at epoch %d",
+                    "%s: no averaging result after %.1f s, stepping alone at epoch %d",
                     self._name,
-                    self.settings.round_timeout_s,
+                    time.monotonic() - started,
                     self._epoch,
                 )
                 await asyncio.to_thread(self._finish, contribution.tensors, contribution)
@@ -765,6 +767,10 @@ class StageAverager:
             await self._after_epoch()
         finally:
             await asyncio.shield(self._give_back(contribution))  # no-op once applied
+
+    def _mates_left(self) -> bool:
+        """Whether any other live peer is still at our epoch (as of the last read)."""
+        return any(p.epoch == self._epoch for p in self._view())
 
     def _finish(self, result: list[torch.Tensor], contribution: _Contribution) -> None:
         with self.lock:
