@@ -38,30 +38,45 @@ differ by stage). Two things fix that:
 
 The rule
 --------
+* **Fit discount** (``fit_band``, ``selectivity``): a peer values a stage where its priced
+  speed ``prices[s] * throughput[s]`` is more than ``fit_band`` below its best at
+  ``(fit * (1 + fit_band)) ** selectivity`` of what it adds to M. Within the band gaps
+  pull peers at once; further out only a large gap does. Joiners, who pay no move, then
+  keep the swarm near the optimum's placement, and few peers are left for the prices to
+  call misplaced later (each such call is a move).
 * :func:`choose_stage`: a joining peer takes an empty stage if there is one (a uniform
   seeded draw among them, so that a wave into an empty swarm covers every stage), else the
-  stage where it adds the most to M; stages within ``tie_tolerance`` of the best are
+  stage with the best discounted value; stages within ``tie_tolerance`` of the best are
   near-ties, broken by a seeded draw. It announces the choice (an intent) before loading,
   and may reconsider once others' intents have reached it (:func:`decide_move` with
-  ``serving=False``): a change of mind before loading costs nothing.
+  ``serving=False``, margin ``join_margin``): a change of mind before loading is free.
 * :func:`decide_move`: at each check (every :func:`check_delay` seconds, randomised around
-  the mean) a peer compares what it adds to M where it is with what it would add at its
-  best other stage, both on the view without itself, and considers moving only when the
-  latter is larger by more than ``hysteresis``: a margin relative to its own contribution,
-  so that it means the same with 10 peers or 10,000. Then:
+  the mean) a serving peer compares its discounted value where it is with that at its
+  best other stage, both on the view without itself. A move costs a state download, and
+  joiners fix small imbalances for free, so it moves only when both hold:
+
+  - the target is worth more by ``hysteresis`` (relative to its own contribution, so that
+    it means the same with 10 peers or 10,000), and
+  - the move raises M by at least what ``min_gain`` mean joiners would add to a balanced
+    swarm (each adds the mean peer's speed over the number of stages): the same yardstick
+    with 1,000 peers or 10,000, so that a gap is closed by the few large peers whose move
+    buys the most, and a gap only many small moves would close is left to the joiners,
+    who keep arriving in proportion to the swarm's size (or by ``WORTH_A_MOVE`` of M,
+    which is less in a swarm of a few hundred peers or fewer, where joiners are rare).
+
+  Then:
 
   - if the prices alone favour the other stage by more than ``price_hysteresis`` (the
     peer is misplaced, whatever the totals), it moves: the misplaced peers of all stages
     moving together converge on the optimum's placement, which is balanced;
   - otherwise the move only fixes an imbalance, and it moves with probability
-    ``urgency * room / supply``: ``room`` is how much throughput could flow into the
-    target before such a move stops paying, ``supply`` the throughput of every peer
-    outside the target, all of whom may reach the same conclusion from the same view. The
-    expected inflow is about what the gap needs rather than everyone at once, and each
-    move, announced before the peer unloads, shrinks the room that later checks see. The
-    probability is scaled by ``fit ** selectivity``, fit being the prices' ratio of the
-    move (at most 1): peers that lose least by moving go first, so that fewer of those
-    that filled a gap find themselves misplaced, and move again, once it has closed.
+    ``urgency * room / supply * (own / mean) ** size_bias``: ``room`` is how much
+    throughput could flow into the target before such a move stops paying, ``supply``
+    the throughput of every peer outside the target, all of whom may reach the same
+    conclusion from the same view, ``own / mean`` the peer's speed over that of the
+    mean peer outside the target. The expected inflow is about what the gap needs rather
+    than everyone at once, larger peers go first (fewer moves for the same inflow), and
+    each move, announced before the peer unloads, shrinks the room that later checks see.
 
   A peer never leaves a stage that nobody else serves (nor, before it serves, one that
   nobody else holds); a move into an empty stage qualifies whatever the gains.
@@ -93,6 +108,10 @@ _FLOOR = 1e-9
 # leaves slack (price 0) still counts a little, so that it is refilled if it runs short
 # before prices are refreshed.
 PRICE_FLOOR = 0.01
+# A move that raises M by this fraction of itself is worth its download whatever
+# ``min_gain`` says: in a swarm of a few hundred peers or fewer, joiners are too rare to
+# wait for.
+WORTH_A_MOVE = 0.01
 _ROOM_STEPS = 16  # bisection steps for the room of a move: to 2**-16 of the supply
 
 
@@ -147,29 +166,49 @@ class Params:
     sharpness: float = 8.0
     # Joiners' choices within this fraction of the best value are drawn at random.
     tie_tolerance: float = 0.02
-    # A move must add this much more than staying (relative to what the peer adds where it
-    # is). Moves that fix an imbalance are rationed by their probability, so this band
-    # can be narrow: it sets how close to even the totals get.
-    hysteresis: float = 0.05
-    # A peer misplaced at the prices alone (by more than this factor, minus 1) moves at
-    # once; the wider band keeps small changes of the prices from moving anyone.
-    price_hysteresis: float = 0.1
+    # A stage where a peer's priced speed is within this fraction of its best counts at
+    # full value; further out, its value is discounted by the fit ** ``selectivity``.
+    # Joiners then fill gaps from the peers that lose least by it, and seldom land where
+    # the prices would later call them misplaced (the optimum's placement, no moves).
+    fit_band: float = 0.05
+    # Exponent of that discount: higher keeps peers nearer their best stage, lower lets
+    # a gap pull peers from further out.
+    selectivity: float = 8.0
+    # A serving peer's move must add this much more than staying (relative to what it
+    # adds where it is): the band within which joiners, who move for free, fix things.
+    hysteresis: float = 0.3
+    # ... and add to the smooth bottleneck at least what this many mean joiners would add
+    # to a balanced swarm: a move costs a state download, so the few peers whose move
+    # buys the most go, and an imbalance that only many small moves would fix is left to
+    # the joiners, who arrive at a rate proportional to the swarm's size.
+    min_gain: float = 3.0
+    # A serving peer misplaced at the prices alone (by more than this factor, minus 1)
+    # moves without rationing; wider than ``fit_band``, so that joiners placed inside it
+    # are not moved when prices drift.
+    price_hysteresis: float = 0.3
     # Expected inflow per check period, as a multiple of the room: about 1/urgency periods
     # to close a gap. Higher recovers faster and overshoots more under gossip delay.
     urgency: float = 4.0
-    # Exponent of the fit (its prices' ratio) that scales the probability of a move that
-    # fixes an imbalance: higher sends the peers that lose least by moving first.
-    selectivity: float = 8.0
+    # The chance of a move that fixes an imbalance scales as (own speed / the mean
+    # peer's) ** size_bias: a gap is closed by few large moves rather than many small.
+    size_bias: float = 1.0
+    # A joiner that has not loaded yet changes its mind when another stage is worth this
+    # much more (it costs nothing, so the margin is small).
+    join_margin: float = 0.02
     mean_period_s: float = 60.0  # mean time between a serving peer's checks
     period_jitter: float = 0.5  # a check period is uniform in mean * (1 +- jitter)
 
     def __post_init__(self) -> None:
         _positive("sharpness", self.sharpness, hi=1e4)
         _in_range("tie_tolerance", self.tie_tolerance, 0.0, 1.0)
+        _in_range("fit_band", self.fit_band, 0.0, 1e6)
+        _in_range("selectivity", self.selectivity, 0.0, 1e3)
         _in_range("hysteresis", self.hysteresis, 0.0, 1e6)
+        _in_range("min_gain", self.min_gain, 0.0, 1e6)
         _in_range("price_hysteresis", self.price_hysteresis, 0.0, 1e6)
         _positive("urgency", self.urgency, hi=1e6)
-        _in_range("selectivity", self.selectivity, 0.0, 1e3)
+        _in_range("size_bias", self.size_bias, 0.0, 8.0)
+        _in_range("join_margin", self.join_margin, 0.0, 1e6)
         _positive("mean_period_s", self.mean_period_s, hi=1e9)
         _in_range("period_jitter", self.period_jitter, 0.0, 1.0)
 
@@ -438,11 +477,12 @@ def choose_stage(
         return _pick(empty, seed, "join")
     w = _weights(view.n_stages, view.prices)
     values = _values(list(view.totals), w, throughput, params.sharpness)
-    best = max(values)
+    scores = _scores(values, w, throughput, params)
+    best = max(scores)
     if not best > 0.0:  # a peer that adds nothing anywhere: any stage will do
         return _pick(list(range(view.n_stages)), seed, "join")
     cut = best * (1.0 - params.tie_tolerance)
-    return _pick([s for s, v in enumerate(values) if v >= cut], seed, "join")
+    return _pick([s for s, v in enumerate(scores) if v >= cut], seed, "join")
 
 
 def decide_move(
@@ -485,25 +525,35 @@ def decide_move(
         p = 1.0 if supply <= 0.0 else min(1.0, params.urgency * level / supply)
         return _draw_move(Move(stage, target, math.inf, p, "empty"), seed)
 
-    w = _weights(n, view.prices)
-    values = _values(rest, w, throughput, params.sharpness)
-    here = values[stage]
-    best = max(v for s, v in enumerate(values) if s != stage)
-    if not best > 0.0 or not best > here * (1.0 + params.hysteresis):
+    w, a = _weights(n, view.prices), params.sharpness
+    values = _values(rest, w, throughput, a)
+    scores = _scores(values, w, throughput, params)
+    here = scores[stage]
+    best = max(v for s, v in enumerate(scores) if s != stage)
+    margin = params.hysteresis if serving else params.join_margin
+    if not best > 0.0 or not best > here * (1.0 + margin):
         return None
     cut = best * (1.0 - params.tie_tolerance)
-    target = _pick([s for s, v in enumerate(values) if s != stage and v >= cut], seed, "target")
-    gain = values[target] / here - 1.0 if here > 0.0 else math.inf
+    target = _pick([s for s, v in enumerate(scores) if s != stage and v >= cut], seed, "target")
+    if serving:
+        joiner = sum(view.totals) / (sum(view.counts) * n)  # what a mean joiner adds to M
+        worth = min(params.min_gain * joiner, WORTH_A_MOVE * (_smooth(rest, w, a) + values[stage]))
+        if not values[target] - values[stage] > worth:
+            return None  # not worth a state download: joiners will do it
+    gain = scores[target] / here - 1.0 if here > 0.0 else math.inf
     if w[target] * throughput[target] > (1.0 + params.price_hysteresis) * w[stage] * me:
         # Misplaced at the prices alone: the optimum puts it there whatever others do,
         # and the misplaced peers of every stage moving at once converge on a balanced
         # assignment (the optimum's), so there is nothing to ration.
         return Move(stage, target, gain, 1.0, "price")
-    room = _room(rest, w, stage, target, me, throughput[target], params)
+    # The fit discounts of target and stage, which the room must keep paying for too.
+    tilt = (scores[target] / values[target]) / (here / values[stage]) if here > 0.0 else 1.0
+    room = _room(rest, w, stage, target, me, throughput[target], a, margin, tilt)
     supply = sum(view.totals) - view.totals[target]
-    # Peers that lose least by the move (its prices' ratio near 1) go first.
-    fit = min(1.0, w[target] * throughput[target] / (w[stage] * me)) if me > 0.0 else 1.0
-    share = params.urgency * room / supply * fit**params.selectivity if supply > 0.0 else 1.0
+    others = sum(view.counts) - view.counts[target]
+    mean = supply / others if others > 0 else 0.0
+    size = (me / mean) ** params.size_bias if mean > 0.0 else 1.0
+    share = params.urgency * room / supply * size if supply > 0.0 else 1.0
     return _draw_move(Move(stage, target, gain, min(1.0, share), "imbalance"), seed)
 
 
@@ -573,6 +623,22 @@ def _values(rest: list[float], weights: list[float], throughput: Sequence[float]
     return out
 
 
+def _scores(
+    values: list[float], weights: list[float], throughput: Sequence[float], params: Params
+) -> list[float]:
+    """``values`` discounted where the peer's priced speed is more than ``fit_band``
+    below its best: by (fit * (1 + fit_band)) ** selectivity."""
+    priced = [w * t for w, t in zip(weights, throughput, strict=True)]
+    top = max(priced)
+    if top <= 0.0:
+        return values
+    band = 1.0 + params.fit_band
+    return [
+        v * min(1.0, band * p / top) ** params.selectivity
+        for v, p in zip(values, priced, strict=True)
+    ]
+
+
 def _room(
     rest: list[float],
     weights: list[float],
@@ -580,12 +646,14 @@ def _room(
     target: int,
     me_here: float,
     me_there: float,
-    params: Params,
+    a: float,
+    h: float,
+    tilt: float,
 ) -> float:
     """How much throughput may flow into ``target`` (taken from every other stage in
     proportion to its total) before a peer like this one no longer gains enough by
-    moving there: the size of the gap, in the units the move closes it."""
-    a, h = params.sharpness, params.hysteresis
+    moving there (by the margin ``h``, its fit discounts ``tilt`` included): the size of
+    the gap, in the units the move closes it."""
     pool = sum(rest) - rest[target]
     if pool <= 0.0:
         return 0.0
@@ -599,7 +667,7 @@ def _room(
         there[target] += me_there
         stay[here] += me_here
         gain_there = _smooth(there, weights, a) - base
-        return gain_there > (1.0 + h) * (_smooth(stay, weights, a) - base)
+        return gain_there * tilt > (1.0 + h) * (_smooth(stay, weights, a) - base)
 
     lo, hi = 0.0, pool
     if still_pays(hi):

@@ -11,12 +11,20 @@ like on this machine:
   activation and averaging bytes the run needs.
 - ``straggler``: a stage-1 peer is capped at a fifth of its CPU mid-run; throughput before
   and after, and how long until routing avoids it.
+- ``partition``: a stage-1 peer is cut off mid-run (its host's link down under ``--netem``;
+  on loopback, SIGSTOP of its processes) and reconnected later; throughput during the
+  partition and after it against before, how long until micro-batches flow around it
+  (and when routing last sent it a call), and how long after reconnecting until it gets
+  calls again.
 
-Loopback by default; ``--netem PROFILE`` runs each node in its own network namespace
-behind a shaped link and a latency relay (``scripts/netem``; root only). PNG plots of
-throughput over time go to ``--out``.
+``--runs N`` repeats each scenario as N whole runs (a new swarm each, seeds differing) and
+ends with the median of each figure over the runs, with its range; ``results.json`` in
+``--out`` holds every run's figures. Loopback by default; ``--netem PROFILE`` runs each
+node in its own network namespace behind a shaped link and a latency relay
+(``scripts/netem``; root only). PNG plots of throughput over time (from the first run)
+go to ``--out``.
 
-    python scripts/bench_swarm.py --scenarios wiring churn straggler
+    python scripts/bench_swarm.py --scenarios wiring churn straggler partition --runs 3
     python scripts/bench_swarm.py --netem home --scenarios churn
 """
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import queue
 import random
 import statistics
@@ -50,6 +59,7 @@ from scripts.swarm_bench.throttle import (  # noqa: E402
 from scripts.swarm_bench.wire import loopback_bytes  # noqa: E402
 
 SLOWDOWN = 5.0
+SCENARIOS = ("wiring", "churn", "straggler", "partition")
 
 
 @dataclass
@@ -62,6 +72,7 @@ class Record:
     end: float = 0.0
     mbs: list[dict] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
+    picks: list[tuple[float, str]] = field(default_factory=list)  # (time, peer) per call
 
     def span(self, name: str) -> tuple[float, float]:
         starts = [t for _, t in self.phases] + [self.end]
@@ -85,9 +96,11 @@ class Record:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, net: Network | None) -> None:
-        self.args, self.net = args, net
-        self.rng = random.Random(args.seed)
+    def __init__(
+        self, args: argparse.Namespace, net: Network | None, seed: int, plot: bool = True
+    ) -> None:
+        self.args, self.net, self.plot = args, net, plot
+        self.rng = random.Random(seed)
         self.out: Path = args.out
         self.out.mkdir(parents=True, exist_ok=True)
 
@@ -99,13 +112,17 @@ class Bench:
         return BenchSwarm(workdir, a.stages, a.peers, a.preset, self.net)
 
     def run_worker(
-        self, swarm: BenchSwarm, phases: list[str], tick: Callable[[Record, str, float], None]
+        self,
+        swarm: BenchSwarm,
+        phases: list[str],
+        tick: Callable[[Record, str, float], None],
+        trace_picks: bool = False,
     ) -> Record:
         """Run the trainer through ``phases``, calling ``tick(record, phase, seconds into
         it)`` about ten times a second; return what it reported."""
         rec, lines = Record(), queue.Queue()
         log = (swarm.workdir / "worker.log").open("w")
-        cmd = swarm.worker_command(phases, self.args.in_flight)
+        cmd = swarm.worker_command(phases, self.args.in_flight, trace_picks)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
         reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
         reader.start()
@@ -137,6 +154,8 @@ class Bench:
             rec.wire[event["name"]] = self.wire_bytes()
         elif kind == "mb":
             rec.mbs.append(event)
+        elif kind == "pick":
+            rec.picks.append((event["t"], event["peer"]))
         elif kind == "end":
             rec.end = event["t"]
             rec.wire["end"] = self.wire_bytes()
@@ -152,7 +171,7 @@ class Bench:
 
     # --- scenarios -----------------------------------------------------------------
 
-    def wiring(self, workdir: Path) -> None:
+    def wiring(self, workdir: Path) -> dict[str, float]:
         a, swarm, throttle = self.args, self.swarm(workdir), None
         slow = f"p{2 * a.stages - 1}"  # stage stages-1's second peer
         phases = [f"warmup:stochastic:{a.warmup}"]
@@ -183,8 +202,13 @@ class Bench:
         print(f"  fixed (GPipe-like) samples/s:  {_spread(fixed)}")
         print(f"  stochastic samples/s:          {_spread(stoch)}")
         print(f"  ratio stochastic / fixed:      {_spread(ratios, 2)}")
+        return {
+            "fixed samples/s": statistics.median(fixed),
+            "stochastic samples/s": statistics.median(stoch),
+            "stochastic / fixed": statistics.median(ratios),
+        }
 
-    def churn(self, workdir: Path) -> None:
+    def churn(self, workdir: Path) -> dict[str, float]:
         a, swarm = self.args, self.swarm(workdir)
         phases = [f"warmup:stochastic:{a.warmup}"]
         for i in range(a.repeat):
@@ -218,13 +242,20 @@ class Bench:
         print(f"  undisturbed samples/s:         {_spread(steady)}")
         print(f"  with churn samples/s:          {_spread(churn)}")
         print(f"  ratio churn / undisturbed:     {_spread(ratios, 2)}")
-        self._wire(rec, [f"steady{i}" for i in range(a.repeat)])
+        wire = self._wire(rec, [f"steady{i}" for i in range(a.repeat)])
         t0 = rec.phases[0][1]
         markers = [(t - t0, n) for n, t in rec.phases[1:]]
         markers += [(t - t0, what) for t, what in rec.events]
         self._plot("churn", rec, markers, "throughput with a peer SIGKILLed and replaced")
+        return {
+            "undisturbed samples/s": statistics.median(steady),
+            "churn samples/s": statistics.median(churn),
+            "churn / undisturbed": statistics.median(ratios),
+            "kills": float(len(kills)),
+            **wire,
+        }
 
-    def _wire(self, rec: Record, names: list[str]) -> None:
+    def _wire(self, rec: Record, names: list[str]) -> dict[str, float]:
         keys = [n for n, _ in rec.phases] + ["end"]
         per_sample = []
         for n in names:
@@ -236,8 +267,12 @@ class Bench:
         print(f"  needed: activations {rec.spec['activation_bytes']:.0f} + averaging "
               f"({rec.spec['mode']}) {rec.spec['averaging_bytes']:.0f} = {need:.0f}")  # fmt: skip
         print(f"  ratio wire / needed:           {_spread([b / need for b in per_sample], 2)}")
+        return {
+            "wire bytes / sample": statistics.median(per_sample),
+            "wire / needed": statistics.median(per_sample) / need,
+        }
 
-    def straggler(self, workdir: Path) -> None:
+    def straggler(self, workdir: Path) -> dict[str, float]:
         a, swarm, throttle = self.args, self.swarm(workdir), None
         slow = f"p{2 * a.stages - 1}"
         at = a.phase  # seconds into the run phase
@@ -283,14 +318,123 @@ class Bench:
         via = [(t - t0, 100 * s) for t, s in share]
         extra = {"share of micro-batches via the straggler (%)": via}
         self._plot("straggler", rec, markers, "throughput with one peer slowed 5x", extra)
+        return {
+            "before samples/s": before,
+            "after samples/s": after,
+            "after / before": after / before,
+            "s until routing avoids it": math.nan if avoid is None else avoid,
+        }
+
+    def partition(self, workdir: Path) -> dict[str, float]:
+        a, swarm = self.args, self.swarm(workdir)
+        cut = f"p{2 * a.stages - 1}"  # stage stages-1's second peer, as in straggler
+        phases = [f"warmup:stochastic:{a.warmup}", f"run:stochastic:{3 * a.phase}"]
+        how = "its host's link down" if self.net else "SIGSTOP of its processes"
+        state: dict = {}
+        try:
+            swarm.start()
+            node = next(n for n in swarm.nodes if n.name == cut)
+            peer_id = node.peer_id
+
+            def tick(rec: Record, phase: str, into: float) -> None:
+                if phase != "run":
+                    return
+                if into >= a.phase and "cut" not in state:
+                    swarm.partition(node)
+                    state["cut"] = time.time()
+                    rec.events.append((state["cut"], f"{cut} cut off"))
+                if into >= 2 * a.phase and "heal" not in state:
+                    swarm.heal(node)
+                    state["heal"] = time.time()
+                    rec.events.append((state["heal"], f"{cut} back"))
+
+            rec = self.run_worker(swarm, phases, tick, trace_picks=True)
+        finally:
+            swarm.close()
+        start, end = rec.span("run")
+        t_cut, t_heal = state["cut"], state["heal"]
+        before, during = rec.rate(start, t_cut), rec.rate(t_cut, t_heal)
+        after = rec.rate(t_heal, end)
+        # Routing stops sending it new calls at once (the last pick below), but the calls
+        # already there hang until their timeout and hold the trainer's in-flight slots:
+        # micro-batches flow around it only from the end of the last stall (a gap of over
+        # 2 s between completions) in the partition.
+        stalls = _stalls(rec, t_cut, t_heal)
+        flowing = stalls[-1][1] if stalls else t_cut
+        stalled_after = max([g for g, _ in _stalls(rec, t_heal, end)], default=0.0)
+        picked = [t for t, p in rec.picks if p == peer_id]
+        last = max([t for t in picked if t_cut <= t < t_heal], default=t_cut)
+        back = min([t for t in picked if t >= t_heal], default=None)
+        share = _pick_share(rec, peer_id, 2.0)
+        share_before = _mean([s for t, s in share if start <= t < t_cut])
+        print(f"partition: {cut} (stage {swarm.stage_of[cut]}) cut off ({how}) from "
+              f"{a.phase:.0f} s to {2 * a.phase:.0f} s of the run")  # fmt: skip
+        print(f"  samples/s before {before:.1f}, during {during:.1f}, after {after:.1f}: "
+              f"ratio during {during / before:.2f}, after {after / before:.2f}")  # fmt: skip
+        print(f"  its share of routing picks before: {share_before:.2f}; calls routed to it "
+              f"while cut off: {sum(t_cut <= t < t_heal for t in picked)}")  # fmt: skip
+        print(f"  last call routed to it: {last - t_cut:.1f} s after the cut; micro-batches "
+              f"flow around it from {flowing - t_cut:.1f} s after (stalls: "
+              f"{', '.join(f'{g:.1f} s' for g, _ in stalls) or 'none'})")  # fmt: skip
+        print(f"  routed to again after reconnecting: "
+              f"{'never' if back is None else f'{back - t_heal:.1f} s'}; longest stall after "
+              f"reconnecting: {stalled_after:.1f} s")  # fmt: skip
+        t0 = rec.phases[0][1]
+        markers = [(t - t0, what) for t, what in rec.events]
+        via = [(t - t0, 100 * s) for t, s in share]
+        extra = {"share of routing picks to the cut-off peer (%)": via}
+        self._plot("partition", rec, markers, "throughput with one peer cut off", extra)
+        return {
+            "before samples/s": before,
+            "during samples/s": during,
+            "during / before": during / before,
+            "after / before": after / before,
+            "s until routing avoids it": flowing - t_cut,
+            "s until last call routed to it": last - t_cut,
+            "s until routed to again": math.nan if back is None else back - t_heal,
+            "s stalled after reconnecting": stalled_after,
+        }
 
     def _plot(self, name, rec, markers, title, extra=None) -> None:
+        if not self.plot:
+            return
         path = self.out / f"{name}{'-' + self.args.netem if self.args.netem else ''}.png"
         series = {"samples/s (2 s bins)": rec.series(), **(extra or {})}
         where = f"netem {self.args.netem}" if self.args.netem else "loopback"
-        write_line_chart(path, series, title=f"{title} ({where})", x_label="seconds",
+        series = {_plain(k): v for k, v in series.items()}
+        markers = [(x, _plain(label)) for x, label in markers]
+        write_line_chart(path, series, title=_plain(f"{title} ({where})"), x_label="seconds",
                          y_label="samples/s", markers=markers)  # fmt: skip
         print(f"  plot: {path}")
+
+
+# What node/plot.py's bitmap font draws (lower case as upper case); anything else would
+# come out as '?', so labels are reduced to these first.
+_FONT = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 .-_/:()%=,+")
+
+
+def _plain(text: str) -> str:
+    return "".join(c if c in _FONT else "" if c in "'`\"" else " " for c in text)
+
+
+def _stalls(rec: Record, lo: float, hi: float, gap: float = 2.0) -> list[tuple[float, float]]:
+    """(length, end) of each gap of over ``gap`` seconds between completed micro-batches
+    in [lo, hi), counting from ``lo`` and to ``hi``."""
+    done = [lo, *sorted(m["t"] for m in rec.mbs if lo <= m["t"] < hi), hi]
+    return [(b - a, b) for a, b in zip(done, done[1:], strict=False) if b - a > gap]
+
+
+def _pick_share(rec: Record, peer_id: str, bin_s: float) -> list[tuple[float, float]]:
+    """(bin start, fraction of routing picks that went to ``peer_id``); every stage's
+    picks count, so a peer of one of two stages gets at most about half."""
+    t0, result = rec.phases[0][1], []
+    t = t0
+    while t < rec.end:
+        picks = [p for u, p in rec.picks if t <= u < t + bin_s]
+        if picks:
+            result.append((t, sum(p == peer_id for p in picks) / len(picks)))
+        t += bin_s
+    return result
 
 
 def _share(rec: Record, peer_id: str, stage: int, bin_s: float) -> list[tuple[float, float]]:
@@ -317,6 +461,24 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _summary(name: str, runs: list[dict[str, float]]) -> dict[str, dict]:
+    """Print and return each figure's median over ``runs``, its range and count."""
+    print(f"{name}: {len(runs)} run(s)")
+    result = {}
+    for key in runs[0]:
+        xs = [r[key] for r in runs if math.isfinite(r[key])]
+        missing = len(runs) - len(xs)
+        note = f"; not reached in {missing}" if missing else ""
+        if not xs:
+            print(f"  {key:<28} not reached in any run")
+            result[key] = {"median": None, "min": None, "max": None, "n": 0}
+            continue
+        med = statistics.median(xs)
+        print(f"  {key:<28} {med:10.2f}   range {min(xs):.2f}-{max(xs):.2f}, n={len(xs)}{note}")
+        result[key] = {"median": med, "min": min(xs), "max": max(xs), "n": len(xs)}
+    return result
+
+
 def _spread(xs: list[float], digits: int = 1) -> str:
     """Median, and the range when there are several."""
     med = f"{statistics.median(xs):.{digits}f}"
@@ -327,8 +489,7 @@ def _spread(xs: list[float], digits: int = 1) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", nargs="+", default=["wiring", "churn", "straggler"],
-                   choices=["wiring", "churn", "straggler"])  # fmt: skip
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--netem", help="a link profile (scripts/netem/profiles.py) for every host")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--stages", type=int, default=2)
@@ -338,17 +499,25 @@ def main() -> int:
     p.add_argument("--phase", type=float, default=20.0, help="seconds per measured phase")
     p.add_argument("--repeat", type=int, default=2, help="measured phase pairs per scenario")
     p.add_argument("--kill-every", type=float, default=5.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=1, help="whole runs per scenario")
+    p.add_argument("--seed", type=int, default=0, help="of run 1; run k uses seed + k - 1")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args()
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     if args.peers < 2:
         p.error("--peers must be at least 2: scenarios kill or slow one peer of a stage")
 
+    results: dict[str, list[dict[str, float]]] = {}
+
     def run_all(net: Network | None) -> None:
-        bench = Bench(args, net)
         with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
             for name in args.scenarios:
-                getattr(bench, name)(Path(tmp) / name)
+                for k in range(args.runs):
+                    bench = Bench(args, net, seed=args.seed + k, plot=k == 0)
+                    print(f"--- {name}, run {k + 1} of {args.runs}", flush=True)
+                    figures = getattr(bench, name)(Path(tmp) / f"{name}{k}")
+                    results.setdefault(name, []).append(figures)
 
     started = time.time()
     try:
@@ -361,6 +530,13 @@ def main() -> int:
     except (NetemUnavailable, ThrottleUnavailable) as e:
         print(f"SKIPPED: {e}")
         return 2
+    where = f"netem {args.netem}" if args.netem else "loopback"
+    print(f"=== medians over whole runs ({where})")
+    summary = {name: _summary(name, runs) for name, runs in results.items()}
+    runs = {n: [{k: v if math.isfinite(v) else None for k, v in r.items()} for r in rs]
+            for n, rs in results.items()}  # fmt: skip
+    record = {"argv": sys.argv[1:], "runs": runs, "summary": summary}
+    (args.out / "results.json").write_text(json.dumps(record, indent=1))
     print(f"done in {time.time() - started:.0f} s")
     return 0
 

@@ -33,7 +33,7 @@ loads anything) are counted apart. The two rules run in two processes.
 
     python scripts/simulate_assignment.py --peers 1000
     python scripts/simulate_assignment.py --peers 10000 --stages 4 --duration 7200 \\
-        --churn 1.0 --seed 0
+        --churn 1.0 --seed 0 --seeds 2
 """
 
 from __future__ import annotations
@@ -106,10 +106,13 @@ class Config:
     resettle_every: float = 30.0  # baseline: its re-settled bottleneck is reused this long
     settle: float = 600.0  # seconds after a mass event left out of the steady state
     hysteresis: float = DEFAULT_PARAMS.hysteresis
+    min_gain: float = DEFAULT_PARAMS.min_gain
     price_hysteresis: float = DEFAULT_PARAMS.price_hysteresis
     sharpness: float = DEFAULT_PARAMS.sharpness
     urgency: float = DEFAULT_PARAMS.urgency
+    fit_band: float = DEFAULT_PARAMS.fit_band
     selectivity: float = DEFAULT_PARAMS.selectivity
+    size_bias: float = DEFAULT_PARAMS.size_bias
 
     @property
     def wave_at(self) -> float:
@@ -130,10 +133,13 @@ class Config:
     def params(self) -> Params:
         return Params(
             sharpness=self.sharpness,
+            fit_band=self.fit_band,
+            selectivity=self.selectivity,
             hysteresis=self.hysteresis,
+            min_gain=self.min_gain,
             price_hysteresis=self.price_hysteresis,
             urgency=self.urgency,
-            selectivity=self.selectivity,
+            size_bias=self.size_bias,
             mean_period_s=self.period,
         )
 
@@ -770,6 +776,28 @@ def report(cfg: Config, results: dict[str, Result], every: float = 600.0) -> str
     return "\n".join(lines)
 
 
+def spread(per_seed: list[dict[str, dict[str, float]]]) -> str:
+    """Median [least, largest] over seeds of the figures the targets are about."""
+    keys = [
+        ("steady-state ratio to the bound", "steady_mean", "{:.4f}"),
+        ("  without peers in their first load", "steady_settled", "{:.4f}"),
+        ("moves per peer-hour", "moves_per_peer_hour", "{:.4f}"),
+        ("s to make up 90% of the drop", "recovery_90_s", "{:.0f}"),
+        ("s to recover (within 0.02)", "recovery_s", "{:.0f}"),
+        ("s with a stage nobody holds", "empty_held_s", "{:.0f}"),
+        ("samples with a stage nobody serves", "empty_serving_samples", "{:.0f}"),
+    ]
+    lines = [f"over {len(per_seed)} seeds: median [least, largest]"]
+    for label, key, fmt in keys:
+        cells = []
+        for rule in per_seed[0]:
+            v = np.array([s[rule][key] for s in per_seed], dtype=float)
+            lo, mid, hi = (fmt.format(x) for x in (v.min(), np.median(v), v.max()))
+            cells.append(f"{rule} {mid} [{lo}, {hi}]")
+        lines.append(f"{label:<38}" + "   ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--peers", type=int, default=Config.peers)
@@ -777,6 +805,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=float, default=Config.duration, help="simulated seconds")
     p.add_argument("--churn", type=float, default=Config.churn, help="departures/peer-hour")
     p.add_argument("--seed", type=int, default=Config.seed)
+    p.add_argument("--seeds", type=int, default=1, help="run seeds --seed, --seed + 1, ...")
     p.add_argument("--dist", choices=("lognormal", "pareto"), default=Config.dist)
     p.add_argument("--sigma", type=float, default=Config.sigma)
     p.add_argument("--pareto-shape", type=float, default=Config.pareto_shape)
@@ -793,16 +822,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sharpness", type=float, default=Config.sharpness)
     p.add_argument("--urgency", type=float, default=Config.urgency)
     p.add_argument("--selectivity", type=float, default=Config.selectivity)
+    p.add_argument("--min-gain", type=float, default=Config.min_gain)
+    p.add_argument("--fit-band", type=float, default=Config.fit_band)
+    p.add_argument("--size-bias", type=float, default=Config.size_bias)
     p.add_argument("--report-every", type=float, default=600.0, help="rows of the time series")
     p.add_argument("--jobs", type=int, default=2, help="processes (one per rule)")
     a = p.parse_args(argv)
+    if a.seeds < 1:
+        p.error(f"need --seeds >= 1, got {a.seeds}")
     if a.peers < a.stages or a.stages < 1:
         p.error(f"need --peers >= --stages >= 1, got {a.peers} peers and {a.stages} stages")
     fields = {f: getattr(a, f) for f in Config.__dataclass_fields__ if hasattr(a, f)}
-    cfg = Config(**fields)
     started = time.perf_counter()
-    results = run_both(cfg, a.jobs)
-    print(report(cfg, results, a.report_every))
+    per_seed = []
+    for seed in range(a.seed, a.seed + a.seeds):
+        cfg = Config(**{**fields, "seed": seed})
+        results = run_both(cfg, a.jobs)
+        print(report(cfg, results, a.report_every), end="\n\n")
+        per_seed.append({k: summary(cfg, r) for k, r in results.items()})
+    if a.seeds > 1:
+        print(spread(per_seed))
     print(f"total wall time: {time.perf_counter() - started:.1f} s")
 
 

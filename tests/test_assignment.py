@@ -77,8 +77,21 @@ def test_a_joiner_picks_the_bottleneck_stage():
 def test_a_joiner_weighs_its_own_speed_for_each_stage():
     # Stages level; the joiner is three times faster on stage 2, so it adds most there.
     assert choose_stage(_view([100, 100, 100]), (1.0, 1.0, 3.0), "p") == 2
-    # But not enough to prefer an already fuller stage over a real gap.
-    assert choose_stage(_view([100, 70, 100]), (1.0, 1.0, 3.0), "p") == 1
+    # 1.5x faster there is not enough to pass over a real gap on stage 1 ...
+    assert choose_stage(_view([100, 70, 100]), (1.0, 1.0, 1.5), "p") == 1
+    # ... 3x is: joiners that lose less by it will fill the gap.
+    assert choose_stage(_view([100, 70, 100]), (1.0, 1.0, 3.0), "p") == 2
+
+
+def test_a_joiner_fills_a_small_gap_only_from_near_its_best_stage():
+    # Stage 1 is 2% short. Within fit_band (5%) of its best, a joiner takes it; a joiner
+    # 20% slower there goes where it is fast (a peer placed there would later be
+    # misplaced at the prices). A 30% gap pulls both.
+    small, large = _view([100, 98, 100, 100]), _view([100, 70, 100, 100])
+    assert choose_stage(small, (1.0, 0.97, 1.0, 1.0), "j") == 1
+    assert all(choose_stage(small, (1.0, 0.8, 1.0, 1.0), k) != 1 for k in range(50))
+    assert choose_stage(large, (1.0, 0.97, 1.0, 1.0), "j") == 1
+    assert choose_stage(large, (1.0, 0.8, 1.0, 1.0), "j") == 1
 
 
 def test_a_joiner_follows_the_prices():
@@ -172,7 +185,7 @@ def test_a_stage_with_nobody_is_refilled():
 
 
 def test_hysteresis_no_move_for_a_gain_below_the_threshold():
-    params = Params(hysteresis=0.05, price_hysteresis=0.05)
+    params = Params(hysteresis=0.05, price_hysteresis=0.05, min_gain=0.0)
     # The other stage would gain 3% more from this peer: inside the band, nobody moves.
     view = _view([101.0, 100.0], counts=[50, 50])
     for seed in range(200):
@@ -185,6 +198,49 @@ def test_hysteresis_no_move_for_a_gain_below_the_threshold():
     # No move toward a fuller stage, however much faster the peer would be there.
     lopsided = _view([100.0, 140.0], counts=[50, 50])
     assert all(decide_move(lopsided, 0, (1.0, 1.2), s, params) is None for s in range(50))
+
+
+def test_a_move_must_be_worth_a_state_download():
+    # Four stages of 1,000 peers, stage 1 short by 5%: enough for every peer of another
+    # stage to pass the hysteresis, but a move by a peer of about the mean speed raises
+    # the swarm's bottleneck by less than three joiners would: joiners close such gaps.
+    view = _view([1000.0, 950.0, 1000.0, 1000.0], counts=[1000] * 4)
+    for own in (1.0, 2.0):
+        mine = view.add(Claim("me", 0, own))
+        assert all(decide_move(mine, 0, (own,) * 4, k) is None for k in range(200))
+    big = view.add(Claim("me", 0, 20.0))
+    moves = [decide_move(big, 0, (20.0,) * 4, k) for k in range(200)]
+    assert any(m is not None for m in moves)
+    assert all(m.to_stage == 1 and m.reason == "imbalance" for m in moves if m is not None)
+
+
+def test_a_small_swarm_does_not_wait_for_joiners():
+    # Six equal peers at 3-1-2: one move to 2-2-2 doubles the bottleneck. Three mean
+    # joiners would add as much, but a swarm this small may not see any for hours.
+    view = _view([3.0, 1.0, 2.0], counts=[3, 1, 2])
+    moves = [decide_move(view, 0, (1.0, 1.0, 1.0), k) for k in range(50)]
+    assert any(m is not None for m in moves)
+    assert all(m.to_stage == 1 for m in moves if m is not None)
+    assert all(decide_move(view, 2, (1.0, 1.0, 1.0), k) is None for k in range(50))
+
+
+def test_larger_peers_fill_a_gap_first():
+    # The chance of a move scales with the mover's speed (size_bias 1): the same inflow
+    # in fewer moves.
+    view = _view([1000.0, 900.0, 1000.0, 1000.0], counts=[1000] * 4)
+    params = Params(urgency=0.5)
+
+    def probability(own: float, params: Params) -> float:
+        mine = view.add(Claim("me", 0, own))
+        move = next(m for k in range(5000) if (m := decide_move(mine, 0, (own,) * 4, k, params)))
+        assert move.reason == "imbalance"
+        return move.probability
+
+    p10, p20, p40 = (probability(own, params) for own in (10.0, 20.0, 40.0))
+    assert 1.8 < p20 / p10 < 2.2 and 1.8 < p40 / p20 < 2.2
+    # 10x the mean peer: ten times the chance it would have with no size bias.
+    flat = probability(10.0, Params(urgency=0.5, size_bias=0.0))
+    assert flat == pytest.approx(p10 / 10, rel=0.01)
 
 
 def test_movers_are_rationed_to_what_the_gap_needs():
@@ -211,8 +267,9 @@ def test_a_peer_that_is_not_in_the_view_is_an_error():
 def test_decisions_are_deterministic_given_the_seed():
     view = _view([100.0, 75.0, 100.0], counts=[100, 75, 100])
     own = (1.0, 1.0, 1.0)
-    first = [decide_move(view, 0, own, f"x{k}") for k in range(100)]
-    again = [decide_move(view, 0, own, f"x{k}") for k in range(100)]
+    params = Params(min_gain=0.0)  # peers of the mean speed: let them move
+    first = [decide_move(view, 0, own, f"x{k}", params) for k in range(100)]
+    again = [decide_move(view, 0, own, f"x{k}", params) for k in range(100)]
     assert first == again
     assert any(m is None for m in first) and any(m is not None for m in first)
     tie = _view([100.0, 100.0, 100.0])
@@ -323,6 +380,9 @@ def test_a_record_for_another_layout_is_dropped_not_trusted():
         (lambda: choose_stage(SwarmView.empty(2), (1.0, 1.0), 1.5), "seed must be str"),
         (lambda: Params(hysteresis=-0.1), "hysteresis must be in"),
         (lambda: Params(sharpness=0.0), "sharpness must be in"),
+        (lambda: Params(min_gain=-1.0), "min_gain must be in"),
+        (lambda: Params(fit_band=-1.0), "fit_band must be in"),
+        (lambda: Params(size_bias=9.0), "size_bias must be in"),
         (lambda: stage_prices(np.ones(3)), "peers x stages table, got shape"),
         (lambda: stage_prices(-np.ones((2, 2))), "finite and >= 0"),
     ],
@@ -377,13 +437,14 @@ def test_simulator_smoke_200_peers(sim):
 
 def test_peers_that_lose_least_by_moving_fill_a_gap_first():
     view = _view([100.0, 60.0, 100.0], counts=[100, 60, 100])
-    params = Params(urgency=0.5)
-    suited = decide_move(view, 0, (1.0, 1.0, 1.0), "always", Params(urgency=1e6))
+    params = Params(urgency=0.5, min_gain=0.0)  # peers of the mean speed: let them move
+    suited = decide_move(view, 0, (1.0, 1.0, 1.0), "always", Params(urgency=1e6, min_gain=0.0))
     assert suited is not None and suited.reason == "imbalance"
 
     def chance(own) -> float:
         made = [decide_move(view, 0, own, f"s{k}", params) for k in range(3000)]
         return sum(m is not None for m in made) / len(made)
 
-    # Both would rather be on stage 1 now; the one that is slower there is sent less often.
-    assert chance((1.0, 1.0, 1.0)) > 2 * chance((1.0, 0.8, 1.0)) > 0
+    # All would rather be on stage 1 now; those slower there are sent less often.
+    assert chance((1.0, 1.0, 1.0)) > chance((1.0, 0.8, 1.0)) > chance((1.0, 0.7, 1.0)) > 0
+    assert chance((1.0, 1.0, 1.0)) > 3 * chance((1.0, 0.7, 1.0))

@@ -141,8 +141,13 @@ class Network:
         return proc
 
     def cut(self, host: Host) -> None:
-        """Partition ``host``: its link goes down (a cable pulled)."""
+        """Partition ``host``: its link goes down (a cable pulled). Packets to and from it
+        are dropped; open connections hang until their peers time out."""
         _ip("link", "set", host.veth_bridge, "down")
+
+    def heal(self, host: Host) -> None:
+        """Undo ``cut``: the cable is plugged back in (the shaping stays)."""
+        _ip("link", "set", host.veth_bridge, "up")
 
 
 def _tc(ns: str | None, dev: str, mbit: float) -> None:

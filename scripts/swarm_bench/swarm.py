@@ -3,6 +3,7 @@ emulated host, with seeded kills and replacements."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import subprocess
@@ -10,6 +11,8 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+
+import psutil
 
 from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
 from scripts.netem.network import NODE_PORT, Host, Network, pids_in
@@ -29,6 +32,7 @@ class BenchSwarm:
         self.stage_of: dict[str, int] = {}
         self.host_of: dict[str, Host] = {}
         self.relays: dict[str, subprocess.Popen] = {}  # host namespace -> its relay
+        self._stopped: dict[str, list[psutil.Process]] = {}  # loopback partitions
         self.run = ""
 
     def start(self, extra: dict[int, list[str]] | None = None) -> None:
@@ -79,6 +83,27 @@ class BenchSwarm:
         victim.proc.wait()
         return victim
 
+    def partition(self, node: NodeProcess) -> None:
+        """Cut ``node`` off from everyone: under ``net``, its host's link goes down; on
+        loopback, SIGSTOP of its processes (node, p2pd, DHT and averager children), which
+        peers see the same way: connections open, nothing answered."""
+        if self.net is not None:
+            self.net.cut(self.host_of[node.name])
+            return
+        self._stopped[node.name] = _tree(node.proc.pid)
+        for p in self._stopped[node.name]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGSTOP)
+
+    def heal(self, node: NodeProcess) -> None:
+        """Undo ``partition``."""
+        if self.net is not None:
+            self.net.heal(self.host_of[node.name])
+            return
+        for p in self._stopped.pop(node.name, []):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
+
     def replace(self, victim: NodeProcess) -> NodeProcess:
         """A new peer (a new identity) for ``victim``'s stage, not waited for."""
         name = f"{victim.name}r"
@@ -91,10 +116,14 @@ class BenchSwarm:
             host_index = host.index
         return self._launch(name, self.stage_of[victim.name], [], host_index)
 
-    def worker_command(self, phases: Sequence[str], in_flight: int) -> list[str]:
+    def worker_command(
+        self, phases: Sequence[str], in_flight: int, trace_picks: bool = False
+    ) -> list[str]:
         cmd = [sys.executable, "-m", "scripts.swarm_bench.worker", "--run", self.run,
                "--initial-peers", self.serving()[0].maddr, "--in-flight", str(in_flight),
                "--peers-per-stage", str(self.peers), "--phases", *phases]  # fmt: skip
+        if trace_picks:
+            cmd.append("--trace-picks")
         if self.net is None:
             return [*cmd, "--host-maddrs", LOCAL]
         return self.net.hosts[-1].exec(cmd)
@@ -102,6 +131,8 @@ class BenchSwarm:
     def close(self) -> None:
         """Kill nodes and relays; under ``net``, until the hosts are empty again, so the
         next swarm can bind the same ports."""
+        for name in list(self._stopped):  # SIGCONT first, so stopped processes die too
+            self.heal(next(n for n in self.nodes if n.name == name))
         stop_all(self.nodes)
         for relay in self.relays.values():
             relay.kill()
@@ -109,3 +140,8 @@ class BenchSwarm:
         if self.net is not None:
             for h in self.net.hosts:
                 wait_until(lambda h=h: not pids_in(h.ns), 30, f"{h.ns} to be empty")
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]

@@ -3,7 +3,8 @@
 Each phase runs ``wiring`` for ``seconds`` (micro-batches still in flight when it ends
 are dropped). Stdout carries one JSON object a line: ``spec`` (what the run moves per
 sample), ``phase`` (a phase starts), ``mb`` (a micro-batch completed: time, route,
-samples, loss), ``end``. Times are ``time.time()``, comparable with the orchestrator's.
+samples, loss), ``end``; with ``--trace-picks`` also ``pick`` (routing chose a peer for a
+call). Times are ``time.time()``, comparable with the orchestrator's.
 
     python -m scripts.swarm_bench.worker --run RUN --initial-peers MADDR \
         --phases warmup:stochastic:5 fixed:fixed:15
@@ -35,11 +36,28 @@ def _phase(text: str) -> tuple[str, str, float]:
     return name, wiring, float(seconds)
 
 
+def _trace_picks(trainer) -> None:
+    """Report every peer routing picks for a call (``pick``: time, peer), retries included:
+    the partition scenario times how long new calls still go to a cut-off peer. Wraps the
+    trainer's peer choice, the one point every call passes through."""
+    choose = trainer._choose
+
+    def traced(candidates, banned):
+        peer = choose(candidates, banned)
+        _emit(event="pick", t=time.time(), peer=peer)
+        return peer
+
+    trainer._choose = traced
+
+
 async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
     settings = TrainerSettings(in_flight=args.in_flight, call_timeout_s=10)
     trainer = await open_trainer(dht, settings)
     try:
         _emit(event="spec", **required_bytes(trainer.spec, args.peers_per_stage))
+
+        if args.trace_picks:
+            _trace_picks(trainer)
 
         def on_result(r: MicroBatchResult) -> None:
             _emit(event="mb", t=time.time(), route=r.route, samples=r.samples, loss=r.loss)
@@ -64,6 +82,7 @@ def main() -> None:
     p.add_argument("--host-maddrs", default="/ip4/127.0.0.1/tcp/0")
     p.add_argument("--in-flight", type=int, default=4)
     p.add_argument("--peers-per-stage", type=int, required=True)
+    p.add_argument("--trace-picks", action="store_true", help="report each routing pick")
     p.add_argument("--phases", type=_phase, nargs="+", required=True, metavar="NAME:WIRING:S")
     args = p.parse_args()
     dht = SwarmDHT.start(args.run, initial_peers=args.initial_peers,
