@@ -29,16 +29,18 @@ from typing import Annotated, Literal
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from protocol.assignment import Claim
-from protocol.identity import IdentityError, peer_id_of, public_key_of, sign, verify
+from protocol.identity import peer_id_of, sign, verify
 from protocol.records import (
     MAX_CLOCK_SKEW_S,
     MAX_STAGES,
     PROTOCOL_VERSION,
+    PeerId,
     Rate,
     RecordError,
+    RunName,
     check_run_name,
     first_error,
 )
@@ -85,25 +87,11 @@ class _Message(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    peer_id: Annotated[str, Field(min_length=1, max_length=64)]
-    run: str
+    peer_id: PeerId
+    run: RunName
     version: Annotated[int, Field(ge=0, le=2**31)]
     seqno: Annotated[int, Field(ge=1, le=MAX_SEQNO)]
     timestamp: Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-    @field_validator("run")
-    @classmethod
-    def _run(cls, v: str) -> str:
-        return check_run_name(v)
-
-    @field_validator("peer_id")
-    @classmethod
-    def _peer_id(cls, v: str) -> str:
-        try:
-            public_key_of(v)
-        except IdentityError as e:
-            raise ValueError(str(e)) from None
-        return v
 
     @property
     def claimed_stage(self) -> int | None:
@@ -116,10 +104,9 @@ class _Message(BaseModel):
         return False
 
 
-class JoinIntent(_Message):
-    """A joining peer chose ``stage`` and is about to load it: others count it at once."""
+class _AtStage(_Message):
+    """A message about one stage the peer holds, or is about to hold."""
 
-    kind: Literal["join"] = "join"
     stage: Stage
     throughput: Rate  # the peer's measured throughput for this stage, samples/s
 
@@ -128,37 +115,29 @@ class JoinIntent(_Message):
         return self.stage
 
 
-class Serving(_Message):
+class JoinIntent(_AtStage):
+    """A joining peer chose ``stage`` and is about to load it: others count it at once."""
+
+    kind: Literal["join"] = "join"
+
+
+class _Served(_AtStage):
+    @property
+    def serving(self) -> bool:
+        return True
+
+
+class Serving(_Served):
     """The peer has loaded ``stage`` and serves it."""
 
     kind: Literal["serving"] = "serving"
-    stage: Stage
-    throughput: Rate
-
-    @property
-    def claimed_stage(self) -> int:
-        return self.stage
-
-    @property
-    def serving(self) -> bool:
-        return True
 
 
-class LoadUpdate(_Message):
+class LoadUpdate(_Served):
     """A serving peer's queue length, for routing; also re-announces where it is."""
 
     kind: Literal["load"] = "load"
-    stage: Stage
-    throughput: Rate
     load: Annotated[int, Field(ge=0, le=1_000_000)]
-
-    @property
-    def claimed_stage(self) -> int:
-        return self.stage
-
-    @property
-    def serving(self) -> bool:
-        return True
 
 
 class MoveIntent(_Message):

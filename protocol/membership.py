@@ -23,14 +23,15 @@ from typing import Annotated
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.identity import IdentityError, peer_id_of, public_key_of, sign, verify
+from protocol.identity import peer_id_of, sign, verify
 from protocol.ownership import check_owner
 from protocol.records import (
     MAX_MEMBERSHIP_CHARS,
+    PeerId,
     RecordError,
-    check_run_name,
+    RunName,
     first_error,
     unpack_signed,
 )
@@ -41,20 +42,9 @@ _INVITE_DOMAIN = b"swarmtrain/invite"
 _BINDING_DOMAIN = b"swarmtrain/invite-binding"
 _REVOCATIONS_DOMAIN = b"swarmtrain/revocations"
 
-PeerIdStr = Annotated[str, Field(min_length=1, max_length=64)]
-
 
 class MembershipError(RecordError):
     """Not (or no longer) a member of a private run; the message says why."""
-
-
-def _peer_id(v: str | None) -> str | None:
-    if v is not None:
-        try:
-            public_key_of(v)
-        except IdentityError as e:
-            raise ValueError(str(e)) from None
-    return v
 
 
 class Invite(BaseModel):
@@ -63,21 +53,11 @@ class Invite(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    run: str
+    run: RunName
     invite_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
-    peer_id: PeerIdStr | None = None  # bound to this peer
-    delegate: PeerIdStr | None = None  # or: a bearer invite, usable with this key
+    peer_id: PeerId | None = None  # bound to this peer
+    delegate: PeerId | None = None  # or: a bearer invite, usable with this key
     expires: Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-    @field_validator("run")
-    @classmethod
-    def _run(cls, v: str) -> str:
-        return check_run_name(v)
-
-    @field_validator("peer_id", "delegate")
-    @classmethod
-    def _keys(cls, v: str | None) -> str | None:
-        return _peer_id(v)
 
     def model_post_init(self, _context) -> None:
         if (self.peer_id is None) == (self.delegate is None):
@@ -89,16 +69,11 @@ class Revocations(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    run: str
-    owner: PeerIdStr
-    peers: Annotated[tuple[PeerIdStr, ...], Field(max_length=MAX_REVOKED)] = ()
+    run: RunName
+    owner: PeerId
+    peers: Annotated[tuple[PeerId, ...], Field(max_length=MAX_REVOKED)] = ()
     invites: Annotated[tuple[str, ...], Field(max_length=MAX_REVOKED)] = ()
     issued: Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-    @field_validator("run")
-    @classmethod
-    def _run(cls, v: str) -> str:
-        return check_run_name(v)
 
     def model_post_init(self, _context) -> None:
         check_owner(self.run, self.owner)

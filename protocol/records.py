@@ -14,9 +14,9 @@ from typing import Annotated, Literal
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.identity import IdentityError, public_key_of, sign, verify
+from protocol.identity import public_key_of, sign, verify
 
 PROTOCOL_VERSION = 1
 MAX_RECORD_BYTES = 16 * 1024  # a peer record is a few hundred bytes; refuse anything large
@@ -46,6 +46,17 @@ def check_run_name(run: str) -> str:
     return run
 
 
+def check_peer_id(peer_id: str) -> str:
+    """An Ed25519 peer id whose public key parses (``IdentityError``, a ValueError, if not)."""
+    public_key_of(peer_id)
+    return peer_id
+
+
+# Field types that validate themselves, for every record that names a run or a peer.
+RunName = Annotated[str, AfterValidator(check_run_name)]
+PeerId = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(check_peer_id)]
+
+
 class PeerState(StrEnum):
     JOINING = "joining"  # measuring and choosing a stage
     LOADING = "loading"  # building or downloading its stage; not routable yet
@@ -58,8 +69,8 @@ class PeerInfo(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    peer_id: Annotated[str, Field(min_length=1, max_length=64)]
-    run: str
+    peer_id: PeerId
+    run: RunName
     version: Annotated[int, Field(ge=0, le=2**31)]
     device: Annotated[str, Field(max_length=64)]
     throughput: Annotated[tuple[Rate, ...], Field(min_length=1, max_length=MAX_STAGES)]
@@ -73,20 +84,6 @@ class PeerInfo(BaseModel):
     timestamp: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     # Private runs: the peer's proof of an invite (protocol.membership), base64.
     membership: Annotated[str, Field(max_length=MAX_MEMBERSHIP_CHARS)] | None = None
-
-    @field_validator("run")
-    @classmethod
-    def _run(cls, v: str) -> str:
-        return check_run_name(v)
-
-    @field_validator("peer_id")
-    @classmethod
-    def _peer_id(cls, v: str) -> str:
-        try:
-            public_key_of(v)
-        except IdentityError as e:
-            raise ValueError(str(e)) from None
-        return v
 
     def model_post_init(self, _context) -> None:
         if self.stage is not None and self.stage >= len(self.throughput):

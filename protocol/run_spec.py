@@ -25,8 +25,9 @@ from protocol.membership import MembershipPolicy
 from protocol.ownership import check_owner, make_run_id
 from protocol.records import (
     PROTOCOL_VERSION,
+    PeerId,
     RecordError,
-    check_run_name,
+    RunName,
     first_error,
     unpack_signed,
 )
@@ -75,7 +76,7 @@ class AveragingSpec(BaseModel):
 class RunSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    run: str
+    run: RunName
     version: int = PROTOCOL_VERSION
     arch: dict[str, Any]  # ModelConfig fields
     optimizer: dict[str, Any]  # OptimizerConfig fields
@@ -84,13 +85,8 @@ class RunSpec(BaseModel):
     averaging: AveragingSpec = AveragingSpec()  # among the peers of a stage
     data: Annotated[str, Field(max_length=256)] = "stdlib"
     seed: Annotated[int, Field(ge=0, lt=2**32)] = 0
-    owner: Annotated[str, Field(min_length=1, max_length=64)]  # public key, peer-id form
+    owner: PeerId  # the owner's public key, written as a peer id
     private: bool = False  # only invited peers may take part
-
-    @field_validator("run")
-    @classmethod
-    def _run(cls, v: str) -> str:
-        return check_run_name(v)
 
     @field_validator("arch", "optimizer")
     @classmethod
