@@ -69,13 +69,13 @@ def test_gossip_overrides_records_only_when_newer():
     from node.placement import merge_gossip
     from protocol.assignment import Claim
     from protocol.gossip import GossipView
-    from tests.test_node_records import _info
+    from tests.records import peer_info
 
     run, now = "merge", 1_700_000_000.0
     keys = [Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32) for i in range(1, 6)]
     me, moved, stale, newcomer, gone = (GossipSigner(k, run) for k in keys)
     records = [
-        _info(run, s.peer_id, stage=0, timestamp=now - 1.0) for s in (me, moved, stale, gone)
+        peer_info(run, s.peer_id, stage=0, timestamp=now - 1.0) for s in (me, moved, stale, gone)
     ]
     view = GossipView(run, num_stages=2)
     for signer, raw in [

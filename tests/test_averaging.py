@@ -26,7 +26,6 @@ import torch
 import uvloop
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
-from hivemind.utils import get_dht_time
 
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
@@ -43,8 +42,7 @@ from node.stage_averaging import (
 )
 from protocol.averaging import Action, Progress, decide
 from protocol.membership import issue_invite, parse_invite_token
-from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
-from protocol.run_spec import AveragingSpec, RunSpec, make_run_spec
+from protocol.run_spec import AveragingSpec, make_run_spec
 from protocol.stage_messages import StageContract
 from tests.averaging_peer import (
     CFG,
@@ -58,6 +56,7 @@ from tests.averaging_peer import (
     batch,
     make_spec,
 )
+from tests.records import peer_info
 
 ATOL = 1e-6  # copies agree to float rounding: each adds (average - own) to its own
 
@@ -607,7 +606,7 @@ def test_a_private_stage_averages_with_its_members_only(dhts):
                     token = issue_invite(owner_key, spec.run, expires=time.time() + 600,
                                          peer_id=peer_id)  # fmt: skip
                     proof = parse_invite_token(token, owner=OWNER).proof(peer_id)
-                record = _peer_record(spec, peer_id, proof)
+                record = peer_info(spec.run, peer_id, throughput=(1.0, 1.0), membership=proof)
                 assert await peer.dht.publish_peer(record, KEYS[peer_id], ttl_s=60)
                 await peer.start()
                 loaded = await peer.averager.load_state()
@@ -628,12 +627,3 @@ def test_a_private_stage_averages_with_its_members_only(dhts):
             await _shutdown(a, b, stranger)
 
     _run(body())
-
-
-def _peer_record(spec: RunSpec, peer_id: str, membership: str | None) -> PeerInfo:
-    return PeerInfo(
-        peer_id=peer_id, run=spec.run, version=PROTOCOL_VERSION, device="cpu",
-        throughput=(1.0, 1.0), throughput_source="declared", bandwidth_up_mbps=1.0,
-        bandwidth_down_mbps=1.0, bandwidth_source="declared", stage=STAGE,
-        state=PeerState.SERVING, load=0, timestamp=get_dht_time(), membership=membership,
-    )  # fmt: skip

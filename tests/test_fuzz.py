@@ -50,7 +50,6 @@ from protocol.averaging import MAX_EPOCH, Progress, decode_progress, encode_prog
 from protocol.identity import peer_id_of, sign
 from protocol.records import (
     _PEER_DOMAIN,  # to re-sign mutated payloads, so that they reach the parser
-    PROTOCOL_VERSION,
     PeerInfo,
     RecordError,
     decode_peer_info,
@@ -72,6 +71,7 @@ from protocol.stage_messages import (
     parse_request,
     wire_nbytes,
 )
+from tests.records import peer_info
 from tests.test_stage_rpc import (
     CFG,
     MAX_TOKENS,
@@ -155,23 +155,8 @@ def _mutate_bytes(data: bytes, draw) -> bytes:
 # -- peer records (protocol/records.py) ------------------------------------------------
 
 
-def _peer_info(**changes) -> PeerInfo:
-    fields = {
-        "peer_id": PEER,
-        "run": RUN,
-        "version": PROTOCOL_VERSION,
-        "device": "cpu",
-        "throughput": [120.0, 80.0],
-        "throughput_source": "measured",
-        "bandwidth_up_mbps": 40.0,
-        "bandwidth_down_mbps": 200.0,
-        "bandwidth_source": "measured",
-        "stage": 1,
-        "state": "serving",
-        "load": 3,
-        "timestamp": NOW,
-    }
-    return PeerInfo(**(fields | changes))
+def _peer_info() -> PeerInfo:
+    return peer_info(RUN, PEER, throughput=(120.0, 80.0), load=3, timestamp=NOW)
 
 
 VALID_RECORD = encode_peer_info(_peer_info(), KEY)

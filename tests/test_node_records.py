@@ -25,10 +25,9 @@ from protocol.keys import peers_key, spec_key
 from protocol.records import (
     MAX_RECORD_AGE_S,
     PROTOCOL_VERSION,
-    PeerInfo,
-    PeerState,
     encode_peer_info,
 )
+from tests.records import peer_info
 from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
 
 
@@ -39,25 +38,6 @@ def _present(view: dict) -> dict[str, dict]:
 def _fresh() -> tuple[Ed25519PrivateKey, str]:
     key = Ed25519PrivateKey.generate()
     return key, peer_id_of(key.public_key())
-
-
-def _info(run: str, peer_id: str, **changes) -> PeerInfo:
-    fields = {
-        "peer_id": peer_id,
-        "run": run,
-        "version": PROTOCOL_VERSION,
-        "device": "cpu",
-        "throughput": (50.0, 50.0),
-        "throughput_source": "declared",
-        "bandwidth_up_mbps": 10.0,
-        "bandwidth_down_mbps": 10.0,
-        "bandwidth_source": "declared",
-        "stage": 1,
-        "state": PeerState.SERVING,
-        "load": 0,
-        "timestamp": get_dht_time(),
-    }
-    return PeerInfo(**{**fields, **changes})
 
 
 # --- the validator alone, as hivemind calls it (no network) ------------------------------
@@ -77,7 +57,7 @@ def test_validator_verdicts_do_not_change_as_records_age(monkeypatch):
     run, t = "validator", 1_700_000_000.0
     validator = RunRecordValidator(run)
     key, peer_id = _fresh()
-    value = encode_peer_info(_info(run, peer_id, timestamp=t), key)
+    value = encode_peer_info(peer_info(run, peer_id, timestamp=t), key)
     fresh_for_its_age = _record(peers_key(run), peer_id, value, t + MAX_RECORD_AGE_S)
     outlives_its_age = _record(peers_key(run), peer_id, value, t + MAX_RECORD_AGE_S + 1)
     for now in (t, t + MAX_RECORD_AGE_S / 2, t + MAX_RECORD_AGE_S + 1, t + 10_000):
@@ -92,7 +72,7 @@ def test_validator_refuses_what_it_cannot_read_without_raising():
     run, now = "validator", get_dht_time()
     validator = RunRecordValidator(run)
     key, peer_id = _fresh()
-    good = encode_peer_info(_info(run, peer_id), key)
+    good = encode_peer_info(peer_info(run, peer_id), key)
     assert validator.validate(_record(peers_key(run), peer_id, good, now + 10))
     assert validator.validate(_record("someone/else", peer_id, b"\xc1", now + 10))  # not ours
     dumps = DHTProtocol.serializer.dumps
@@ -155,22 +135,22 @@ def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
         (a_key, a_id), (v_key, v_id), (s_key, s_id) = _fresh(), _fresh(), _fresh()
         bad = {
             "malformed bytes": (malformed_id, b"\xc1 not a record"),
-            "wrong signature": (x_id, encode_peer_info(_info(run, x_id), w_key)),
-            "impersonation": (a_id, encode_peer_info(_info(run, node.peer_id), a_key)),
+            "wrong signature": (x_id, encode_peer_info(peer_info(run, x_id), w_key)),
+            "impersonation": (a_id, encode_peer_info(peer_info(run, node.peer_id), a_key)),
             "future version": (
                 v_id,
-                encode_peer_info(_info(run, v_id, version=PROTOCOL_VERSION + 1), v_key),
+                encode_peer_info(peer_info(run, v_id, version=PROTOCOL_VERSION + 1), v_key),
             ),
             "stale": (
                 s_id,
                 encode_peer_info(
-                    _info(run, s_id, timestamp=get_dht_time() - MAX_RECORD_AGE_S - 30), s_key
+                    peer_info(run, s_id, timestamp=get_dht_time() - MAX_RECORD_AGE_S - 30), s_key
                 ),
             ),
             # The honest node's own slot, with a forged record that moves it to stage 1.
             "hijack": (
                 node.peer_id,
-                encode_peer_info(_info(run, node.peer_id, stage=1, load=999), w_key),
+                encode_peer_info(peer_info(run, node.peer_id, stage=1, load=999), w_key),
             ),
         }
         refusals = {
@@ -191,7 +171,7 @@ def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
         assert attacker.store(
             key,
             subkey=good_id,
-            value=encode_peer_info(_info(run, good_id), good_key),
+            value=encode_peer_info(peer_info(run, good_id), good_key),
             expiration_time=expires,
         )
 
@@ -239,7 +219,7 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
             (long_key, long_id, dated + MAX_RECORD_AGE_S + 600),
             (short_key, short_id, dated + MAX_RECORD_AGE_S),
         ]:
-            value = encode_peer_info(_info(run, peer_id, timestamp=dated), key)
+            value = encode_peer_info(peer_info(run, peer_id, timestamp=dated), key)
             attacker.store(peers_key(run), subkey=peer_id, value=value, expiration_time=expiration)
 
         present = wait_until(

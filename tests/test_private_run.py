@@ -30,8 +30,8 @@ from protocol.keys import spec_key
 from protocol.membership import issue_invite
 from protocol.records import PeerState
 from protocol.run_spec import _SPEC_DOMAIN, SignedSpec, read_spec_file
+from tests.records import peer_info
 from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
-from tests.test_node_records import _info
 
 
 def _cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -128,7 +128,7 @@ async def _stranger_and_member(run: str, a, b, bearer: str) -> None:
         await dht.dht.store(spec_key(run), forged, expiration_time=expires, return_future=True)
         assert (await dht.spec()).raw == signed.raw
         me = Ed25519PrivateKey.generate()
-        info = _info(run, peer_id_of(me.public_key()))
+        info = peer_info(run, peer_id_of(me.public_key()))
         assert info.state is PeerState.SERVING and info.membership is None
         assert await dht.publish_peer(info, me, ttl_s=60), "stored: peers read it, and drop it"
         assert {p.peer_id for p in await dht.peers()} == {a.peer_id, b.peer_id}
