@@ -452,7 +452,7 @@ class Node:
         while self.spec.private:
             await asyncio.sleep(REVOCATIONS_REFRESH_S)
             try:
-                await self.dht.refresh_revocations()
+                await self.dht.refresh_revocations(restore=True)
             except Exception as e:  # a DHT hiccup: the next period retries
                 logger.warning("reading the run's revocations failed: %s", e)
             try:

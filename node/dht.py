@@ -255,14 +255,15 @@ class SwarmDHT:
             logger.warning("dropped a revocation record: %s", e)
             return None
 
-    async def refresh_revocations(self) -> None:
-        """Apply the owner's latest revocations to ``policy``, and store them again so that
-        they outlive the owner's own presence in the DHT."""
+    async def refresh_revocations(self, *, restore: bool = False) -> None:
+        """Apply the owner's latest revocations to ``policy``; with ``restore`` (a serving
+        node, periodically) store them again, so that they outlive the owner's presence."""
         found = await self.revocations()
         if found is None or self.policy is None:
             return
         revocations, raw = found
-        await self.publish_revocations(revocations, raw)
+        if restore:
+            await self.publish_revocations(revocations, raw)
         current = self.policy.revocations
         if current is None or revocations.issued > current.issued:
             self.policy = dataclasses.replace(self.policy, revocations=revocations)
