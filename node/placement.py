@@ -11,10 +11,13 @@ swarm and carries their messages on the run's GossipSub topic (``protocol.gossip
 - At join, the node listens for a settle period (peers re-announce within it), takes
   ``choose_stage`` seeded by its peer id (so a wave of joiners spreads out), announces the
   intent, listens again and reconsiders once (``decide_move`` with ``serving=False``).
-- While serving, it evaluates ``decide_move`` every ``check_delay`` seconds. A move is
-  announced first and carried out only if, a settle period later, the live view still
-  shows another peer serving the stage it leaves: two peers that decide at once to leave
-  a stage both back off rather than empty it.
+- While serving, it evaluates ``decide_move`` every ``check_delay`` seconds, and sooner
+  when the view, looked at every update period, raises an ``alarm`` (a stage lost a
+  fifth of its total since the last check, or nobody holds it): a mass departure is
+  answered in seconds whatever the period. A move is announced first and carried out
+  only if, a settle period later, the live view still shows another peer serving the
+  stage it leaves: two peers that decide at once to leave a stage both back off rather
+  than empty it.
 
 Gossip reaches only peers the daemon is connected to, and the DHT connects lazily, so the
 node dials the peers its records name. In a private run, gossip counts only from peers
@@ -40,6 +43,7 @@ from protocol.assignment import (
     Move,
     Params,
     SwarmView,
+    alarm,
     check_delay,
     choose_stage,
     decide_move,
@@ -118,10 +122,12 @@ class Placement:
         validators = [self._member] if spec.private else []
         self.view_of_gossip = GossipView(spec.run, num_stages=spec.n_stages, validators=validators)
         self._members: frozenset[str] = frozenset()  # peers whose record passed the policy
+        self._records: list[PeerInfo] = []  # the last read, for the alarm's looks
         self._checks = 0
         self._rng = random.Random(self.peer_id)  # whom to dial
         self._announced: tuple[int | None, PeerState] | None = None
         self._pending: Move | None = None  # a move announced and not yet carried out
+        self._alarmed: int | None = None  # the stage of the last alarm, until a periodic check
         self._ignored_logged: dict[str, int] = {}
 
     @classmethod
@@ -192,6 +198,7 @@ class Placement:
         members whose gossip a private run accepts."""
         records = await self.dht.peers()
         self._members = frozenset(p.peer_id for p in records)
+        self._records = records
         return records
 
     async def _connect(self, records: list[PeerInfo]) -> None:
@@ -269,18 +276,20 @@ class Placement:
         await asyncio.sleep(check_delay(f"{self.peer_id}/{label}", spread))
 
     async def next_move(self, stage: Callable[[], int]) -> Move:
-        """Wait for a check that decides to move (checks every ``check_delay`` seconds);
-        ``stage()`` says where this node serves at each check."""
+        """Wait for a check that decides to move: every ``check_delay`` seconds, or sooner
+        on an alarm; ``stage()`` says where this node serves at each check."""
+        before = self.view(self._records, own=self._claim(stage(), serving=True))
         while True:
             self._checks += 1
             seed = f"{self.peer_id}/{self._checks}"
-            await asyncio.sleep(check_delay(seed, self.params))
+            await self._until_check(seed, stage, before)
             here = stage()
             try:
                 view = self.view(await self.records(), own=self._claim(here, serving=True))
             except Exception as e:  # a DHT hiccup: check again next period
                 logger.warning("rebalancing check skipped: %s", e)
                 continue
+            before = view
             move = decide_move(view, here, self.throughput, seed, self.params)
             if move is not None:
                 logger.info(
@@ -294,6 +303,38 @@ class Placement:
                     _totals(view),
                 )
                 return move
+
+    async def _until_check(self, seed: str, stage: Callable[[], int], before: SwarmView) -> None:
+        """Sleep until the next periodic check, or until the view, looked at every update
+        period, raises an alarm against ``before`` (the view at the last check); then a
+        draw of up to two settle periods more, so that the peers alarmed by the same loss
+        check one after another, each seeing the moves announced before it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + check_delay(seed, self.params)
+        while (left := deadline - loop.time()) > 0:
+            await asyncio.sleep(min(left, self.update_period_s))
+            try:
+                now = self.view(self._records, own=self._claim(stage(), serving=True))
+            except ValueError as e:  # the periodic check will say it at warning level
+                logger.debug("alarm look skipped: %s", e)
+                continue
+            short = alarm(before, now, self.params)
+            if short is None or loop.time() >= deadline:
+                continue
+            log = logger.info if short != self._alarmed else logger.debug
+            self._alarmed = short  # a stage nobody holds alarms at every look: log it once
+            log(
+                "alarm: stage %d holds %.0f (was %.0f at the last check); checking now "
+                "(stage totals seen: %s)",
+                short,
+                now.totals[short],
+                before.totals[short],
+                _totals(now),
+            )
+            spread = Params(mean_period_s=self.settle_s, period_jitter=1.0)
+            await asyncio.sleep(check_delay(f"{seed}/alarm", spread))
+            return
+        self._alarmed = None
 
     async def confirm_move(self, move: Move) -> bool:
         """Announce ``move``, wait a settle period, and say whether it may go ahead:

@@ -80,6 +80,12 @@ The rule
 
   A peer never leaves a stage that nobody else serves (nor, before it serves, one that
   nobody else holds); a move into an empty stage qualifies whatever the gains.
+* :func:`alarm`: between checks a serving peer watches its view; when a stage lost more
+  than ``alarm_drop`` of its total since the last check, or nobody holds it any more, it
+  checks at once instead of waiting out its period, after a seeded delay of a few
+  seconds: the peers alarmed by the same loss then check one after another, each seeing
+  the moves announced before it, as periodic checks do over a period. A mass departure
+  is answered within seconds, not within a period.
 
 Views are small frozen dataclasses (:class:`SwarmView`, built from :class:`Claim` s or
 from :class:`~protocol.records.PeerInfo` records by :func:`view_from_peers`), so that the
@@ -195,6 +201,9 @@ class Params:
     # A joiner that has not loaded yet changes its mind when another stage is worth this
     # much more (it costs nothing, so the margin is small).
     join_margin: float = 0.02
+    # A stage whose total fell by more than this fraction since a serving peer's last
+    # check (or that nobody holds any more) makes it check at once: see :func:`alarm`.
+    alarm_drop: float = 0.2
     mean_period_s: float = 60.0  # mean time between a serving peer's checks
     period_jitter: float = 0.5  # a check period is uniform in mean * (1 +- jitter)
 
@@ -209,6 +218,7 @@ class Params:
         _positive("urgency", self.urgency, hi=1e6)
         _in_range("size_bias", self.size_bias, 0.0, 8.0)
         _in_range("join_margin", self.join_margin, 0.0, 1e6)
+        _in_range("alarm_drop", self.alarm_drop, 0.0, 1.0)
         _positive("mean_period_s", self.mean_period_s, hi=1e9)
         _in_range("period_jitter", self.period_jitter, 0.0, 1.0)
 
@@ -555,6 +565,19 @@ def decide_move(
     size = (me / mean) ** params.size_bias if mean > 0.0 else 1.0
     share = params.urgency * room / supply * size if supply > 0.0 else 1.0
     return _draw_move(Move(stage, target, gain, min(1.0, share), "imbalance"), seed)
+
+
+def alarm(before: SwarmView, now: SwarmView, params: Params = DEFAULT_PARAMS) -> int | None:
+    """A stage that calls for a check before the period is out: one whose total in
+    ``now`` fell by more than ``params.alarm_drop`` from ``before`` (the view at the
+    peer's last check), or that nobody holds any more; the first such stage, or None."""
+    if now.n_stages != before.n_stages:
+        raise ValueError(f"views of {before.n_stages} and {now.n_stages} stages")
+    keep = 1.0 - params.alarm_drop
+    for s in range(now.n_stages):
+        if now.counts[s] == 0 or now.totals[s] < keep * before.totals[s]:
+            return s
+    return None
 
 
 def check_delay(seed: Seed, params: Params = DEFAULT_PARAMS) -> float:

@@ -46,6 +46,7 @@ import multiprocessing
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -69,7 +70,7 @@ RULES = ("ours", "petals")
 PETALS_QUALITY = 0.75  # Petals' default balance_quality
 
 # Event kinds, in the order they are handled when simultaneous.
-ARRIVE, CONFIRM, LOADED, CHECK, DEPART, VANISH, LOSS, PRICES, SAMPLE = range(9)
+ARRIVE, CONFIRM, LOADED, CHECK, DEPART, VANISH, LOSS, PRICES, SAMPLE, ALARM = range(10)
 # Phases of a peer.
 ABSENT, INTENT, LOADING, SERVING, GONE = range(5)
 
@@ -99,6 +100,9 @@ class Config:
     confirms: int = 10  # and again (up to this many looks) after a change of mind or
     # while the swarm grew by more than 5% since its last look
     period: float = 60.0  # mean seconds between a serving peer's checks
+    alarm_drop: float = DEFAULT_PARAMS.alarm_drop  # ours: a stage that lost this fraction
+    # since a peer's last check brings its check forward, by a gossip delay plus a draw
+    alarm_spread: float = 10.0  # uniform in [0, alarm_spread] (the node: 2 settle periods)
     sample: float = 10.0
     lp_every: float = 60.0
     price_every: float = 60.0  # ours: peers refresh stage prices from the records this often,
@@ -140,6 +144,7 @@ class Config:
             price_hysteresis=self.price_hysteresis,
             urgency=self.urgency,
             size_bias=self.size_bias,
+            alarm_drop=self.alarm_drop,
             mean_period_s=self.period,
         )
 
@@ -278,6 +283,7 @@ class Result:
     moves: int = 0
     reasons: dict = field(default_factory=dict)  # (reason, steady or not) -> moves
     revisions: int = 0
+    alarms: int = 0  # ours: stage losses that brought every serving peer's check forward
     peer_hours: float = 0.0
     empty_held_s: float = 0.0  # time with a stage nobody holds while >= S peers present
     empty_serving_samples: int = 0  # samples after warm-up with a stage nobody serves
@@ -326,6 +332,9 @@ class Sim:
         self.prices: tuple[float, ...] | None = None
         self.priced = (-math.inf, 0)  # (when, how many records) of the last price update
         self.resettled = (-math.inf, 0.0)  # (when, bottleneck) of the baseline's estimate
+        # ours: each stage's announced total over the last check period, the reference an
+        # alarm compares with (one for all peers: what they saw at their last checks)
+        self.recent: list[deque[tuple[float, float]]] = [deque() for _ in range(s)]
 
     # Events and announcements.
 
@@ -339,6 +348,24 @@ class Sim:
         self.ann_thr[stage] += d_thr
         self.ann_n[stage] += d_n
         self.ann_serving[stage] += d_srv
+        if self.rule == "ours" and (d_thr < 0 or d_n < 0):
+            self.maybe_alarm(t, stage)
+
+    def maybe_alarm(self, t: float, s: int) -> None:
+        """Announcements lowered stage ``s``: if it lost more than ``alarm_drop`` of its
+        recent total, or nobody holds it, every serving peer checks a gossip delay plus a
+        draw later (``alarm`` in the node; the reference is shared here, for speed)."""
+        recent = self.recent[s]
+        before = max((v for _, v in recent), default=0.0)
+        if self.ann_n[s] > 0 and self.ann_thr[s] >= (1.0 - self.cfg.alarm_drop) * before:
+            return
+        recent.clear()
+        recent.append((t, self.ann_thr[s]))
+        self.res.alarms += 1
+        r, cfg = self.pyrng, self.cfg
+        for i in np.nonzero(self.phase == SERVING)[0].tolist():
+            delay = r.expovariate(1.0 / cfg.gossip_delay) if cfg.gossip_delay > 0 else 0.0
+            self.push(t + delay + r.uniform(0.0, cfg.alarm_spread), ALARM, i)
 
     def view(self, t: float, i: int) -> SwarmView:
         """What peer ``i`` knows at ``t``: the announcements of others as of a gossip
@@ -531,6 +558,10 @@ class Sim:
                 self.on_loaded(t, i)
             elif kind == CHECK:
                 self.on_check(t, i)
+            elif kind == ALARM and self.phase[i] == SERVING:
+                to = self.move_choice(t, i, serving=True)
+                if to is not None:
+                    self.move(t, i, to, revision=False)
         ends = np.minimum(self.left, cfg.duration)
         self.res.peer_hours = float(np.clip(ends - pop.arrive, 0, None).sum() / 3600.0)
         self.res.wall_s = time.perf_counter() - started
@@ -614,6 +645,10 @@ class Sim:
 
     def on_sample(self, t: float) -> None:
         cfg = self.cfg
+        for recent, total in zip(self.recent, self.ann_thr, strict=True):
+            recent.append((t, total))
+            while recent[0][0] < t - cfg.period:
+                recent.popleft()
         live = np.isin(self.phase, (INTENT, LOADING, SERVING))
         t_live = self.pop.thr[live]
         mass = (cfg.wave_at, cfg.wave_at + 10.0, cfg.loss_at, cfg.wave_leaves_at)
@@ -761,7 +796,10 @@ def report(cfg: Config, results: dict[str, Result], every: float = 600.0) -> str
         by_reason: dict[str, int] = {}
         for (reason, _), k in results["ours"].reasons.items():
             by_reason[reason] = by_reason.get(reason, 0) + k
-        lines.append(f"ours' moves by reason: {dict(sorted(by_reason.items()))}")
+        lines.append(
+            f"ours' moves by reason: {dict(sorted(by_reason.items()))}; alarms (a stage's loss "
+            f"brought every serving peer's check forward): {results['ours'].alarms}"
+        )
     if set(RULES) <= sums.keys():
         ours, base = sums["ours"], sums["petals"]
         never_empty = all(
@@ -817,6 +855,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--expiry", type=float, default=Config.expiry)
     p.add_argument("--load", type=float, default=Config.load)
     p.add_argument("--period", type=float, default=Config.period)
+    p.add_argument("--alarm-drop", type=float, default=Config.alarm_drop, help="1: when emptied")
+    p.add_argument("--alarm-spread", type=float, default=Config.alarm_spread)
     p.add_argument("--hysteresis", type=float, default=Config.hysteresis)
     p.add_argument("--price-hysteresis", type=float, default=Config.price_hysteresis)
     p.add_argument("--sharpness", type=float, default=Config.sharpness)

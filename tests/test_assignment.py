@@ -23,6 +23,7 @@ from protocol.assignment import (
     Move,
     Params,
     SwarmView,
+    alarm,
     bottleneck,
     check_delay,
     choose_stage,
@@ -259,6 +260,18 @@ def test_movers_are_rationed_to_what_the_gap_needs():
     assert 25 <= expected_inflow <= 60, expected_inflow
 
 
+def test_an_alarm_is_raised_by_a_stage_that_lost_a_fifth_or_was_emptied():
+    before = _view([100.0, 100.0, 100.0], counts=[10, 10, 10])
+    assert alarm(before, _view([100.0, 81.0, 300.0], counts=[10, 9, 30])) is None  # churn
+    assert alarm(before, _view([100.0, 79.0, 100.0], counts=[10, 8, 10])) == 1
+    assert alarm(before, _view([100.0, 100.0, 0.0], counts=[10, 10, 0])) == 2
+    # A stage nobody holds keeps alarming: a check that could not refill it is retried.
+    assert alarm(_view([5.0, 5.0, 0.0], counts=[1, 1, 0]), _view([5.0, 5.0, 0.0], [1, 1, 0])) == 2
+    assert alarm(before, _view([100.0, 50.0, 100.0]), Params(alarm_drop=0.6)) is None
+    with pytest.raises(ValueError, match="views of 3 and 2 stages"):
+        alarm(before, _view([1.0, 1.0]))
+
+
 def test_a_peer_that_is_not_in_the_view_is_an_error():
     with pytest.raises(ValueError, match="must count the deciding peer on stage 1"):
         decide_move(_view([10, 0, 10], counts=[1, 0, 1]), 1, (1.0, 1.0, 1.0), 0)
@@ -383,6 +396,7 @@ def test_a_record_for_another_layout_is_dropped_not_trusted():
         (lambda: Params(min_gain=-1.0), "min_gain must be in"),
         (lambda: Params(fit_band=-1.0), "fit_band must be in"),
         (lambda: Params(size_bias=9.0), "size_bias must be in"),
+        (lambda: Params(alarm_drop=1.5), "alarm_drop must be in"),
         (lambda: stage_prices(np.ones(3)), "peers x stages table, got shape"),
         (lambda: stage_prices(-np.ones((2, 2))), "finite and >= 0"),
     ],
