@@ -13,6 +13,11 @@ prices (``stage_prices``) of the records then in the DHT, refreshed every minute
 the number of records changed by 3%. A joiner announces its choice, looks again 3 s
 later (and again while it changes its mind or the swarm keeps growing fast), then loads
 its stage for ``--load`` seconds (about) before it serves; so does a peer that moves.
+With our rule a stage whose announced total falls by ``--alarm-drop`` from its highest in
+the last check period, or that nobody holds, raises an alarm: every serving peer checks a
+gossip delay plus a draw in [0, ``--alarm-spread``] later (one reference for all peers, for
+speed, where a node compares with its own view at its last check). The baseline has none:
+Petals' servers check on their period.
 
 The baseline is run on the same peers and the same events. Joining: the weakest stage.
 Rebalancing, at the same check times: a peer estimates the bottleneck after the whole
@@ -27,9 +32,12 @@ an upper bound on the optimum for the peers present: the linear-programming rela
 of the max-min assignment, solved exactly (to 1e-6) by cutting planes on its dual every
 ``--lp-every`` seconds and after each mass event; in between, the dual solution's value
 on the current peers, which is also an upper bound. An integer assignment built from the
-LP solution says how tight the bound is. Moves per peer-hour count changes of stage by a
-serving peer (each costs a load); intent revisions (a joiner changing its mind before it
-loads anything) are counted apart. The two rules run in two processes.
+LP solution says how tight the bound is. At each sample the ratio is the product of three
+factors, whose steady-state means are printed: serving (what peers still loading hold
+back), placement (peers away from their best stage at the prices) and balance (stage
+totals apart). Moves per peer-hour count changes of stage by a serving peer (each costs a
+load); intent revisions (a joiner changing its mind before it loads anything) are
+counted apart. The two rules run in two processes.
 
     python scripts/simulate_assignment.py --peers 1000
     python scripts/simulate_assignment.py --peers 10000 --stages 4 --duration 7200 \\
@@ -67,6 +75,7 @@ from protocol.assignment import (  # noqa: E402
 )
 
 RULES = ("ours", "petals")
+FACTORS = ("serving", "placement", "balance")
 PETALS_QUALITY = 0.75  # Petals' default balance_quality
 
 # Event kinds, in the order they are handled when simultaneous.
@@ -279,6 +288,8 @@ class Result:
     t: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
     ratio_settled: list[float] = field(default_factory=list)
+    # ratio = serving x placement x balance (see ``on_sample``), nan where undefined
+    factors: list[tuple[float, float, float]] = field(default_factory=list)
     present: list[int] = field(default_factory=list)
     moves: int = 0
     reasons: dict = field(default_factory=dict)  # (reason, steady or not) -> moves
@@ -670,8 +681,22 @@ class Sim:
         settled_bound = float((self.pop.thr[settled] * self.lam).max(1).sum())
         self.res.ratio_settled.append(achieved / settled_bound if settled_bound > 0 else 1.0)
         self.res.present.append(int(live.sum()))
+        self.res.factors.append(self.factors(bound, achieved))
         if t >= cfg.warmup and min(self.serve_cnt) == 0:
             self.res.empty_serving_samples += 1
+
+    def factors(self, bound: float, achieved: float) -> tuple[float, float, float]:
+        """Where the ratio to the bound goes, as three factors whose product it is:
+        *serving*, the bound of the serving peers over that of all present (the rest are
+        loading); *placement*, the priced sum of the serving totals over the serving
+        peers' bound (each peer's priced speed where it is, over that at its best stage);
+        *balance*, the least total over the priced sum (1 when all totals are equal)."""
+        srv = self.pop.thr[self.phase == SERVING]
+        best = float((srv * self.lam).max(1).sum()) if len(srv) else 0.0
+        priced = float(np.dot(self.lam, self.serve_tot))
+        if min(bound, best, priced) <= 0.0:
+            return (math.nan,) * 3
+        return best / bound, priced / best, achieved / priced
 
 
 def simulate(cfg: Config, rule: str) -> Result:
@@ -729,6 +754,7 @@ def summary(cfg: Config, r: Result) -> dict[str, float]:
         "steady_mean": float(steady.mean()),
         "steady_settled": float(np.array(r.ratio_settled)[keep].mean()),
         "steady_p5": float(np.percentile(steady, 5)),
+        **dict(zip(FACTORS, np.nanmean(np.array(r.factors)[keep], axis=0).tolist(), strict=True)),
         "steady_min": float(steady.min()),
         "moves_per_peer_hour": r.moves / r.peer_hours,
         "revisions_per_peer_hour": r.revisions / r.peer_hours,
@@ -776,6 +802,9 @@ def report(cfg: Config, results: dict[str, Result], every: float = 600.0) -> str
     rows = [
         ("steady-state ratio to the bound, mean", "steady_mean", "{:.4f}"),
         ("  the same, without peers in their first load", "steady_settled", "{:.4f}"),
+        ("  = serving (the rest load) x", "serving", "{:.4f}"),
+        ("    placement (priced speed where / at best) x", "placement", "{:.4f}"),
+        ("    balance (least total / priced mean)", "balance", "{:.4f}"),
         ("steady-state ratio, 5th percentile", "steady_p5", "{:.4f}"),
         ("steady-state ratio, worst sample", "steady_min", "{:.4f}"),
         ("moves per peer-hour", "moves_per_peer_hour", "{:.4f}"),

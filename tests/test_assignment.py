@@ -445,6 +445,13 @@ def test_simulator_smoke_200_peers(sim):
         assert figures["empty_held_s"] == 0.0 and figures["empty_serving_samples"] == 0
         assert figures["tightness"] <= 1.0 + 1e-9
     assert ours["recovery_s"] < 600.0, ours
+    # The three factors multiply to the ratio at every sample where they are defined.
+    for r in results.values():
+        product = [a * b * c for a, b, c in r.factors]
+        defined = ~np.isnan(product)
+        assert defined.sum() > 0.9 * len(product)
+        np.testing.assert_allclose(np.array(product)[defined], np.array(r.ratio)[defined])
+    assert 0.9 < ours["balance"] <= 1.0 and ours["placement"] > petals["placement"], ours
     text = sim.report(cfg, results)
     assert "UPPER BOUND" in text and "moves per peer-hour" in text
 
