@@ -5,7 +5,10 @@ Each micro-batch takes its own route (``protocol.routing``): forward through sta
 backward runs back through the same stages, each on any peer of that stage (backward is
 stateless: the saved stage input is re-sent). A call that fails because the peer is gone,
 times out or errs on its side is retried on another peer of the same stage, and that peer
-is banned for a while. Several micro-batches are in flight at once so that stages overlap.
+is banned for a while. The timeout follows how long the stage's calls take
+(``protocol.routing.CallTimer``): a peer cut off mid-call holds its micro-batches for a
+few typical calls, not for ``call_timeout_s``. Several micro-batches are in flight at once
+so that stages overlap.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from models.data import eval_batches, sample_batches, stream_seed
 from node import stage_client
 from node.dht import SwarmDHT
 from node.membership import NOT_A_MEMBER, present
-from node.stage_client import StageRefused, StageUnavailable
-from protocol.routing import BanList, Candidate, candidates_by_stage, choose_peer
+from node.stage_client import StageRefused, StageTimeout, StageUnavailable
+from protocol.routing import BanList, CallTimer, Candidate, candidates_by_stage, choose_peer
 from protocol.run_spec import RunSpec
 from protocol.stage_messages import WRONG_STAGE
 
@@ -65,7 +68,8 @@ class MembershipRefused(Exception):
 @dataclass(frozen=True)
 class TrainerSettings:
     in_flight: int = 4  # micro-batches in the pipeline at once
-    call_timeout_s: float = 30.0
+    call_timeout_s: float = 30.0  # the longest wait for a call (before a stage's first answer)
+    min_call_timeout_s: float = 5.0  # the shortest, however fast the stage's calls have been
     refresh_s: float = 2.0  # how often the swarm view is re-read from the DHT
     ban_s: float = 15.0
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
@@ -94,6 +98,7 @@ class Trainer:
         self.stats = TrainerStats()
         self._rng = random.Random(settings.seed)
         self._bans = BanList(settings.ban_s)
+        self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
         self._view: list[list[Candidate]] = [[] for _ in range(spec.n_stages)]
         self._in_flight: Counter = Counter()  # peer_id -> our calls running there
         self._data: Iterator = sample_batches(
@@ -151,24 +156,20 @@ class Trainer:
         for s in reversed(range(last)):
             grad, _ = await self._call(
                 s,
-                lambda peer, s=s, grad=grad: stage_client.backward(
-                    self.p2p, peer, inputs[s], grad, stage=s, micro_batch=index, **self._opts()
+                lambda peer, timeout, s=s, g=grad: stage_client.backward(
+                    self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **self._opts(timeout)
                 ),
             )
         return MicroBatchResult(index, float(loss), len(x), tuple(route))
 
-    def _opts(self) -> dict:
-        return {
-            "run_id": self.spec.run,
-            "compression": self.spec.compression,
-            "timeout": self.settings.call_timeout_s,
-        }
+    def _opts(self, timeout: float) -> dict:
+        return {"run_id": self.spec.run, "compression": self.spec.compression, "timeout": timeout}
 
     async def _forward(self, stage: int, x: torch.Tensor, index: int) -> tuple[torch.Tensor, str]:
         return await self._call(
             stage,
-            lambda peer: stage_client.forward(
-                self.p2p, peer, x, stage=stage, micro_batch=index, **self._opts()
+            lambda peer, timeout: stage_client.forward(
+                self.p2p, peer, x, stage=stage, micro_batch=index, **self._opts(timeout)
             ),
         )
 
@@ -176,13 +177,23 @@ class Trainer:
         last = self.spec.n_stages - 1
         return await self._call(
             last,
-            lambda peer: stage_client.loss(
-                self.p2p, peer, x, y, stage=last, train=train, micro_batch=index, **self._opts()
+            lambda peer, timeout: stage_client.loss(
+                self.p2p,
+                peer,
+                x,
+                y,
+                stage=last,
+                train=train,
+                micro_batch=index,
+                **self._opts(timeout),
             ),
         )
 
-    async def _call(self, stage: int, call: Callable[[PeerID], Awaitable[R]]) -> tuple[R, str]:
-        """``call`` on a peer of ``stage``; on a peer failure, ban it and try another."""
+    async def _call(
+        self, stage: int, call: Callable[[PeerID, float], Awaitable[R]]
+    ) -> tuple[R, str]:
+        """``call(peer, timeout)`` on a peer of ``stage``; on a peer failure, ban it and try
+        another."""
         deadline = time.monotonic() + self.settings.stage_wait_s
         while True:
             candidates = [
@@ -202,7 +213,9 @@ class Trainer:
             self._in_flight[peer] += 1
             try:
                 await self._present(peer)
-                result = await call(PeerID.from_base58(peer))
+                started = time.monotonic()
+                result = await call(PeerID.from_base58(peer), self._timer.timeout(stage))
+                self._timer.succeeded(stage, time.monotonic() - started)
             except StageRefused as e:
                 if NOT_A_MEMBER in str(e):
                     self._presented.discard(peer)  # it forgot us (restarted?): present again
@@ -212,6 +225,8 @@ class Trainer:
                 self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
                 continue
             except (StageUnavailable, MembershipRefused) as e:
+                if isinstance(e, StageTimeout):
+                    self._timer.timed_out(stage)
                 logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)
                 self._bans.ban(peer, time.monotonic())
                 self.stats.rerouted[stage] += 1

@@ -107,6 +107,54 @@ class BanList:
         return frozenset(self._until)
 
 
+@dataclass
+class CallTimer:
+    """How long a caller waits for a stage's answer before it tries another peer.
+
+    A peer cut off mid-call (its link dropped, its machine asleep) neither answers nor
+    closes the connection, so only a timeout ends the call; with one fixed timeout the
+    pipeline waits all of it. Here the timeout follows the stage's recent successful
+    calls, much as TCP's retransmission timer does (RFC 6298): twice the smoothed duration
+    plus four times its smoothed deviation (twice: a stage whose calls are steady still
+    gets room for a slow one), kept within [``floor_s``, ``ceiling_s``] and doubled
+    after each timeout until a call succeeds again (a stage that slowed down for all is
+    not abandoned call after call). Before its first success a stage gets ``ceiling_s``.
+    Times are the caller's; pure, no clock."""
+
+    floor_s: float = 5.0
+    ceiling_s: float = 30.0
+    _mean: dict[int, float] = field(default_factory=dict)
+    _deviation: dict[int, float] = field(default_factory=dict)
+    _backoff: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.floor_s <= self.ceiling_s:
+            raise ValueError(
+                f"need 0 < floor_s <= ceiling_s, got {self.floor_s} and {self.ceiling_s}"
+            )
+
+    def timeout(self, stage: int) -> float:
+        mean = self._mean.get(stage)
+        if mean is None:
+            return self.ceiling_s
+        wait = (2.0 * mean + 4.0 * self._deviation[stage]) * 2.0 ** self._backoff.get(stage, 0)
+        return min(self.ceiling_s, max(self.floor_s, wait))
+
+    def succeeded(self, stage: int, seconds: float) -> None:
+        """A call to ``stage`` answered after ``seconds``."""
+        mean = self._mean.get(stage)
+        if mean is None:
+            self._mean[stage], self._deviation[stage] = seconds, seconds / 2.0
+        else:
+            self._deviation[stage] = 0.75 * self._deviation[stage] + 0.25 * abs(mean - seconds)
+            self._mean[stage] = 0.875 * mean + 0.125 * seconds
+        self._backoff.pop(stage, None)
+
+    def timed_out(self, stage: int) -> None:
+        """A call to ``stage`` got no answer within ``timeout(stage)``."""
+        self._backoff[stage] = min(self._backoff.get(stage, 0) + 1, 16)
+
+
 def _forget_oldest(entries: dict, limit: int) -> None:
     while len(entries) > limit:
         del entries[next(iter(entries))]

@@ -4,6 +4,7 @@ backward on another peer, and learning parity with the single-process baseline."
 import asyncio
 import os
 import signal
+import time
 from contextlib import contextmanager
 
 import torch
@@ -86,6 +87,37 @@ def test_sigkill_during_training_is_rerouted(tmp_path):
         late_calls = trainer.stats.calls[(1, survivor)]
         assert late_calls > 180 / 2, "the surviving peer of stage 1 took over"
         assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.3, "loss kept falling"
+
+
+def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_path):
+    """SIGSTOP one of stage 1's two peers: like a machine that lost its link, it neither
+    answers nor closes its connections. The calls stuck there end after the stage's
+    adaptive timeout (a few typical calls, at least 5 s), not after the 60 s ceiling, and
+    the other peer of stage 1 takes over."""
+    with swarm(tmp_path, "cutoff", [0, 1, 1]) as (nodes, dht):
+        victim = next(n for n in nodes if n.stage() == 1)
+
+        async def main():
+            trainer = await open_trainer(dht, TrainerSettings(in_flight=4, call_timeout_s=60))
+            try:
+                await _wait_for_view(trainer, [1, 2])
+                await trainer.train(20)  # the trainer learns how long the stages' calls take
+                victim.proc.send_signal(signal.SIGSTOP)
+                stopped = time.monotonic()
+                await asyncio.wait_for(trainer.train(40), 50)
+                return trainer, time.monotonic() - stopped
+            finally:
+                victim.proc.send_signal(signal.SIGCONT)
+                await trainer.p2p.shutdown()
+
+        trainer, took = asyncio.run(main())
+        print(
+            f"40 micro-batches in {took:.1f} s after stage 1's peer was stopped "
+            f"({trainer.stats.rerouted[1]} calls rerouted; timeout ceiling 60 s)"
+        )
+        assert trainer.stats.micro_batches == 60
+        assert trainer.stats.rerouted[1] >= 1, "a call stuck on the stopped peer was retried"
+        assert took < 30, f"training was held {took:.0f} s: stuck calls waited the ceiling"
 
 
 class KillAfterForward(Trainer):

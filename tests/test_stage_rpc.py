@@ -28,7 +28,7 @@ from node.stage_client import StageRefused, StageTimeout, StageUnavailable
 from node.stage_server import StageServer
 from node.stage_wire import MAX_CHUNK_BYTES, Assembler, serialize, split_message
 from protocol.identity import peer_id_of
-from protocol.routing import BanList
+from protocol.routing import BanList, CallTimer
 from protocol.stage_messages import (
     BACKWARD,
     FORWARD,
@@ -511,6 +511,29 @@ def test_ban_list_bans_after_repeated_strikes_within_a_window():
     assert small.strike("p", 1.0) is None and small.strike("r", 1.0) == 16.0
     with pytest.raises(ValueError, match="strikes"):
         BanList(strikes=0)
+
+
+def test_call_timeout_follows_the_stage_calls_and_backs_off():
+    timer = CallTimer(floor_s=1.0, ceiling_s=30.0)
+    assert timer.timeout(0) == 30.0  # nothing known yet: the longest wait
+    timer.succeeded(0, 2.0)
+    assert timer.timeout(0) == pytest.approx(2 * 2.0 + 4 * 1.0)  # first answer: deviation d/2
+    for _ in range(50):
+        timer.succeeded(0, 2.0)  # steady calls: twice their duration, the deviation gone
+    assert timer.timeout(0) == pytest.approx(4.0, rel=0.01)
+    assert timer.timeout(1) == 30.0  # per stage
+    for _ in range(50):
+        timer.succeeded(1, 0.01)
+    assert timer.timeout(1) == 1.0  # never under the floor
+    timer.timed_out(0)
+    assert timer.timeout(0) == pytest.approx(8.0, rel=0.01)  # doubled after a timeout ...
+    for _ in range(10):
+        timer.timed_out(0)
+    assert timer.timeout(0) == 30.0  # ... up to the ceiling
+    timer.succeeded(0, 2.0)
+    assert timer.timeout(0) == pytest.approx(4.0, rel=0.01)  # and reset by an answer
+    with pytest.raises(ValueError, match="floor_s <= ceiling_s"):
+        CallTimer(floor_s=5.0, ceiling_s=1.0)
 
 
 def test_refusals_as_a_non_member_are_forgiven_once_admitted():
