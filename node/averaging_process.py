@@ -48,6 +48,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 
 from node.child_process import die_with_parent
+from node.frame_cap import cap_hivemind_frames
 from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight
 from protocol.membership import MembershipPolicy
 
@@ -123,6 +124,7 @@ class StageAveragerProcess(DecentralizedAverager):
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
+        cap_hivemind_frames()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops us
         inherited = getattr(self.dht, "_p2p_replica", None)
         if inherited is not None:

@@ -23,6 +23,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from node.child_process import die_with_parent
+from node.frame_cap import cap_hivemind_frames
 from node.gossip import daemon_pubsub
 from protocol.keys import peers_key, revocations_key, spec_key
 from protocol.membership import MembershipPolicy, Revocations, decode_revocations
@@ -92,10 +93,12 @@ class RunRecordValidator(RecordValidatorBase):
 
 class _OwnedDHT(hivemind.DHT):
     """hivemind's DHT process, tied to the process that started it: when a node dies, even
-    by SIGKILL, its DHT process (and with it ``p2pd``) dies too, as a dead peer must."""
+    by SIGKILL, its DHT process (and with it ``p2pd``) dies too, as a dead peer must. Its
+    stream reads are capped (``node.frame_cap``)."""
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
+        cap_hivemind_frames()
         super().run()
 
 

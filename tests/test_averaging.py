@@ -26,11 +26,13 @@ import torch
 import uvloop
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
 from node import stage_client, stage_state
+from node.averaging_process import StageAveragerProcess
 from node.dht import SwarmDHT
 from node.files import load_or_create_key
 from node.stage_averaging import (
@@ -38,6 +40,7 @@ from node.stage_averaging import (
     AveragedStageServer,
     ParamDigest,
     StageAverager,
+    averaging_prefix,
     compare_copies,
 )
 from protocol.averaging import Action, Progress, decide
@@ -57,6 +60,7 @@ from tests.averaging_peer import (
     make_spec,
 )
 from tests.records import peer_info
+from tests.streams import flood
 
 ATOL = 1e-6  # copies agree to float rounding: each adds (average - own) to its own
 
@@ -391,6 +395,39 @@ def test_averagers_start_from_a_running_event_loop(dhts):
             finally:
                 await _shutdown(peer)
             assert peer.averager._process is None
+
+    _run(body())
+
+
+def test_an_averager_refuses_a_frame_declaring_2_62_bytes(dhts):
+    """hivemind's stream reader buffers any frame its header declares; the averager's
+    process refuses one over 4 MiB after its header (node/frame_cap.py), grows by no more
+    than the cap, and averages afterwards as before."""
+    spec = make_spec("avg-frame")
+    header = P2P.MESSAGE_MARKER + (2**62).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+
+    async def body():
+        peer = Peer(SwarmDHT(dhts[0], spec.run), spec)
+        maddrs = dhts[0].get_visible_maddrs()
+        client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+        try:
+            averager = await peer.start()
+            process = psutil.Process(averager._process.pid)
+            rss = process.memory_info().rss
+            handle = StageAveragerProcess._get_handle_name(
+                averaging_prefix(spec.run, STAGE), "rpc_aggregate_part"
+            )
+            answer, after, sent = await flood(
+                client, dhts[0].peer_id, handle, header, 64 * 2**20, averaging_pb2.AveragingData
+            )
+            grew = process.memory_info().rss - rss
+            assert answer == "closed" or "exceeds the limit" in answer, answer
+            assert after < 2 and sent < 16 * 2**20 and grew < 16 * 2**20, (after, sent, grew)
+            assert averager._process.is_alive()
+            assert await asyncio.to_thread(averager._process.get_group_bits) == ""  # still serves
+        finally:
+            await client.shutdown()
+            await _shutdown(peer)
 
     _run(body())
 

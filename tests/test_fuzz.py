@@ -72,6 +72,7 @@ from protocol.stage_messages import (
     wire_nbytes,
 )
 from tests.records import peer_info
+from tests.streams import flood
 from tests.test_stage_rpc import (
     CFG,
     MAX_TOKENS,
@@ -1112,42 +1113,6 @@ def test_read_frame_refuses_before_reading_a_body():
         assert left == unread
 
 
-async def _flood(client: P2P, peer, header: bytes, nbytes: int) -> tuple[str, float, int]:
-    """Open a raw stream to ``peer``'s forward handler, send ``header`` and then zeros, up
-    to ``nbytes`` of them, for as long as the stream takes them. Returns how the server
-    answered (its error, or "closed"), after how many seconds, and the bytes sent."""
-    _, reader, writer = await client.call_binary_stream_handler(
-        peer, f"{StageServer.service_name}.rpc_forward"
-    )
-    sent = 0
-
-    async def send() -> None:
-        nonlocal sent
-        chunk = bytes(2**16)
-        writer.write(header)
-        with contextlib.suppress(ConnectionError):
-            while sent < nbytes:
-                writer.write(chunk)
-                await writer.drain()
-                sent += len(chunk)
-
-    started = time.monotonic()
-    sending = asyncio.create_task(send())
-    try:
-        async with asyncio.timeout(5):
-            try:
-                _, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
-                answer = error.message if error is not None else "answered"
-            except (asyncio.IncompleteReadError, ConnectionError):
-                answer = "closed"  # reset while we were still sending: no time to read it
-            answered_after = time.monotonic() - started
-            await sending
-    finally:
-        sending.cancel()
-        writer.close()
-    return answer, answered_after, sent
-
-
 def test_a_frame_declaring_2_62_bytes_is_refused_unread():
     # hivemind reads a frame of any declared length whole; the server refuses this one
     # after its 9-byte header. Served by hivemind's own reader, a flood of 256 MiB grew
@@ -1159,7 +1124,10 @@ def test_a_frame_declaring_2_62_bytes_is_refused_unread():
         async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
             process = psutil.Process()
             rss = process.memory_info().rss
-            answer, after, sent = await _flood(client, s0.peer_id, header, 64 * 2**20)
+            handle = f"{StageServer.service_name}.rpc_forward"
+            answer, after, sent = await flood(
+                client, s0.peer_id, handle, header, 64 * 2**20, runtime_pb2.ExpertResponse
+            )
             grew = process.memory_info().rss - rss
             assert answer == "closed" or "a frame of 4611686018427387904 bytes" in answer, answer
             # Refused at once, the stream cut after the server dropped at most 1 MiB more.
