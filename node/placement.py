@@ -17,7 +17,9 @@ swarm and carries their messages on the run's GossipSub topic (``protocol.gossip
   answered in seconds whatever the period. A move is announced first and carried out
   only if, a settle period later, the live view still shows another peer serving the
   stage it leaves: two peers that decide at once to leave a stage both back off rather
-  than empty it.
+  than empty it. It counts the peers that arrive (new peer ids in the records) over the
+  last ``ARRIVALS_S`` seconds, and tells the rule their rate: where few join, a gap
+  would wait for joiners in vain, so moves that close it are made sooner.
 
 Gossip reaches only peers the daemon is connected to, and the DHT connects lazily, so the
 node dials the peers its records name. In a private run, gossip counts only from peers
@@ -29,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -58,6 +62,39 @@ logger = logging.getLogger(__name__)
 MIN_SETTLE_S = 2.0  # two GossipSub heartbeats: the mesh forms and others' intents arrive
 CONNECT_TIMEOUT_S = 3.0
 TOPIC_PEERS = 8  # GossipSub's mesh keeps 6 (4 to 12) neighbours per topic
+ARRIVALS_S = 600.0  # arrivals are counted over this window (and only once watched this long)
+
+
+class ArrivalCount:
+    """Peers that arrived per peer-hour over the last ``window_s`` seconds, from the sets
+    of peer ids this node reads (times are the caller's clock). The peers of the first
+    read were there before us; a peer gone and first seen before the window is forgotten
+    (if it comes back, it counts again)."""
+
+    def __init__(self, window_s: float = ARRIVALS_S) -> None:
+        self.window_s = window_s
+        self._first_seen: dict[str, float] = {}
+        self._since: float | None = None
+        self._present = 0
+
+    def saw(self, present: frozenset[str], now: float) -> None:
+        self._present = len(present)
+        if self._since is None:
+            self._since = now
+            self._first_seen = dict.fromkeys(present, -math.inf)
+            return
+        for peer in present - self._first_seen.keys():
+            self._first_seen[peer] = now
+        cutoff = now - self.window_s
+        seen = self._first_seen.items()
+        self._first_seen = {p: t for p, t in seen if p in present or t >= cutoff}
+
+    def rate(self, now: float) -> float | None:
+        """None until watched for a whole window (or while nobody is present)."""
+        if self._since is None or now - self._since < self.window_s or not self._present:
+            return None
+        new = sum(t >= now - self.window_s for t in self._first_seen.values())
+        return new * 3600.0 / self.window_s / self._present
 
 
 def merge_gossip(
@@ -123,6 +160,7 @@ class Placement:
         self.view_of_gossip = GossipView(spec.run, num_stages=spec.n_stages, validators=validators)
         self._members: frozenset[str] = frozenset()  # peers whose record passed the policy
         self._records: list[PeerInfo] = []  # the last read, for the alarm's looks
+        self._arrivals = ArrivalCount()
         self._checks = 0
         self._rng = random.Random(self.peer_id)  # whom to dial
         self._announced: tuple[int | None, PeerState] | None = None
@@ -199,6 +237,7 @@ class Placement:
         records = await self.dht.peers()
         self._members = frozenset(p.peer_id for p in records)
         self._records = records
+        self._arrivals.saw(self._members, time.monotonic())
         return records
 
     async def _connect(self, records: list[PeerInfo]) -> None:
@@ -290,7 +329,8 @@ class Placement:
                 logger.warning("rebalancing check skipped: %s", e)
                 continue
             before = view
-            move = decide_move(view, here, self.throughput, seed, self.params)
+            arrivals = self._arrivals.rate(time.monotonic())
+            move = decide_move(view, here, self.throughput, seed, self.params, arrivals=arrivals)
             if move is not None:
                 logger.info(
                     "rebalancing: move from stage %d to %d (%s, gain %.2f, drawn with p=%.2f); "

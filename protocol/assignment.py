@@ -63,6 +63,9 @@ The rule
     buys the most, and a gap only many small moves would close is left to the joiners,
     who keep arriving in proportion to the swarm's size (or by ``WORTH_A_MOVE`` of M,
     which is less in a swarm of a few hundred peers or fewer, where joiners are rare).
+    A peer that knows how many joiners arrive (``arrivals``, per peer-hour) scales that
+    yardstick by their rate over ``arrival_reference``: in a swarm that nobody joins, a
+    gap would wait for joiners forever, so the moves that close it are worth making.
 
   Then:
 
@@ -188,6 +191,12 @@ class Params:
     # buys the most go, and an imbalance that only many small moves would fix is left to
     # the joiners, who arrive at a rate proportional to the swarm's size.
     min_gain: float = 3.0
+    # Joiners per peer-hour at and above which ``min_gain`` holds as it is; a peer that
+    # sees fewer arrivals scales it down in proportion (see ``decide_move``'s
+    # ``arrivals``): a swarm that one peer in ten or fewer joins per hour is nearly
+    # still, and waits for joiners too long. Well under the churn the rule was tuned at
+    # (1 per peer-hour), whose measured rate's ups and downs then change nothing.
+    arrival_reference: float = 0.1
     # A serving peer misplaced at the prices alone (by more than this factor, minus 1)
     # moves without rationing; wider than ``fit_band``, so that joiners placed inside it
     # are not moved when prices drift.
@@ -214,6 +223,7 @@ class Params:
         _in_range("selectivity", self.selectivity, 0.0, 1e3)
         _in_range("hysteresis", self.hysteresis, 0.0, 1e6)
         _in_range("min_gain", self.min_gain, 0.0, 1e6)
+        _positive("arrival_reference", self.arrival_reference, hi=1e6)
         _in_range("price_hysteresis", self.price_hysteresis, 0.0, 1e6)
         _positive("urgency", self.urgency, hi=1e6)
         _in_range("size_bias", self.size_bias, 0.0, 8.0)
@@ -503,12 +513,15 @@ def decide_move(
     params: Params = DEFAULT_PARAMS,
     *,
     serving: bool = True,
+    arrivals: float | None = None,
 ) -> Move | None:
     """Whether the peer holding ``stage`` (counted in ``view``) moves now, and where.
 
     ``serving``: whether it serves its stage already. A peer that has only announced (a
     joiner reconsidering once others' intents have arrived) may leave a stage that
-    others hold, and pays no load for a change of mind.
+    others hold, and pays no load for a change of mind. ``arrivals``: joiners per
+    peer-hour lately, if the caller knows (None: ``params.arrival_reference``); fewer
+    make a serving peer's move worth its download sooner.
     """
     n = view.n_stages
     _check_own(throughput, n)
@@ -547,6 +560,9 @@ def decide_move(
     target = _pick([s for s, v in enumerate(scores) if s != stage and v >= cut], seed, "target")
     if serving:
         joiner = sum(view.totals) / (sum(view.counts) * n)  # what a mean joiner adds to M
+        if arrivals is not None:
+            _rate("arrivals", arrivals)
+            joiner *= min(1.0, arrivals / params.arrival_reference)
         worth = min(params.min_gain * joiner, WORTH_A_MOVE * (_smooth(rest, w, a) + values[stage]))
         if not values[target] - values[stage] > worth:
             return None  # not worth a state download: joiners will do it

@@ -76,6 +76,7 @@ from protocol.assignment import (  # noqa: E402
 
 RULES = ("ours", "petals")
 FACTORS = ("serving", "placement", "balance")
+ARRIVALS_S = 600.0  # ours: the window over which peers count arrivals (node.placement's)
 PETALS_QUALITY = 0.75  # Petals' default balance_quality
 
 # Event kinds, in the order they are handled when simultaneous.
@@ -120,6 +121,7 @@ class Config:
     settle: float = 600.0  # seconds after a mass event left out of the steady state
     hysteresis: float = DEFAULT_PARAMS.hysteresis
     min_gain: float = DEFAULT_PARAMS.min_gain
+    arrival_reference: float = DEFAULT_PARAMS.arrival_reference
     price_hysteresis: float = DEFAULT_PARAMS.price_hysteresis
     sharpness: float = DEFAULT_PARAMS.sharpness
     urgency: float = DEFAULT_PARAMS.urgency
@@ -150,6 +152,7 @@ class Config:
             selectivity=self.selectivity,
             hysteresis=self.hysteresis,
             min_gain=self.min_gain,
+            arrival_reference=self.arrival_reference,
             price_hysteresis=self.price_hysteresis,
             urgency=self.urgency,
             size_bias=self.size_bias,
@@ -346,6 +349,7 @@ class Sim:
         # ours: each stage's announced total over the last check period, the reference an
         # alarm compares with (one for all peers: what they saw at their last checks)
         self.recent: list[deque[tuple[float, float]]] = [deque() for _ in range(s)]
+        self.arrived: deque[float] = deque()  # ours: arrival times, the last ARRIVALS_S
 
     # Events and announcements.
 
@@ -469,7 +473,8 @@ class Sim:
         self.on_prices(t)
         view = self.view(t, i)
         if self.rule == "ours":
-            m = decide_move(view, s, self.thr_rows[i], self.seed(i), self.params, serving=serving)
+            own, seed, arrivals = self.thr_rows[i], self.seed(i), self.arrival_rate(t)
+            m = decide_move(view, s, own, seed, self.params, serving=serving, arrivals=arrivals)
             if m is None:
                 return None
             if serving:
@@ -578,8 +583,18 @@ class Sim:
         self.res.wall_s = time.perf_counter() - started
         return self.res
 
+    def arrival_rate(self, t: float) -> float | None:
+        """Joiners per peer-hour over the last ``ARRIVALS_S`` seconds, as a node counts
+        the peers it sees arrive (None before it has watched that long)."""
+        while self.arrived and self.arrived[0] < t - ARRIVALS_S:
+            self.arrived.popleft()
+        if t < ARRIVALS_S or self.n_present == 0:
+            return None
+        return len(self.arrived) * 3600.0 / ARRIVALS_S / self.n_present
+
     def on_arrive(self, t: float, i: int) -> None:
         self.n_present += 1
+        self.arrived.append(t)
         s = self.join_choice(t, i)
         self.claim(t, i, s)
         self.seen[i] = self.n_claimed
@@ -892,6 +907,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--urgency", type=float, default=Config.urgency)
     p.add_argument("--selectivity", type=float, default=Config.selectivity)
     p.add_argument("--min-gain", type=float, default=Config.min_gain)
+    p.add_argument("--arrival-reference", type=float, default=Config.arrival_reference)
     p.add_argument("--fit-band", type=float, default=Config.fit_band)
     p.add_argument("--size-bias", type=float, default=Config.size_bias)
     p.add_argument("--report-every", type=float, default=600.0, help="rows of the time series")

@@ -215,6 +215,24 @@ def test_a_move_must_be_worth_a_state_download():
     assert all(m.to_stage == 1 and m.reason == "imbalance" for m in moves if m is not None)
 
 
+def test_where_nobody_joins_a_gap_is_closed_by_moves():
+    # The gap of the test above, which joiners close where they keep arriving (at 0.1 per
+    # peer-hour, the reference, or more): where nobody joins it would stay, so peers of
+    # about the mean speed move into it (rationed), and the fewer the arrivals the sooner.
+    view = _view([1000.0, 950.0, 1000.0, 1000.0], counts=[1000] * 4).add(Claim("me", 0, 2.0))
+    own = (2.0,) * 4
+
+    def moves(arrivals):
+        made = [decide_move(view, 0, own, k, arrivals=arrivals) for k in range(400)]
+        assert all(m.to_stage == 1 and m.reason == "imbalance" for m in made if m is not None)
+        return sum(m is not None for m in made)
+
+    assert moves(None) == moves(0.1) == moves(1.0) == 0
+    assert moves(0.0) > 0 and moves(0.01) > 0
+    with pytest.raises(ValueError, match="arrivals must be a finite number >= 0"):
+        decide_move(view, 0, own, 0, arrivals=-1.0)
+
+
 def test_a_small_swarm_does_not_wait_for_joiners():
     # Six equal peers at 3-1-2: one move to 2-2-2 doubles the bottleneck. Three mean
     # joiners would add as much, but a swarm this small may not see any for hours.

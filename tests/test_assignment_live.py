@@ -22,10 +22,12 @@ from collections import Counter
 from datetime import datetime
 
 import msgpack
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.files import load_or_create_key
 from node.local_swarm import NodeProcess
+from node.placement import ArrivalCount
 from protocol.gossip import GossipSigner, JoinIntent, run_topic
 from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION
@@ -98,6 +100,23 @@ def test_gossip_overrides_records_only_when_newer():
     # the newcomer's join intent outlives no record: 4 s later it no longer counts
     _, later = merge_gossip([], view.latest, me=me.peer_id, now=now + 4.0, max_silence_s=3.0)
     assert [c.peer for c in later] == []
+
+
+def test_arrivals_are_counted_per_peer_hour_over_a_window():
+    count = ArrivalCount(window_s=600.0)
+    first = frozenset(f"p{i}" for i in range(10))
+    count.saw(first, 0.0)  # there before us: not arrivals
+    assert count.rate(0.0) is None
+    count.saw(first | {"a", "b"}, 100.0)
+    assert count.rate(599.0) is None  # not watched a whole window yet
+    assert count.rate(600.0) == pytest.approx(2 * 6 / 12)  # 2 in 10 min, 12 present
+    count.saw(first | {"a"}, 650.0)  # b left; it arrived within the window: still counted
+    assert count.rate(650.0) == pytest.approx(2 * 6 / 11)
+    count.saw(first | {"a"}, 800.0)  # a and b arrived more than a window ago
+    assert count.rate(800.0) == 0.0
+    count.saw(first - {"p0"}, 900.0)
+    count.saw(first, 950.0)  # p0 was gone, and known from before the window: counted again
+    assert count.rate(950.0) == pytest.approx(1 * 6 / 10)
 
 
 def test_six_nodes_joining_at_once_spread_over_three_stages(tmp_path):
