@@ -166,6 +166,7 @@ class Placement:
         self._announced: tuple[int | None, PeerState] | None = None
         self._pending: Move | None = None  # a move announced and not yet carried out
         self._alarmed: int | None = None  # the stage of the last alarm, until a periodic check
+        self._reference: SwarmView | None = None  # the view at the last check, for alarms
         self._ignored_logged: dict[str, int] = {}
 
     @classmethod
@@ -317,18 +318,18 @@ class Placement:
     async def next_move(self, stage: Callable[[], int]) -> Move:
         """Wait for a check that decides to move: every ``check_delay`` seconds, or sooner
         on an alarm; ``stage()`` says where this node serves at each check."""
-        before = self.view(self._records, own=self._claim(stage(), serving=True))
+        self._reference = None  # the first look after this sets it
         while True:
             self._checks += 1
             seed = f"{self.peer_id}/{self._checks}"
-            await self._until_check(seed, stage, before)
+            await self._until_check(seed, stage)
             here = stage()
             try:
                 view = self.view(await self.records(), own=self._claim(here, serving=True))
             except Exception as e:  # a DHT hiccup: check again next period
                 logger.warning("rebalancing check skipped: %s", e)
                 continue
-            before = view
+            self._reference = view
             arrivals = self._arrivals.rate(time.monotonic())
             move = decide_move(view, here, self.throughput, seed, self.params, arrivals=arrivals)
             if move is not None:
@@ -344,19 +345,23 @@ class Placement:
                 )
                 return move
 
-    async def _until_check(self, seed: str, stage: Callable[[], int], before: SwarmView) -> None:
+    async def _until_check(self, seed: str, stage: Callable[[], int]) -> None:
         """Sleep until the next periodic check, or until the view, looked at every update
-        period, raises an alarm against ``before`` (the view at the last check); then a
-        draw of up to two settle periods more, so that the peers alarmed by the same loss
-        check one after another, each seeing the moves announced before it."""
+        period, raises an alarm against the view at the last check; then a draw of up to
+        two settle periods more, so that the peers alarmed by the same loss check one
+        after another, each seeing the moves announced before it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + check_delay(seed, self.params)
         while (left := deadline - loop.time()) > 0:
             await asyncio.sleep(min(left, self.update_period_s))
             try:
                 now = self.view(self._records, own=self._claim(stage(), serving=True))
-            except ValueError as e:  # the periodic check will say it at warning level
+            except Exception as e:  # the periodic check will say it at warning level
                 logger.debug("alarm look skipped: %s", e)
+                continue
+            before = self._reference
+            if before is None:
+                self._reference = now
                 continue
             short = alarm(before, now, self.params)
             if short is None or loop.time() >= deadline:
