@@ -277,6 +277,7 @@ class StageAverager:
         self._records: list[Progress] = []  # the other peers' records, as last read
         self._seen: dict[str, tuple[Progress, float]] = {}  # peer -> last record, when (_view)
         self._known: dict[str, int] = {}  # peer -> the highest epoch we know it reached
+        self._expires: dict[str, float] = {}  # peer -> its newest record's DHT expiration
         self._busy = False
         self._stepped_now = False  # on_accumulated stepped alone; _after_epoch is due
         self._catch_up_after = 0.0
@@ -566,6 +567,8 @@ class StageAverager:
                 continue
             if record.peer_id != self.peer_id:
                 result.append(record)
+                expires = self._expires.get(record.peer_id, -math.inf)
+                self._expires[record.peer_id] = max(expires, item.expiration_time)
         if self.spec.private and result:  # a stranger's progress must not shape our rounds
             members = {p.peer_id for p in await self.dht.peers()}
             result = [r for r in result if r.peer_id in members]
@@ -586,6 +589,7 @@ class StageAverager:
         for peer, (record, seen_at) in list(self._seen.items()):
             if now - seen_at > self._ttl:
                 del self._seen[peer]
+                self._expires.pop(peer, None)
                 continue
             known = max(self._known.get(peer, 0), record.epoch)
             self._known[peer] = known
@@ -769,8 +773,15 @@ class StageAverager:
             await asyncio.shield(self._give_back(contribution))  # no-op once applied
 
     def _mates_left(self) -> bool:
-        """Whether any other live peer is still at our epoch (as of the last read)."""
-        return any(p.epoch == self._epoch for p in self._view())
+        """Whether any other peer is still at our epoch and alive: its newest record has
+        not expired. (``_view`` keeps a record a while longer, for reads that miss it; a
+        groupmate killed mid-round would then outlive the round's first attempt, and we
+        would try again with nobody.)"""
+        now = get_dht_time()
+        return any(
+            p.epoch == self._epoch and self._expires.get(p.peer_id, math.inf) > now
+            for p in self._view()
+        )
 
     def _finish(self, result: list[torch.Tensor], contribution: _Contribution) -> None:
         with self.lock:
