@@ -31,6 +31,7 @@ from node import stage_client
 from node.dht import SwarmDHT
 from node.membership import NOT_A_MEMBER, present
 from node.stage_client import StageRefused, StageTimeout, StageUnavailable
+from protocol.records import PeerInfo
 from protocol.routing import BanList, CallTimer, Candidate, candidates_by_stage, choose_peer
 from protocol.run_spec import RunSpec
 from protocol.stage_messages import WRONG_STAGE
@@ -71,6 +72,10 @@ class TrainerSettings:
     call_timeout_s: float = 30.0  # the longest wait for a call (before a stage's first answer)
     min_call_timeout_s: float = 5.0  # the shortest, however fast the stage's calls have been
     refresh_s: float = 2.0  # how often the swarm view is re-read from the DHT
+    # A peer missing from a read stays in the view this long after the last read that
+    # had it: DHT stores can fail for a few seconds (seen when a partitioned peer comes
+    # back), records then expire, and a view without them would starve the pipeline.
+    view_grace_s: float = 6.0
     ban_s: float = 15.0
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
@@ -100,6 +105,7 @@ class Trainer:
         self._bans = BanList(settings.ban_s)
         self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
         self._view: list[list[Candidate]] = [[] for _ in range(spec.n_stages)]
+        self._seen: dict[str, tuple[PeerInfo, float]] = {}  # peer -> newest record, read when
         self._in_flight: Counter = Counter()  # peer_id -> our calls running there
         self._data: Iterator = sample_batches(
             corpus.train,
@@ -109,11 +115,19 @@ class Trainer:
         )
 
     async def refresh(self) -> None:
-        """Re-read the swarm's peers from the DHT."""
+        """Re-read the swarm's peers from the DHT (keeping, for ``view_grace_s``, those a
+        read missed)."""
         try:
-            self._view = candidates_by_stage(await self.dht.peers(), self.spec.n_stages)
+            peers = await self.dht.peers()
         except Exception as e:  # a DHT hiccup: keep the old view, retry next period
             logger.warning("could not refresh the swarm view: %s", e)
+            return
+        now = time.monotonic()
+        self._seen.update((p.peer_id, (p, now)) for p in peers)
+        grace = self.settings.view_grace_s
+        self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
+        recent = [p for p, _ in self._seen.values()]
+        self._view = candidates_by_stage(recent, self.spec.n_stages)
 
     async def _refresh_loop(self) -> None:
         while True:
