@@ -313,11 +313,8 @@ class Bench:
         )
         print(f"  routing avoids it (share < half of before, 3 bins running) after: "
               f"{'never' if avoid is None else f'{avoid:.1f} s'}")  # fmt: skip
-        t0 = rec.phases[0][1]
-        markers = [(t - t0, what) for t, what in rec.events]
-        via = [(t - t0, 100 * s) for t, s in share]
-        extra = {"share of micro-batches via the straggler (%)": via}
-        self._plot("straggler", rec, markers, "throughput with one peer slowed 5x", extra)
+        self._plot_share("straggler", rec, share, "share of micro-batches via the straggler (%)",
+                         "throughput with one peer slowed 5x")  # fmt: skip
         return {
             "before samples/s": before,
             "after samples/s": after,
@@ -379,11 +376,8 @@ class Bench:
         print(f"  routed to again after reconnecting: "
               f"{'never' if back is None else f'{back - t_heal:.1f} s'}; longest stall after "
               f"reconnecting: {stalled_after:.1f} s")  # fmt: skip
-        t0 = rec.phases[0][1]
-        markers = [(t - t0, what) for t, what in rec.events]
-        via = [(t - t0, 100 * s) for t, s in share]
-        extra = {"share of routing picks to the cut-off peer (%)": via}
-        self._plot("partition", rec, markers, "throughput with one peer cut off", extra)
+        self._plot_share("partition", rec, share, "share of routing picks to the cut-off peer (%)",
+                         "throughput with one peer cut off")  # fmt: skip
         return {
             "before samples/s": before,
             "during samples/s": during,
@@ -394,6 +388,13 @@ class Bench:
             "s until routed to again": math.nan if back is None else back - t_heal,
             "s stalled after reconnecting": stalled_after,
         }
+
+    def _plot_share(self, name, rec, share, label, title) -> None:
+        """The throughput plot with the phase markers and one peer's share (in %) as a
+        second line; ``share`` is (time, fraction) pairs on the run's clock."""
+        t0 = rec.phases[0][1]
+        markers = [(t - t0, what) for t, what in rec.events]
+        self._plot(name, rec, markers, title, {label: [(t - t0, 100 * f) for t, f in share]})
 
     def _plot(self, name, rec, markers, title, extra=None) -> None:
         if not self.plot:
