@@ -260,13 +260,36 @@ def lp_bound(t: np.ndarray, tol: float = 1e-6, max_iter: int = 500) -> tuple[flo
 
 def integer_assignment(t: np.ndarray, lam: np.ndarray, steps: int = 400) -> float:
     """The bottleneck of an integer assignment: each peer where lam_s t_is is highest,
-    then single moves into the weakest stage while they raise the bottleneck."""
+    then single moves into the weakest stage while they raise the bottleneck. Where peers
+    have several best stages (within 0.1%; where every stage is alike, all of them), also
+    from a start that deals those out largest first, each to the one with the least priced
+    total so far; the better of the two."""
     n, s = t.shape
     if n == 0:
         return 0.0
     idx = np.arange(n)
-    a = (t * lam).argmax(1)
-    tot = np.bincount(a, weights=t[idx, a], minlength=s)
+    v = t * lam
+    a = v.argmax(1)
+    best = v >= v[idx, a][:, None] * (1 - 1e-3)
+    tied = np.flatnonzero(best.sum(1) > 1)
+    if not len(tied):
+        return _improve(t, a, steps)
+    dealt = a.copy()
+    dealt[tied] = -1
+    placed = dealt >= 0
+    tot = np.bincount(dealt[placed], weights=t[idx, dealt][placed], minlength=s).astype(float)
+    for i in tied[np.argsort(-v[tied].max(1))]:
+        options = np.flatnonzero(best[i])
+        dealt[i] = options[int((tot[options] * lam[options]).argmin())]
+        tot[dealt[i]] += t[i, dealt[i]]
+    return max(_improve(t, a, steps), _improve(t, dealt, steps))
+
+
+def _improve(t: np.ndarray, a: np.ndarray, steps: int) -> float:
+    n, s = t.shape
+    idx = np.arange(n)
+    a = a.copy()
+    tot = np.bincount(a, weights=t[idx, a], minlength=s).astype(float)
     for _ in range(steps):
         m = int(tot.argmin())
         low = tot[m]

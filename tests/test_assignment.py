@@ -453,6 +453,15 @@ def test_the_simulators_bound_is_the_linear_programmes_optimum(sim):
     assert 0.98 * bound <= integer <= bound * (1 + 1e-9)
 
 
+def test_the_simulators_integer_assignment_deals_out_peers_alike_on_every_stage(sim):
+    # Every peer as fast on every stage (the last 1.5x slower): the prices tie every
+    # stage for every peer, and a start that puts each where its price is highest puts
+    # them all on one stage; dealt out, they reach the bound.
+    t = np.exp(np.random.default_rng(4).standard_normal((400, 1))) * [1, 1, 1, 1 / 1.5]
+    bound, lam = sim.lp_bound(t)
+    assert 0.99 * bound <= sim.integer_assignment(t, lam) <= bound * (1 + 1e-9)
+
+
 def test_simulator_smoke_200_peers(sim):
     cfg = sim.Config(peers=200, stages=3, duration=2400.0, seed=1, settle=300.0)
     results = {rule: sim.simulate(cfg, rule) for rule in sim.RULES}
