@@ -95,7 +95,7 @@ class Config:
     dist: str = "lognormal"  # or "pareto"
     sigma: float = 1.0  # lognormal: std of log throughput (a 30x spread of devices)
     pareto_shape: float = 2.0  # pareto: tail index
-    stage_correlation: float = 0.9  # of one peer's log throughputs across stages
+    stage_correlation: float = 0.9  # of one peer's log throughputs across kinds of stage
     last_stage_cost: float = 1.5  # the head and loss make the last stage this much slower
     burst: float = 0.5  # fraction of the initial peers arriving in the first 5 s
     ramp: float = 300.0  # the rest arrive uniformly until then
@@ -200,12 +200,16 @@ def make_population(cfg: Config) -> Population:
 
 
 def draw_throughputs(rng: np.random.Generator, n: int, cfg: Config) -> np.ndarray:
-    """Heavy-tailed per-stage throughputs, correlated across a peer's stages (one device
-    is fast or slow at everything, give or take memory and kernel differences)."""
+    """Heavy-tailed per-stage throughputs, correlated across a peer's kinds of stage (one
+    device is fast or slow at everything, give or take memory and kernel differences).
+    The middle stages do the same work (blocks only, as many of them), and a node measures
+    one figure for them all (``node/capacity.py``); the first (embedding) and last (head)
+    are kinds of their own."""
     s, rho = cfg.stages, cfg.stage_correlation
-    g = math.sqrt(rho) * rng.standard_normal((n, 1)) + math.sqrt(1 - rho) * rng.standard_normal(
-        (n, s)
-    )  # (n, S) standard normal, correlation rho within a row
+    kinds = [0] + [1] * (s - 2) + [2] if s >= 3 else list(range(s))
+    own = rng.standard_normal((n, max(kinds) + 1))[:, kinds]
+    g = math.sqrt(rho) * rng.standard_normal((n, 1)) + math.sqrt(1 - rho) * own
+    # (n, S) standard normal, correlation rho between kinds, 1 within a kind
     if cfg.dist == "lognormal":
         t = np.exp(cfg.sigma * g)
     elif cfg.dist == "pareto":  # the same dependence (Gaussian copula), Pareto margins
@@ -811,8 +815,9 @@ def report(cfg: Config, results: dict[str, Result], every: float = 600.0) -> str
     lines = [
         f"assignment simulator: {cfg.peers} peers, {cfg.stages} stages, {cfg.duration:.0f} s, "
         f"churn {cfg.churn}/peer-hour, seed {cfg.seed}; throughputs {cfg.dist} "
-        f"(sigma {cfg.sigma}, pareto shape {cfg.pareto_shape}), stage correlation "
-        f"{cfg.stage_correlation}, last stage cost x{cfg.last_stage_cost}",
+        f"(sigma {cfg.sigma}, pareto shape {cfg.pareto_shape}), correlation "
+        f"{cfg.stage_correlation} between the first, middle and last stages (the middle "
+        f"ones alike), last stage cost x{cfg.last_stage_cost}",
         f"gossip: delay {cfg.gossip_delay} s mean, loss {cfg.gossip_loss}, re-announce "
         f"{cfg.reannounce} s, record expiry {cfg.expiry} s; load {cfg.load} s; check every "
         f"{cfg.period} s (mean); ours: {cfg.params()}",
