@@ -202,8 +202,10 @@ class Params:
     # are not moved when prices drift.
     price_hysteresis: float = 0.3
     # Expected inflow per check period, as a multiple of the room: about 1/urgency periods
-    # to close a gap. Higher recovers faster and overshoots more under gossip delay.
-    urgency: float = 4.0
+    # to close a gap. Higher recovers faster and overshoots more under gossip delay
+    # (after a mass loss, when an alarm has every peer check within seconds, 4 made 15%
+    # more moves than 3 at 10,000 peers for a recovery 10 s faster).
+    urgency: float = 3.0
     # The chance of a move that fixes an imbalance scales as (own speed / the mean
     # peer's) ** size_bias: a gap is closed by few large moves rather than many small.
     size_bias: float = 1.0
