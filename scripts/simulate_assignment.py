@@ -358,6 +358,7 @@ class Sim:
         self.log_t: list[float] = []
         self.log: list[tuple[int, int, float, int, int]] = []  # peer, stage, d thr/n/serving
         self.ann_thr = [0.0] * s
+        self.ann_sq = [0.0] * s  # summed squares of the claims' throughputs
         self.ann_n = [0] * s
         self.ann_serving = [0] * s
         self.pyrng = random.Random(cfg.seed)  # scalar draws: gossip delays and losses
@@ -388,6 +389,7 @@ class Sim:
         self.log_t.append(t)
         self.log.append((i, stage, d_thr, d_n, d_srv))
         self.ann_thr[stage] += d_thr
+        self.ann_sq[stage] += d_n * d_thr * d_thr
         self.ann_n[stage] += d_n
         self.ann_serving[stage] += d_srv
         if self.rule == "ours" and (d_thr < 0 or d_n < 0):
@@ -417,26 +419,34 @@ class Sim:
         seen_until = t - r.expovariate(1.0 / cfg.gossip_delay) if cfg.gossip_delay > 0 else t
         k = bisect.bisect_right(self.log_t, seen_until)
         thr, n, srv = self.ann_thr.copy(), self.ann_n.copy(), self.ann_serving.copy()
-        for q in range(k, len(log)):  # not arrived yet
+        sq = self.ann_sq.copy()
+
+        def unseen(q: int) -> None:
             p, st, d_thr, d_n, d_srv = log[q]
             if p != i:
                 thr[st] -= d_thr
+                sq[st] -= d_n * d_thr * d_thr
                 n[st] -= d_n
                 srv[st] -= d_srv
+
+        for q in range(k, len(log)):  # not arrived yet
+            unseen(q)
         if self.log_keep is not None:  # lost: jump from one loss to the next
             q = bisect.bisect_right(self.log_t, seen_until - cfg.reannounce) - 1
             while True:
                 q += 1 + int(math.log(1.0 - r.random()) / self.log_keep)
                 if q >= k:
                     break
-                p, st, d_thr, d_n, d_srv = log[q]
-                if p != i:
-                    thr[st] -= d_thr
-                    n[st] -= d_n
-                    srv[st] -= d_srv
+                unseen(q)
         n = [max(c, 0) for c in n]
         srv = [min(max(c, 0), m) for c, m in zip(srv, n, strict=True)]
-        return SwarmView(tuple(max(x, 0.0) for x in thr), tuple(n), tuple(srv), self.prices)
+        return SwarmView(
+            tuple(max(x, 0.0) for x in thr),
+            tuple(n),
+            tuple(srv),
+            self.prices,
+            tuple(max(x, 0.0) for x in sq),
+        )
 
     def seed(self, i: int) -> str:
         self.count[i] += 1

@@ -278,6 +278,28 @@ def test_movers_are_rationed_to_what_the_gap_needs():
     assert 25 <= expected_inflow <= 60, expected_inflow
 
 
+def test_peers_of_unequal_speeds_bring_the_inflow_that_equal_ones_would():
+    # Stage 0 is 40 short. Stages 1 and 2 hold 100 each: 20 peers of 5, or 10 of 1 and
+    # 10 of 9. Larger peers are likelier to move, and the sum of chance x speed (the
+    # expected inflow of one round of checks) must not grow with the spread of speeds:
+    # without the correction it would be 1.64x that of equal peers here.
+    params = Params(urgency=0.5, min_gain=0.0)
+
+    def inflow(speeds: list[float]) -> float:
+        claims = [Claim(f"z{k}", 0, 1.0) for k in range(60)]
+        claims += [Claim(f"s{s}-{k}", s, v) for s in (1, 2) for k, v in enumerate(speeds)]
+        view = SwarmView.from_claims(3, claims)
+        total = 0.0
+        for v in speeds:
+            move = next(m for k in range(20000) if (m := decide_move(view, 1, (v,) * 3, k, params)))
+            assert move.to_stage == 0 and move.reason == "imbalance"
+            total += 2 * move.probability * v  # the same on stage 2
+        return total
+
+    equal, unequal = inflow([5.0] * 20), inflow([1.0] * 10 + [9.0] * 10)
+    assert 0.85 < unequal / equal < 1.15, (unequal, equal)
+
+
 def test_an_alarm_is_raised_by_a_stage_that_lost_a_fifth_or_was_emptied():
     before = _view([100.0, 100.0, 100.0], counts=[10, 10, 10])
     assert alarm(before, _view([100.0, 81.0, 300.0], counts=[10, 9, 30])) is None  # churn
