@@ -148,6 +148,14 @@ def _all_rates(values: Iterable[float]) -> bool:
         return False
 
 
+def _per_stage(what: str, values: Sequence[float], n: int) -> None:
+    if len(values) != n:
+        raise ValueError(f"{len(values)} {what}s for {n} stages")
+    if not _all_rates(values):  # the fast path; the loop names the culprit
+        for s, v in enumerate(values):
+            _rate(f"{what} of stage {s}", v)
+
+
 def _stage_index(s: int, n: int, what: str) -> None:
     if not (isinstance(s, int) and not isinstance(s, bool) and 0 <= s < n):
         raise ValueError(f"{what} must be an integer in [0, {n}), got {s!r}")
@@ -297,19 +305,11 @@ class SwarmView:
                         f"of {c!r}"
                     )
         if self.prices is not None:
-            if len(self.prices) != n:
-                raise ValueError(f"{len(self.prices)} prices for {n} stages")
-            if not _all_rates(self.prices):
-                for s, p in enumerate(self.prices):
-                    _rate(f"price of stage {s}", p)
+            _per_stage("price", self.prices, n)
             if not sum(self.prices) > 0.0:
                 raise ValueError(f"prices must not all be 0, got {self.prices}")
         if self.squares is not None:
-            if len(self.squares) != n:
-                raise ValueError(f"{len(self.squares)} sums of squares for {n} stages")
-            if not _all_rates(self.squares):
-                for s, q in enumerate(self.squares):
-                    _rate(f"sum of squares of stage {s}", q)
+            _per_stage("squared sum", self.squares, n)
 
     @property
     def n_stages(self) -> int:

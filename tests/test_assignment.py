@@ -422,6 +422,8 @@ def test_a_record_for_another_layout_is_dropped_not_trusted():
         (lambda: SwarmView((1.0, 2.0), (1, 1), (1, 2)), "got 2 serving of 1"),
         (lambda: SwarmView((), (), ()), "1 to 256 stages, got 0"),
         (lambda: SwarmView((1.0,), (1,), (1,), (0.5, 0.5)), "2 prices for 1 stages"),
+        (lambda: SwarmView((1.0,), (1,), (1,), None, (1.0, 1.0)), "2 squared sums for 1"),
+        (lambda: SwarmView((1.0,), (1,), (1,), None, (-1.0,)), "squared sum of stage 0"),
         (lambda: Claim("p", 0, -1.0), "throughput of peer p .* got -1.0"),
         (
             lambda: SwarmView.from_claims(2, [Claim("p", 0, 1.0), Claim("p", 1, 1.0)]),
