@@ -599,10 +599,10 @@ def decide_move(
     size = (me / mean) ** params.size_bias if mean > 0.0 else 1.0
     share = params.urgency * room / supply * size if supply > 0.0 else 1.0
     if view.squares is not None and supply > 0.0:
-        # Favouring large peers must not add inflow: summed over the peers outside the
-        # target, share * speed would be urgency * room times (the second moment of their
-        # speeds over the squared mean) ** size_bias, which is 2.7 for lognormal speeds
-        # of sigma 1 (exactly that for size_bias 1, and 1 for 0).
+        # Favouring large peers must not add inflow. Summed over the peers outside the
+        # target, share * speed is urgency * room times their mean squared speed over the
+        # squared mean (2.7 for lognormal speeds of sigma 1) when size_bias is 1; dividing
+        # by that ** size_bias makes it urgency * room for 0 and 1, and about that between.
         moment = (sum(view.squares) - view.squares[target]) * others / supply**2
         share /= max(1.0, moment) ** params.size_bias
     return _draw_move(Move(stage, target, gain, min(1.0, share), "imbalance"), seed)
