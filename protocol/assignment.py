@@ -64,8 +64,9 @@ The rule
     who keep arriving in proportion to the swarm's size (or by ``WORTH_A_MOVE`` of M,
     which is less in a swarm of a few hundred peers or fewer, where joiners are rare).
     A peer that knows how many joiners arrive (``arrivals``, per peer-hour) scales that
-    yardstick by their rate over ``arrival_reference``: in a swarm that nobody joins, a
-    gap would wait for joiners forever, so the moves that close it are worth making.
+    yardstick, and the hysteresis (down to ``join_margin``), by their rate over
+    ``arrival_reference``: in a swarm that nobody joins, a gap would wait for joiners
+    forever, so the moves that close it are worth making.
 
   Then:
 
@@ -201,11 +202,12 @@ class Params:
     # buys the most go, and an imbalance that only many small moves would fix is left to
     # the joiners, who arrive at a rate proportional to the swarm's size.
     min_gain: float = 3.0
-    # Joiners per peer-hour at and above which ``min_gain`` holds as it is; a peer that
-    # sees fewer arrivals scales it down in proportion (see ``decide_move``'s
-    # ``arrivals``): a swarm that one peer in ten or fewer joins per hour is nearly
-    # still, and waits for joiners too long. Well under the churn the rule was tuned at
-    # (1 per peer-hour), whose measured rate's ups and downs then change nothing.
+    # Joiners per peer-hour at and above which ``min_gain`` and ``hysteresis`` hold as
+    # they are; a peer that sees fewer arrivals scales them down in proportion (see
+    # ``decide_move``'s ``arrivals``): a swarm that one peer in ten or fewer joins per
+    # hour is nearly still, and waits for joiners too long. Well under the churn the
+    # rule was tuned at (1 per peer-hour), whose measured rate's ups and downs then
+    # change nothing.
     arrival_reference: float = 0.1
     # A serving peer misplaced at the prices alone (by more than this factor, minus 1)
     # moves without rationing; wider than ``fit_band``, so that joiners placed inside it
@@ -571,16 +573,19 @@ def decide_move(
     scores = _scores(values, w, throughput, params)
     here = scores[stage]
     best = max(v for s, v in enumerate(scores) if s != stage)
-    margin = params.hysteresis if serving else params.join_margin
+    # What joiners will fix for free, which the bars below leave to them, in proportion
+    # to how many arrive (all of it at ``arrival_reference`` and above).
+    joining = 1.0
+    if arrivals is not None:
+        _rate("arrivals", arrivals)
+        joining = min(1.0, arrivals / params.arrival_reference)
+    margin = max(params.join_margin, params.hysteresis * joining if serving else 0.0)
     if not best > 0.0 or not best > here * (1.0 + margin):
         return None
     cut = best * (1.0 - params.tie_tolerance)
     target = _pick([s for s, v in enumerate(scores) if s != stage and v >= cut], seed, "target")
     if serving:
-        joiner = sum(view.totals) / (sum(view.counts) * n)  # what a mean joiner adds to M
-        if arrivals is not None:
-            _rate("arrivals", arrivals)
-            joiner *= min(1.0, arrivals / params.arrival_reference)
+        joiner = joining * sum(view.totals) / (sum(view.counts) * n)  # a mean joiner's gain
         worth = min(params.min_gain * joiner, WORTH_A_MOVE * (_smooth(rest, w, a) + values[stage]))
         if not values[target] - values[stage] > worth:
             return None  # not worth a state download: joiners will do it

@@ -222,13 +222,18 @@ def test_where_nobody_joins_a_gap_is_closed_by_moves():
     view = _view([1000.0, 950.0, 1000.0, 1000.0], counts=[1000] * 4).add(Claim("me", 0, 2.0))
     own = (2.0,) * 4
 
-    def moves(arrivals):
+    def moves(arrivals, view=view):
         made = [decide_move(view, 0, own, k, arrivals=arrivals) for k in range(400)]
         assert all(m.to_stage == 1 and m.reason == "imbalance" for m in made if m is not None)
         return sum(m is not None for m in made)
 
     assert moves(None) == moves(0.1) == moves(1.0) == 0
     assert moves(0.0) > 0 and moves(0.01) > 0
+    # A gap inside the hysteresis (stage 1 worth about 15% more, not the 30% a move needs)
+    # is left to joiners too, while they come.
+    small = _view([1000.0, 985.0, 1000.0, 1000.0], counts=[1000] * 4).add(Claim("me", 0, 2.0))
+    assert moves(None, small) == moves(0.1, small) == 0
+    assert moves(0.0, small) > 0
     with pytest.raises(ValueError, match="arrivals must be a finite number >= 0"):
         decide_move(view, 0, own, 0, arrivals=-1.0)
 
