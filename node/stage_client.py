@@ -155,12 +155,14 @@ async def forward(
     run_id: str,
     stage: int,
     micro_batch: int = 0,
+    train: bool = False,
     compression: str = "none",
     timeout: float = DEFAULT_TIMEOUT,
 ) -> torch.Tensor:
     """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, C) ->
-    hidden states (B, T, C)."""
-    meta = _meta(run_id, stage, FORWARD, micro_batch)
+    hidden states (B, T, C). ``train``: a backward for ``micro_batch`` will follow, and the
+    server may keep the forward's graph for it (sent to this peer, it skips the recompute)."""
+    meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     out = await call(p2p, peer_id, FORWARD, meta, [serialize(inputs, compression)], timeout=timeout)
     b, t = inputs.shape[:2]
     if len(out) != 1 or out[0].dim() != 3:

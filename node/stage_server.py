@@ -19,9 +19,14 @@ the chunk size (64 KiB to 1 MiB).
 A backward is stateless: the caller re-sends the stage's inputs with the gradient of its
 outputs and the server recomputes the forward, so any peer of the stage can serve the
 backward of a forward that ran elsewhere (``ModelConfig.dropout`` 0 makes the recomputed
-forward exact). Each served backward adds its parameter gradients, summed over samples,
-into the stage's ``.grad``; the server steps (``on_accumulated``) once its optimizer has
-seen ``target_batch_size`` samples.
+forward exact). A forward marked ``train`` (the trainer will send its backward, to the same
+peer first) keeps its autograd graph instead, up to ``keep_graphs`` of them for ``keep_s``
+seconds: a backward from the same caller for the same micro-batch, with the same inputs
+and the parameters unchanged since (no step, no averaging), uses it and skips the
+recompute, a quarter of what a training micro-batch costs the stage. Anything else
+recomputes, so a kept graph changes the speed, never the result. Each served backward adds
+its parameter gradients, summed over samples, into the stage's ``.grad``; the server steps
+(``on_accumulated``) once its optimizer has seen ``target_batch_size`` samples.
 
 Every request is checked (``protocol.stage_messages``) before it touches any state, and
 gradients are computed into fresh tensors and checked finite before they are added, so a
@@ -38,6 +43,8 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +98,17 @@ class StageCounters:
     rejected: int  # requests refused
     steps: int  # optimizer steps taken
     samples: int  # samples accumulated since the last step
+    reused: int = 0  # backward passes served from a forward's kept graph (no recompute)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A forward's autograd graph, kept for the backward of the same micro-batch."""
+
+    inputs: torch.Tensor  # as received; requires grad where the stage takes hidden states
+    outputs: torch.Tensor
+    versions: tuple[tuple[int, int], ...]  # the parameters' (id, version) when it ran
+    at: float  # time.monotonic() when it ran
 
 
 class StageServer(NodeServicer):
@@ -116,6 +134,8 @@ class StageServer(NodeServicer):
         close_grace: float = 10.0,
         admission: Callable[[str], str | None] | None = None,
         callers: BanList | None = None,
+        keep_graphs: int = 4,
+        keep_s: float = 60.0,
     ) -> None:
         if stage.range != contract.blocks:
             raise ValueError(f"stage holds blocks {stage.range}, the contract {contract.blocks}")
@@ -131,8 +151,11 @@ class StageServer(NodeServicer):
         self.callers = BanList(BAN_S, BAN_AFTER, BAN_WINDOW_S) if callers is None else callers
         self.lock = threading.Lock()  # held while parameters or gradients are read or changed
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self.keep_graphs = keep_graphs  # forward graphs kept for their backward (0: none)
+        self.keep_s = keep_s  # a kept graph older than this is dropped
+        self._kept: OrderedDict[tuple[str, int], _Kept] = OrderedDict()  # compute thread only
         self._load = 0
-        self._forward = self._backward = self._rejected = 0
+        self._forward = self._backward = self._rejected = self._reused = 0
 
     @classmethod
     async def create(
@@ -169,6 +192,7 @@ class StageServer(NodeServicer):
             rejected=self._rejected,
             steps=self.optimizer.step_count,
             samples=self.optimizer.samples,
+            reused=self._reused,
         )
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
@@ -220,7 +244,10 @@ class StageServer(NodeServicer):
                     self.callers.forgive(caller, MEMBERSHIP)
                 meta, serialized = await self._receive(kind, requests)
             loop = asyncio.get_running_loop()
-            outputs = await loop.run_in_executor(self._executor, self._compute, meta, serialized)
+            caller = context.remote_id.to_base58()
+            outputs = await loop.run_in_executor(
+                self._executor, self._compute, meta, serialized, caller
+            )
         except (StageRequestError, TimeoutError) as e:
             reason = (
                 str(e)
@@ -295,15 +322,15 @@ class StageServer(NodeServicer):
                 return
 
     def _compute(
-        self, meta: StageMeta, serialized: list[runtime_pb2.Tensor]
+        self, meta: StageMeta, serialized: list[runtime_pb2.Tensor], caller: str
     ) -> list[runtime_pb2.Tensor]:
         """On the compute thread: decode, check, and only then run the stage."""
         request = parse_request(self.contract, meta, [deserialize(s) for s in serialized])
         request = self._on_device(request)
         with self.lock, autocast_for(self.device):
             if isinstance(request, ForwardRequest):
-                return self._run_forward(request)
-            return self._run_backward(request)
+                return self._run_forward(request, caller)
+            return self._run_backward(request, caller)
 
     @property
     def device(self) -> torch.device:
@@ -333,11 +360,20 @@ class StageServer(NodeServicer):
     def _send(self, tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
         return serialize(tensor.detach().float().cpu(), compression)
 
-    def _run_forward(self, request: ForwardRequest) -> list[runtime_pb2.Tensor]:
+    def _run_forward(self, request: ForwardRequest, caller: str) -> list[runtime_pb2.Tensor]:
         x = request.inputs  # (B, T) token ids or (B, T, C) hidden states
         if not self.contract.returns_loss:
-            with torch.no_grad():
+            if request.meta.train and self.keep_graphs > 0:
+                if not self.contract.takes_tokens:
+                    x.requires_grad_()
                 out = self._finite(self.stage(x), "outputs")  # (B, T, C)
+                self._keep(
+                    (caller, request.meta.micro_batch),
+                    _Kept(x, out, self._versions(), time.monotonic()),
+                )
+            else:
+                with torch.no_grad():
+                    out = self._finite(self.stage(x), "outputs")
             self._forward += 1
             return [self._send(out, self.compression)]
         if not request.meta.train:
@@ -355,15 +391,40 @@ class StageServer(NodeServicer):
         loss_out = [self._send(loss)]  # the loss itself travels exact
         return loss_out + ([self._send(grad_x, self.compression)] if wrt_inputs else [])
 
-    def _run_backward(self, request: BackwardRequest) -> list[runtime_pb2.Tensor]:
-        x = request.inputs
+    def _run_backward(self, request: BackwardRequest, caller: str) -> list[runtime_pb2.Tensor]:
         wrt_inputs = not self.contract.takes_tokens
-        if wrt_inputs:
-            x.requires_grad_()
-        out = self.stage(x)  # recomputed: this peer may not have served the forward
+        kept = self._kept.pop((caller, request.meta.micro_batch), None)
+        if (
+            kept is not None
+            and kept.versions == self._versions()
+            and torch.equal(kept.inputs.detach(), request.inputs)
+        ):
+            x, out = kept.inputs, kept.outputs
+            self._reused += 1
+        else:  # recomputed: this peer may not have served the forward, or not on these
+            x = request.inputs  # parameters
+            if wrt_inputs:
+                x.requires_grad_()
+            out = self.stage(x)
         grad_x = self._accumulate(out, request.grad_outputs, x if wrt_inputs else None, len(x))
         self._backward += 1
         return [self._send(grad_x, self.compression)] if wrt_inputs else []
+
+    def _versions(self) -> tuple[tuple[int, int], ...]:
+        """What changes when any parameter is changed in place (a step, an averaging
+        round, a state download), and then invalidates a kept graph."""
+        return tuple((id(p), p._version) for p in self.stage.parameters())
+
+    def _keep(self, key: tuple[str, int], kept: _Kept) -> None:
+        """Keep ``kept``, dropping graphs past ``keep_s`` and then the oldest, so that at
+        most ``keep_graphs`` are held (their activations are the memory they cost)."""
+        self._kept.pop(key, None)
+        while self._kept and (
+            len(self._kept) >= self.keep_graphs
+            or next(iter(self._kept.values())).at < kept.at - self.keep_s
+        ):
+            self._kept.popitem(last=False)
+        self._kept[key] = kept
 
     def _accumulate(
         self,

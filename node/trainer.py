@@ -162,7 +162,7 @@ class Trainer:
         last = self.spec.n_stages - 1
         inputs, route = [x], []
         for s in range(last):
-            hidden, peer = await self._forward(s, inputs[s], index)
+            hidden, peer = await self._forward(s, inputs[s], index, train=True)
             inputs.append(hidden)
             route.append(peer)
         (loss, grad), peer = await self._loss(inputs[last], y, index, train=True)
@@ -173,17 +173,26 @@ class Trainer:
                 lambda peer, timeout, s=s, g=grad: stage_client.backward(
                     self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **self._opts(timeout)
                 ),
+                prefer=route[s],  # it kept the forward's graph: no recompute there
             )
         return MicroBatchResult(index, float(loss), len(x), tuple(route))
 
     def _opts(self, timeout: float) -> dict:
         return {"run_id": self.spec.run, "compression": self.spec.compression, "timeout": timeout}
 
-    async def _forward(self, stage: int, x: torch.Tensor, index: int) -> tuple[torch.Tensor, str]:
+    async def _forward(
+        self, stage: int, x: torch.Tensor, index: int, train: bool = False
+    ) -> tuple[torch.Tensor, str]:
         return await self._call(
             stage,
             lambda peer, timeout: stage_client.forward(
-                self.p2p, peer, x, stage=stage, micro_batch=index, **self._opts(timeout)
+                self.p2p,
+                peer,
+                x,
+                stage=stage,
+                micro_batch=index,
+                train=train,
+                **self._opts(timeout),
             ),
         )
 
@@ -204,10 +213,10 @@ class Trainer:
         )
 
     async def _call(
-        self, stage: int, call: Callable[[PeerID, float], Awaitable[R]]
+        self, stage: int, call: Callable[[PeerID, float], Awaitable[R]], prefer: str = ""
     ) -> tuple[R, str]:
-        """``call(peer, timeout)`` on a peer of ``stage``; on a peer failure, ban it and try
-        another."""
+        """``call(peer, timeout)`` on a peer of ``stage`` (``prefer`` first, if it is
+        there and not banned); on a peer failure, ban it and try another."""
         deadline = time.monotonic() + self.settings.stage_wait_s
         while True:
             candidates = [
@@ -223,7 +232,10 @@ class Trainer:
                 await asyncio.sleep(0.5)
                 await self.refresh()
                 continue
-            peer = self._choose(candidates, self._bans.banned(time.monotonic()))
+            banned = self._bans.banned(time.monotonic())
+            there = prefer not in banned and any(c.peer_id == prefer for c in candidates)
+            peer = prefer if there else self._choose(candidates, banned)
+            prefer = ""  # a retry goes where the rule sends it
             self._in_flight[peer] += 1
             try:
                 await self._present(peer)

@@ -1,16 +1,21 @@
 """Round-trip latency on loopback: hivemind unary vs stream calls, and a stage forward.
 
-    python scripts/bench_stage_rpc.py [--calls 300]
+    python scripts/bench_stage_rpc.py [--calls 300] [--train-preset small --train-calls 12]
 
 Prints medians measured side by side in one run: an echo of a 4 x 16 float32 tensor as a
-unary call and as a stream call (what ``StageServer`` uses), then a ``StageServer``
-forward of the ``tiny`` preset's stage 0 against the same forward run locally.
+unary call and as a stream call (what ``StageServer`` uses), a ``StageServer`` forward of
+the ``tiny`` preset's stage 0 against the same forward run locally, and a training
+micro-batch on stage 0 of ``--train-preset`` (a forward marked ``train``, then its
+backward, to the same peer) with the server keeping the forward's graph against the same
+server recomputing it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import itertools
 import statistics
 import time
 
@@ -22,7 +27,7 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from models.config import tiny
+from models.config import preset, tiny
 from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer
 from node import stage_client
@@ -54,7 +59,42 @@ async def _median_ms(call, n: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-async def main(n: int) -> None:
+async def _train_ratio(server: P2P, client: P2P, name: str, n: int) -> None:
+    model, optim = preset(name)
+    blocks = even_boundaries(model, 2)[0]
+    stage = Stage(model, blocks)
+    tokens = optim.micro_batch_size * model.block_size
+    contract = StageContract.for_stage(model, blocks, 0, max_tokens=tokens)
+    never = dataclasses.replace(optim, target_batch_size=10**9)  # no step between the two
+    stage_server = await StageServer.create(
+        server, stage, StageOptimizer(stage, never), contract, "bench"
+    )
+    try:
+        x = torch.randint(0, model.vocab_size, (optim.micro_batch_size, model.block_size))
+        ids = itertools.count()
+        kw = {"run_id": "bench", "stage": 0, "timeout": 600.0}
+
+        async def micro_batch():
+            k = next(ids)
+            h = await stage_client.forward(
+                client, server.peer_id, x, micro_batch=k, train=True, **kw
+            )
+            grad = torch.full_like(h, 1e-3)
+            await stage_client.backward(client, server.peer_id, x, grad, micro_batch=k, **kw)
+
+        kept_ms = await _median_ms(micro_batch, n)
+        stage_server.keep_graphs = 0
+        recomputed_ms = await _median_ms(micro_batch, n)
+        print(
+            f"{name} stage 0 training micro-batch ({tuple(x.shape)}, forward + backward on one "
+            f"peer): graph kept {kept_ms:.0f} ms, recomputed {recomputed_ms:.0f} ms, ratio "
+            f"{kept_ms / recomputed_ms:.2f}"
+        )
+    finally:
+        await stage_server.shutdown()
+
+
+async def main(n: int, train_preset: str, train_calls: int) -> None:
     server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = await P2P.create(
         host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs()
@@ -101,6 +141,9 @@ async def main(n: int) -> None:
             f"tiny stage 0 forward ({tuple(x.shape)}): remote {remote_ms:.2f} ms, "
             f"local {local_ms:.2f} ms, ratio {remote_ms / local_ms:.1f}"
         )
+        await stage_server.shutdown()
+        stage_server = None
+        await _train_ratio(server, client, train_preset, train_calls)
     finally:
         if stage_server is not None:
             await stage_server.shutdown()
@@ -111,4 +154,7 @@ async def main(n: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
-    asyncio.run(main(parser.parse_args().calls))
+    parser.add_argument("--train-preset", default="small")
+    parser.add_argument("--train-calls", type=int, default=12)
+    args = parser.parse_args()
+    asyncio.run(main(args.calls, args.train_preset, args.train_calls))

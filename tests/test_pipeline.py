@@ -122,14 +122,14 @@ def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_
 
 class KillAfterForward(Trainer):
     """Fault injection: SIGKILL the stage-0 peer that served the forward of one micro-batch,
-    before that micro-batch's backward is sent."""
+    before that micro-batch's backward is sent (to that peer first: it kept the graph)."""
 
     victims: dict = {}
     killed: str | None = None
     after_kill: list = []
 
-    async def _call(self, stage, call):
-        result, peer = await super()._call(stage, call)
+    async def _call(self, stage, call, prefer=""):
+        result, peer = await super()._call(stage, call, prefer)
         if stage == 0 and self.killed is not None and not self.after_kill:
             self.after_kill.append(peer)  # the next stage-0 call: the backward
         if stage == 0 and self.killed is None and isinstance(result, torch.Tensor):

@@ -178,6 +178,61 @@ def test_pipeline_over_rpc_equals_local_pipeline():
     _run(body())
 
 
+def test_a_forward_kept_for_its_backward_gives_what_a_recompute_gives():
+    """A forward marked ``train`` keeps its graph, and the backward sent to the same peer
+    skips the recompute; the gradients are bitwise those of a peer that recomputes. Changed
+    parameters, other inputs, or a graph dropped for room make the peer recompute."""
+    x, _ = _batch()
+    h0 = _local(THREE)[0](x).detach()
+    g1 = torch.randn(h0.shape, generator=torch.Generator().manual_seed(1))
+
+    async def body():
+        async with _swarm(THREE, [1, 1], keep_graphs=2) as (client, (kept, other)):
+            kw = {"run_id": RUN, "stage": 1}
+
+            async def forward(k: int, inputs=h0) -> torch.Tensor:
+                peer = _peer(kept)
+                return await stage_client.forward(
+                    client, peer, inputs, micro_batch=k, train=True, **kw
+                )
+
+            async def backward(k: int, inputs=h0) -> torch.Tensor:
+                both = [
+                    await stage_client.backward(client, _peer(s), inputs, g1, micro_batch=k, **kw)
+                    for s in (kept, other)
+                ]
+                assert torch.equal(both[0], both[1])
+                return both[0]
+
+            out = await forward(1)
+            assert torch.equal(out, await stage_client.forward(client, _peer(other), h0, **kw))
+            await backward(1)
+            assert kept.counters.reused == 1 and other.counters.reused == 0
+            _assert_same(_grads(kept.stage), _grads(other.stage))
+            await forward(2)
+            await backward(2)  # 8 samples: both step, alike
+            assert kept.counters.reused == 2 and kept.counters.steps == 1
+            _assert_same(_params(kept.stage), _params(other.stage))
+
+            await forward(3)
+            for server in (kept, other):  # as an averaging round would
+                with server.lock, torch.no_grad():
+                    next(server.stage.parameters()).mul_(0.5)
+            await backward(3)
+            await forward(4)
+            await backward(4, inputs=h0 * 2)
+            assert kept.counters.reused == 2  # both recomputed
+            for k in (5, 6, 7):
+                await forward(k)
+            await backward(5)  # dropped: only the 2 latest are kept
+            assert kept.counters.reused == 2
+            await backward(7)
+            assert kept.counters.reused == 3 and kept.counters.backward == 6
+            _assert_same(_grads(kept.stage), _grads(other.stage))
+
+    _run(body())
+
+
 # Tolerances: the activations' error (their std is about 0.03) and the loss's.
 @pytest.mark.parametrize(
     "compression,atol,loss_tol", [("float16", 1e-4, 1e-4), ("uint8", 1e-2, 5e-3)]
@@ -411,9 +466,9 @@ class _StalledServer(StageServer):
         super().__init__(*args, **kwargs)
         self.release = threading.Event()
 
-    def _compute(self, meta, serialized):
+    def _compute(self, *args):
         self.release.wait(timeout=30)
-        return super()._compute(meta, serialized)
+        return super()._compute(*args)
 
 
 def test_timeout_and_unreachable_peer_are_retryable():
