@@ -416,13 +416,15 @@ class StageServer(NodeServicer):
         return tuple((id(p), p._version) for p in self.stage.parameters())
 
     def _keep(self, key: tuple[str, int], kept: _Kept) -> None:
-        """Keep ``kept``, dropping graphs past ``keep_s`` and then the oldest, so that at
-        most ``keep_graphs`` are held (their activations are the memory they cost)."""
-        self._kept.pop(key, None)
-        while self._kept and (
-            len(self._kept) >= self.keep_graphs
-            or next(iter(self._kept.values())).at < kept.at - self.keep_s
-        ):
+        """Keep ``kept``, dropping graphs that a parameter change made useless, those past
+        ``keep_s``, and then the oldest, so that at most ``keep_graphs`` are held (their
+        activations are the memory they cost)."""
+        self._kept = OrderedDict(
+            (k, g)
+            for k, g in self._kept.items()
+            if k != key and g.versions == kept.versions and g.at >= kept.at - self.keep_s
+        )
+        while len(self._kept) >= self.keep_graphs:
             self._kept.popitem(last=False)
         self._kept[key] = kept
 
