@@ -30,6 +30,7 @@ from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerI
 from hivemind.proto import runtime_pb2
 
 from node.servicer import NodeServicer
+from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class BandwidthProbe(NodeServicer):
         max_bytes: int = MAX_PROBE_BYTES,
         rate_bps: float = SERVE_RATE_BPS,
         burst_bytes: float = SERVE_BURST_BYTES,
+        callers: BanList | None = None,
     ) -> None:
         if not 0 < max_bytes <= MAX_PROBE_BYTES or burst_bytes < max_bytes:
             raise ValueError(
@@ -90,8 +92,9 @@ class BandwidthProbe(NodeServicer):
         self.max_bytes = max_bytes
         self._payload = os.urandom(max_bytes)  # incompressible; downloads are slices of it
         self._budget = _Budget(rate_bps, burst_bytes)
+        self.callers = callers  # malformed or oversized calls count against their caller
         self.served = 0  # calls answered
-        self.refused = 0  # calls refused
+        self.refusals = 0  # calls refused
 
     @classmethod
     async def create(cls, p2p: P2P, **settings) -> BandwidthProbe:
@@ -121,14 +124,19 @@ class BandwidthProbe(NodeServicer):
         (n,) = _SIZE.unpack(request.metadata)
         if n > self.max_bytes:
             self._refuse(context, f"a download of {n} bytes (the limit is {self.max_bytes})")
-        if not self._budget.take(n):
-            self._refuse(context, f"a download of {n} bytes: busy, try again in a few seconds")
+        if not self._budget.take(n):  # not the caller's fault: no strike
+            self._refuse(
+                context, f"a download of {n} bytes: busy, try again in a few seconds", strike=False
+            )
         self.served += 1
         return runtime_pb2.ExpertResponse(metadata=self._payload[:n])
 
-    def _refuse(self, context: P2PContext, what: str) -> None:
-        self.refused += 1
-        logger.warning("refused %s from %s", what, context.remote_id)
+    def _refuse(self, context: P2PContext, what: str, strike: bool = True) -> None:
+        self.refusals += 1
+        if strike:
+            self.refused(context, "a bandwidth probe", what)
+        else:
+            logger.warning("refused %s from %s", what, context.remote_id)
         raise BandwidthProbeError(_REFUSED + what)
 
 

@@ -30,6 +30,7 @@ from node.files import load_or_create_identity, load_or_create_key, write_atomic
 from node.gossip import GossipUnavailable
 from node.membership import MembershipGate, prove_membership
 from node.placement import Placement
+from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S
 from node.stage_averaging import AveragedStageServer, StageAverager
 from node.stage_server import StageServer
 from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
@@ -38,6 +39,7 @@ from protocol.identity import peer_id_of
 from protocol.membership import MembershipError, issue_invite
 from protocol.ownership import check_run_id, fingerprint
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
+from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file, sign_run_spec
 from protocol.stage_messages import StageContract
 
@@ -136,6 +138,8 @@ class Node:
         self.spec: RunSpec | None = None
         self.membership: str | None = None  # our proof of an invite, in a private run
         self.gate: MembershipGate | None = None
+        # One for every service of this node: a peer refused by one is refused by all.
+        self.callers = BanList(BAN_S, BAN_AFTER, BAN_WINDOW_S)
         self.device: Device | None = None
         self.throughput: tuple[float, ...] = ()
         self.stage: int | None = None
@@ -274,8 +278,8 @@ class Node:
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
         """Announce, take a stage, serve, until ``stop`` is set; then cancel every task."""
         self.p2p = await self.dht.replicate_p2p()
-        self.probe = await BandwidthProbe.create(self.p2p)
-        self.gate = await MembershipGate.create(self.p2p, lambda: self.dht.policy)
+        self.probe = await BandwidthProbe.create(self.p2p, callers=self.callers)
+        self.gate = await MembershipGate.create(self.p2p, lambda: self.dht.policy, self.callers)
         try:
             self.placement = await Placement.create(
                 self.dht,
@@ -379,6 +383,7 @@ class Node:
             compression=self.spec.compression,
             averager=self.averager,
             admission=self.gate.refusal if self.spec.private else None,
+            callers=self.callers,
         )
         self.set_state(PeerState.SERVING)
 

@@ -19,9 +19,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from node.servicer import NodeServicer
+from node.servicer import MEMBERSHIP, NodeServicer
 from protocol.membership import MembershipError, MembershipPolicy, parse_invite_token
 from protocol.records import MAX_MEMBERSHIP_CHARS, RecordError
+from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,18 @@ class MembershipGate(NodeServicer):
 
     service_name = "Membership"
 
-    def __init__(self, policy: Callable[[], MembershipPolicy]) -> None:
+    def __init__(
+        self, policy: Callable[[], MembershipPolicy], callers: BanList | None = None
+    ) -> None:
         self._policy = policy  # read on every check: revocations arrive while we run
         self._admitted: dict[str, tuple[str, float]] = {}  # peer id -> (invite id, expiry)
+        self.callers = callers  # refused proofs count against their caller
 
     @classmethod
-    async def create(cls, p2p: P2P, policy: Callable[[], MembershipPolicy]) -> MembershipGate:
-        self = cls(policy)
+    async def create(
+        cls, p2p: P2P, policy: Callable[[], MembershipPolicy], callers: BanList | None = None
+    ) -> MembershipGate:
+        self = cls(policy, callers)
         await self.attach(p2p)
         return self
 
@@ -75,9 +81,11 @@ class MembershipGate(NodeServicer):
             proof = request.metadata.decode("ascii", errors="replace")
             invite = self._policy().check(caller, proof, get_dht_time())
         except RecordError as e:
-            logger.warning("refused the membership of %s: %s", caller, e)
+            self.refused(context, "a membership proof", str(e), cause=MEMBERSHIP)
             raise MembershipError(NOT_A_MEMBER + str(e)) from None
         if invite is not None:
+            if self.callers is not None:
+                self.callers.forgive(caller, MEMBERSHIP)
             if len(self._admitted) >= MAX_ADMITTED:
                 self._admitted.pop(next(iter(self._admitted)))
             self._admitted[caller] = (invite.invite_id, invite.expires)

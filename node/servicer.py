@@ -7,10 +7,13 @@ length header, so a caller declaring a frame of 2**62 bytes could make the node 
 everything it sends until the handler times out. Here the frames (hivemind's: a marker
 byte, 0 for a message and 1 for an error, then the body's length, 8 bytes big-endian,
 then the body) are read by ``read_frame``, which refuses a declared length over
-``max_frame_bytes`` before reading the body. Callers that keep being refused are banned
-(``callers``): their streams are refused before anything is read. Unary handlers travel
-through the daemon's persistent connection, which caps messages itself, and stay
-hivemind's.
+``max_frame_bytes`` before reading the body. Unary handlers travel through the daemon's
+persistent connection, which caps messages itself, and stay hivemind's.
+
+Callers that keep being refused are banned (``callers``): their streams are refused before
+anything is read, and their unary calls before the handler runs. A node gives all its
+services one ``BanList``, so that a peer refused by one (bad stage requests, bad bandwidth
+probes, forged invites) is refused by all.
 """
 
 from __future__ import annotations
@@ -39,10 +42,17 @@ REFUSAL_LINGER_S = 2.0  # for a refused caller to close the stream once it has t
 BAN_AFTER = 5
 BAN_WINDOW_S = 60.0
 BAN_S = 60.0
+# The cause of a refusal as a non-member (``BanList.strike``): forgiven once the caller is
+# admitted, since a restart of either side makes a member look like a stranger for a while.
+MEMBERSHIP = "membership"
 
 
 class FrameError(Exception):
     """A stream frame that is not read: oversized or malformed."""
+
+
+class BannedCaller(Exception):
+    """A unary call from a banned caller, refused before its handler runs."""
 
 
 async def read_frame(
@@ -123,7 +133,13 @@ class NodeServicer(ServicerBase):
         name = self._get_handle_name(None, rpc.method_name)
         method = getattr(self, rpc.method_name)
         if not rpc.stream_input and not rpc.stream_output:
-            await p2p.add_protobuf_handler(name, method, rpc.request_type)
+
+            async def unary(request: Message, context: P2PContext) -> Message:
+                if banned := self.ban_refusal(context):
+                    raise BannedCaller(banned)
+                return await method(request, context)
+
+            await p2p.add_protobuf_handler(name, unary, rpc.request_type)
             return
         if not rpc.stream_input or not rpc.stream_output:
             raise TypeError(f"{name} must stream both ways or neither")

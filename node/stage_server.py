@@ -59,7 +59,7 @@ from hivemind.proto import runtime_pb2
 from models.stages import Stage
 from models.training import StageOptimizer
 from node.capacity import autocast_for
-from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S, NodeServicer
+from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S, MEMBERSHIP, NodeServicer
 from node.stage_wire import (
     FAILED,
     MAX_FRAME_BYTES,
@@ -87,8 +87,6 @@ from protocol.stage_messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-MEMBERSHIP = "membership"  # the cause of a refusal as a non-member (``BanList.strike``)
 
 
 @dataclass(frozen=True)

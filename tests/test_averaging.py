@@ -583,7 +583,10 @@ def test_diloco_trains_the_tiny_model_to_a_lower_validation_loss(dhts, corpus):
             for epoch in range(1, outer + 1):
                 await asyncio.to_thread(train_one_outer_step)
                 await _until(lambda e=epoch: _at_epoch(e, a, b), 15, f"outer step {epoch}")
-                assert _close(a.params(), b.params(), 0), f"copies differ after outer step {epoch}"
+                assert _close(a.params(), b.params(), 0), (
+                    f"copies differ after outer step {epoch}: "
+                    f"{a.averager.stats} and {b.averager.stats}"  # seen once: did one step alone?
+                )
             after = evaluate([a.stage], val)
             for peer in (a, b):
                 stats = peer.averager.stats

@@ -64,7 +64,7 @@ def test_measured_bandwidth_is_positive_and_finite():
             _assert_sane(await measure_bandwidth(client, server.peer_id))
             _assert_sane(await measure_bandwidth(client, server.peer_id, nbytes=1, rounds=1))
             _assert_sane(await measure_bandwidth(client, server.peer_id, nbytes=MAX_PROBE_BYTES))
-            assert probe.served == 6 + 3 + 6 and probe.refused == 0
+            assert probe.served == 6 + 3 + 6 and probe.refusals == 0
 
     _run(body())
 
@@ -90,7 +90,7 @@ def test_oversized_and_malformed_requests_are_refused_and_the_probe_keeps_servin
                     await call(request)
                 assert what in str(e.value)
                 assert time.monotonic() - started < 5
-            assert probe.refused == len(refused)
+            assert probe.refusals == len(refused)
 
             # Past the daemon's message limit the call fails at the caller: never sent.
             with pytest.raises(P2PDaemonError, match="exceeds set limit"):
@@ -101,7 +101,7 @@ def test_oversized_and_malformed_requests_are_refused_and_the_probe_keeps_servin
                 await measure_bandwidth(client, server.peer_id, nbytes=MAX_PROBE_BYTES + 1)
 
             _assert_sane(await measure_bandwidth(client, server.peer_id))  # still serving
-            assert probe.refused == len(refused)
+            assert probe.refusals == len(refused)
 
     _run(body())
 

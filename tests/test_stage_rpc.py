@@ -15,19 +15,23 @@ import msgpack
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
 
 from models.config import ModelConfig, OptimizerConfig
 from models.stages import Stage, StageRange, even_boundaries, validate_boundaries
 from models.training import StageOptimizer, pipeline_loss
 from node import stage_client
-from node.membership import NOT_A_MEMBER
+from node.bandwidth import BandwidthProbe, measure_bandwidth
+from node.membership import NOT_A_MEMBER, MembershipGate, present
 from node.servicer import BAN_AFTER, BAN_WINDOW_S
 from node.stage_client import StageRefused, StageTimeout, StageUnavailable
 from node.stage_server import StageServer
 from node.stage_wire import MAX_CHUNK_BYTES, Assembler, serialize, split_message
 from protocol.identity import peer_id_of
+from protocol.membership import MembershipPolicy, issue_invite, parse_invite_token
+from protocol.ownership import make_run_id
 from protocol.routing import BanList, CallTimer
 from protocol.stage_messages import (
     BACKWARD,
@@ -675,6 +679,85 @@ def test_a_caller_refused_again_and_again_is_banned_for_a_while(caplog):
                 assert time.monotonic() - banned_at > 1.5
             finally:
                 await other.shutdown()
+
+    _run(body())
+
+
+def test_a_caller_banned_by_one_service_of_a_node_is_refused_by_all():
+    """A node's services share one ban list: bad bandwidth probes (unary calls) get their
+    caller's stage requests refused, and its good probes too; other callers are served."""
+    x, _ = _batch()
+    kw = {"run_id": RUN, "stage": 0, "timeout": 10}
+    bans = BanList(duration_s=60.0, strikes=BAN_AFTER, window_s=BAN_WINDOW_S)
+
+    async def body():
+        async with _swarm(TWO, [0], callers=bans) as (client, (s0,)):
+            probe = await BandwidthProbe.create(s0.p2p, max_bytes=1024, callers=bans)
+            other = await P2P.create(
+                host_maddrs=[LOOPBACK], initial_peers=await s0.p2p.get_visible_maddrs()
+            )
+            try:
+                await stage_client.forward(client, s0.peer_id, x, **kw)  # served before
+                stub = BandwidthProbe.get_stub(client, s0.peer_id)
+                oversized = runtime_pb2.ExpertRequest(metadata=bytes(2048))
+                for _ in range(BAN_AFTER):
+                    with pytest.raises(P2PHandlerError, match="an upload of 2048 bytes"):
+                        await stub.rpc_upload(oversized)
+                with pytest.raises(StageUnavailable, match="banned until"):
+                    await stage_client.forward(client, s0.peer_id, x, **kw)
+                with pytest.raises(P2PHandlerError, match="banned until"):
+                    await stub.rpc_upload(runtime_pb2.ExpertRequest(metadata=bytes(16)))
+                assert probe.refusals == BAN_AFTER  # the banned call never reached it
+                await stage_client.forward(other, s0.peer_id, x, **kw)
+                assert await measure_bandwidth(other, s0.peer_id, nbytes=1024)
+            finally:
+                await other.shutdown()
+                await probe.shutdown()
+
+    _run(body())
+
+
+def test_refused_invites_count_toward_a_ban_and_admission_forgives_them():
+    """The membership gate counts a refused proof against its caller, in the node's ban
+    list: a stranger forging proofs is banned, even from presenting a good one later; an
+    invited peer whose proofs were refused (a stale one, say) is forgiven once admitted."""
+    owner_key = Ed25519PrivateKey.generate()
+    owner = peer_id_of(owner_key.public_key())
+    run = make_run_id("lab", owner)
+    policy = MembershipPolicy(run, owner, private=True)
+    bans = BanList(duration_s=60.0, strikes=BAN_AFTER, window_s=BAN_WINDOW_S)
+
+    async def body():
+        server = await P2P.create(host_maddrs=[LOOPBACK])
+        gate = await MembershipGate.create(server, lambda: policy, bans)
+        maddrs = await server.get_visible_maddrs()
+        honest = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+        forger = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+        token = issue_invite(owner_key, run, expires=get_dht_time() + 600)
+
+        def proof(p2p: P2P) -> str:
+            return parse_invite_token(token, owner=owner).proof(p2p.peer_id.to_base58())
+
+        async def refused(p2p: P2P, match: str = "not a member") -> None:
+            with pytest.raises(P2PHandlerError, match=match):
+                await present(p2p, server.peer_id, "not a proof")
+
+        try:
+            for _ in range(BAN_AFTER - 1):
+                await refused(honest)
+            await present(honest, server.peer_id, proof(honest))
+            for _ in range(BAN_AFTER - 1):
+                await refused(honest)
+            await present(honest, server.peer_id, proof(honest))  # forgiven: not banned
+            for _ in range(BAN_AFTER):
+                await refused(forger)
+            with pytest.raises(P2PHandlerError, match="banned until"):
+                await present(forger, server.peer_id, proof(forger))
+            assert gate.refusal(forger.peer_id.to_base58()) is not None
+        finally:
+            await gate.shutdown()
+            for p2p in (forger, honest, server):
+                await p2p.shutdown()
 
     _run(body())
 
