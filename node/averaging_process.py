@@ -31,6 +31,7 @@ time. The host side answers state downloads through ``state_source``
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -49,7 +50,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from node.child_process import die_with_parent
 from node.frame_cap import cap_hivemind_frames
-from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight
+from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight, robust_mean
 from protocol.membership import MembershipPolicy
 
 logger = logging.getLogger(__name__)
@@ -64,14 +65,42 @@ def epoch_bits(epoch: int) -> str:
     return format(epoch % 2**EPOCH_BITS, f"0{EPOCH_BITS}b")
 
 
+class _Collected:
+    """Stands in for hivemind's running sum of one part: keeps each sender's part and
+    weight, and where hivemind divides the sum by the summed weights, reduces them with
+    ``robust_mean`` instead."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        self.shape = shape
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, tensor: torch.Tensor, alpha: float = 1.0) -> _Collected:
+        self.parts.append(tensor)
+        self.weights.append(alpha)
+        return self
+
+    def div_(self, denominator: float) -> torch.Tensor:
+        if not denominator > 0:  # no sender, or all of weight 0: NaN, as hivemind's sum / 0
+            return torch.full(self.shape, math.nan)  # gives, and the round is then discarded
+        return robust_mean(self.parts, self.weights)
+
+
 class _FiniteReducer(TensorPartReducer):
     """Refuses a groupmate's part that is not finite (or comes with a bad weight): the
     caller, hivemind's ``rpc_aggregate_part``, then bans that sender from the rest of this
-    reducer's parts. Our own parts (``local``) were checked before the round."""
+    reducer's parts. Our own parts (``local``) were checked before the round. The parts
+    that pass are reduced by ``robust_mean``: a groupmate sending finite but wrong values
+    moves the result by a bounded amount (with three or more groupmates)."""
 
     def __init__(self, part_shapes, num_senders: int, local: int | None) -> None:
         super().__init__(part_shapes, num_senders)
         self.local = local
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _Collected(self.part_shapes[self.current_part_index])
 
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
@@ -125,6 +154,9 @@ class StageAveragerProcess(DecentralizedAverager):
     def run(self) -> None:
         die_with_parent(self._parent_pid)
         cap_hivemind_frames()
+        # Forked from a parent whose OpenMP pool may be running: a parallel region here can
+        # hang. Parts are small (512 KiB); one thread reduces them fast enough.
+        torch.set_num_threads(1)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops us
         inherited = getattr(self.dht, "_p2p_replica", None)
         if inherited is not None:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+import torch
+
 from protocol.keys import spec_key
 from protocol.records import RecordError, check_run_name
 
@@ -128,3 +130,42 @@ MAX_ABS_CONTRIBUTION = 1e4
 def check_weight(weight: float) -> bool:
     """A peer's averaging weight (its sample count) is usable."""
     return isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0
+
+
+# Robust aggregation of one part: no single groupmate can drag the mean far. With two
+# contributions nobody can tell which one is wrong, so they are plainly averaged.
+CLIP_RADIUS = 2.0  # clip radius, in medians of the contributions' distances to their median
+CLIP_WEIGHT = 2.0  # a weight counts at most this many times the median weight
+CLIP_STEPS = 5  # iterations of centered clipping
+
+
+def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """The weighted mean of ``parts`` (tensors of one shape), made robust by centered
+    clipping (Karimireddy et al., 2021) once three or more carry weight: starting from
+    their coordinate-wise median, each step moves toward every part by at most a radius of
+    ``CLIP_RADIUS`` times the median distance of the parts to that median, and a weight
+    counts at most ``CLIP_WEIGHT`` times the median weight. A groupmate sending finite but
+    wrong values (scaled, negated, or claiming a huge sample count) then shifts the result
+    by at most about the radius times its share, where a plain mean follows it anywhere.
+    Honest parts, spread alike and with weights within ``CLIP_WEIGHT`` of the median, are
+    within the radius and get their weighted mean."""
+    if len(parts) != len(weights) or not parts:
+        raise ValueError(f"{len(parts)} parts with {len(weights)} weights")
+    x = torch.stack([p.float().reshape(-1) for p in parts])
+    w = torch.tensor([float(v) for v in weights])
+    if not (w.ge(0).all() and w.sum() > 0):
+        raise ValueError(f"weights must be >= 0 and not all 0, got {list(weights)}")
+    shape = parts[0].shape
+    counted = w > 0
+    if int(counted.sum()) <= 2:
+        return (w @ x / w.sum()).reshape(shape)
+    x, w = x[counted], w[counted]
+    w = w.clamp(max=CLIP_WEIGHT * float(w.median()))
+    center = x.median(dim=0).values
+    radius = CLIP_RADIUS * float((x - center).norm(dim=1).median())
+    for _ in range(CLIP_STEPS):
+        offsets = x - center
+        norms = offsets.norm(dim=1)
+        scale = torch.where(norms > radius, radius / norms.clamp(min=1e-30), torch.ones_like(norms))
+        center = center + (w * scale) @ offsets / w.sum()
+    return center.reshape(shape)

@@ -43,7 +43,7 @@ from node.stage_averaging import (
     averaging_prefix,
     compare_copies,
 )
-from protocol.averaging import Action, Progress, decide
+from protocol.averaging import Action, Progress, decide, robust_mean
 from protocol.membership import issue_invite, parse_invite_token
 from protocol.run_spec import AveragingSpec, make_run_spec
 from protocol.stage_messages import StageContract
@@ -378,6 +378,44 @@ def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
     _run(body())
 
 
+class _NegatedAverager(StageAverager):
+    """Fault: sends its gradient negated and scaled 100x: finite and within range, so it
+    passes every check a part gets."""
+
+    def _write_buffers(self, tensors, timeout):
+        super()._write_buffers([-100 * t for t in tensors], timeout)
+
+
+def test_a_wrong_but_finite_groupmate_cannot_turn_the_step_around(dhts):
+    """Three peers average; one sends its gradient negated and scaled 100x. A plain mean
+    would step against the honest gradient; the robust one steps with it."""
+    spec = make_spec("avg-negated")
+    a, b = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2])
+    wrong = Peer(SwarmDHT(dhts[2], spec.run), spec)
+
+    async def body():
+        try:
+            for peer, cls in ((a, StageAverager), (b, StageAverager), (wrong, _NegatedAverager)):
+                await peer.start(cls)
+                await peer.averager.load_state()
+            before = a.params()
+            await _until(lambda: a.averager.peers == 2, 10, "a sees both groupmates")
+            for peer, seeds in ((a, (1, 2)), (b, (3,)), (wrong, (4,))):
+                for seed in seeds:
+                    peer.feed(seed)
+            await _until(lambda: _at_epoch(1, a, b, wrong), 15, "one round")
+            assert a.averager.stats.rounds == 1 and a.averager.stats.last_group == 3
+            assert _close(a.params(), b.params())
+            honest = _reference([1, 2], [3])
+            step = torch.cat([(a.params()[k] - before[k]).flatten() for k in before])
+            right = torch.cat([(honest[k] - before[k]).flatten() for k in before])
+            assert float(torch.nn.functional.cosine_similarity(step, right, dim=0)) > 0.5
+        finally:
+            await _shutdown(a, b, wrong)
+
+    _run(body())
+
+
 def test_averagers_start_from_a_running_event_loop(dhts):
     """The averager process is forked from inside a running uvloop, five times in a row; each
     comes up, serves a round trip on its control pipe, and stops."""
@@ -430,6 +468,40 @@ def test_an_averager_refuses_a_frame_declaring_2_62_bytes(dhts):
             await _shutdown(peer)
 
     _run(body())
+
+
+def test_robust_mean_follows_honest_parts_and_bounds_a_wrong_one():
+    g = torch.Generator().manual_seed(0)
+    true = torch.randn(1000, generator=g)
+    honest = [true + 0.3 * torch.randn(1000, generator=g) for _ in range(3)]
+    mean = torch.stack(honest).mean(0)
+    cos = torch.nn.functional.cosine_similarity
+
+    # Honest parts alike: their weighted mean, as a plain average would give.
+    assert torch.allclose(robust_mean(honest, [1, 1, 1]), mean, atol=1e-5)
+    weighted = (honest[0] + 2 * honest[1] + honest[2]) / 4
+    assert torch.allclose(robust_mean(honest, [1, 2, 1]), weighted, atol=1e-5)
+    # A groupmate sending its gradient negated and scaled 100x, or claiming a huge sample
+    # count: the plain mean turns against the truth, the robust one stays near the honest.
+    for part, weight in [(-100 * true, 1.0), (-true, 1e9)]:
+        parts, weights = [*honest, part], [1.0, 1.0, 1.0, weight]
+        w = torch.tensor(weights)
+        plain = (w @ torch.stack(parts)) / w.sum()
+        assert float(cos(plain, true, dim=0)) < 0
+        robust = robust_mean(parts, weights)
+        assert float(cos(robust, true, dim=0)) > 0.9
+        assert float((robust - mean).norm()) < 0.5 * float(true.norm())
+    # Two parts: nobody can tell the wrong one; a part of weight 0 does not count.
+    assert torch.allclose(
+        robust_mean([honest[0], -100 * true], [1, 1]), (honest[0] - 100 * true) / 2
+    )
+    assert torch.allclose(
+        robust_mean([*honest[:2], 100 * true], [1, 1, 0]),
+        (honest[0] + honest[1]) / 2,
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="not all 0"):
+        robust_mean(honest, [0, 0, 0])
 
 
 def test_decide():
