@@ -82,7 +82,7 @@ class _Collected:
 
     def div_(self, denominator: float) -> torch.Tensor:
         if not denominator > 0:  # no sender, or all of weight 0: NaN, as hivemind's sum / 0
-            return torch.full(self.shape, math.nan)  # gives, and the round is then discarded
+            return torch.full(self.shape, math.nan)  # would give; the round is then dropped
         return robust_mean(self.parts, self.weights)
 
 

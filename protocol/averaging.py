@@ -1,4 +1,5 @@
-"""Averaging among the peers of one stage: keys, progress records, and the round rule.
+"""Averaging among the peers of one stage: keys, progress records, the round rule, and how
+a round combines the groupmates' parts (``robust_mean``).
 
 Each peer of a stage publishes, under one DHT key per stage and its peer id as subkey,
 how many samples it has accumulated toward the stage's next step (``Progress``). Every
