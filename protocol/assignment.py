@@ -92,6 +92,14 @@ The rule
   seconds: the peers alarmed by the same loss then check one after another, each seeing
   the moves announced before it, as periodic checks do over a period. A mass departure
   is answered within seconds, not within a period.
+* :func:`second_stage` (off unless ``two_stage_reserve`` is set; the daemon cannot hold
+  two stages yet, the simulator can): a peer about to load its stage also takes the stage
+  where its priced speed is next best, while the peers holding two stages are fewer than
+  the reserve asks. Such a peer is never moved; its time goes to whichever of its stages
+  the pipeline waits on (routing's business, not a decision), so the dent a departure
+  leaves is filled in seconds, without a download. At 1,000 peers single departures of
+  large peers leave dents that joiners refill over minutes, and that is what keeps the
+  rule without it under 0.97 of the optimum (BENCHMARKS.md).
 
 Views are small frozen dataclasses (:class:`SwarmView`, built from :class:`Claim` s or
 from :class:`~protocol.records.PeerInfo` records by :func:`view_from_peers`), so that the
@@ -228,6 +236,11 @@ class Params:
     # A stage whose total fell by more than this fraction since a serving peer's last
     # check (or that nobody holds any more) makes it check at once: see :func:`alarm`.
     alarm_drop: float = 0.2
+    # Peers holding two stages (:func:`second_stage`): while their summed throughput is
+    # under this many mean stage totals, a joiner at least ``two_stage_min`` times as
+    # fast as the mean peer takes a second stage. 0: nobody does.
+    two_stage_reserve: float = 0.0
+    two_stage_min: float = 1.0
     mean_period_s: float = 60.0  # mean time between a serving peer's checks
     period_jitter: float = 0.5  # a check period is uniform in mean * (1 +- jitter)
 
@@ -244,6 +257,8 @@ class Params:
         _in_range("size_bias", self.size_bias, 0.0, 8.0)
         _in_range("join_margin", self.join_margin, 0.0, 1e6)
         _in_range("alarm_drop", self.alarm_drop, 0.0, 1.0)
+        _in_range("two_stage_reserve", self.two_stage_reserve, 0.0, float(MAX_STAGES))
+        _in_range("two_stage_min", self.two_stage_min, 0.0, 1e6)
         _positive("mean_period_s", self.mean_period_s, hi=1e9)
         _in_range("period_jitter", self.period_jitter, 0.0, 1.0)
 
@@ -277,7 +292,10 @@ class SwarmView:
     announced); ``counts[s]``: how many claims; ``serving[s]``: how many of those serve;
     ``prices``: from :func:`stage_prices`, or None for equal prices; ``squares[s]``: the
     summed squares of the claims' throughputs (how unequal the peers are, which the
-    rationing of moves by size needs), or None: as if a stage's claims were all alike.
+    rationing of moves by size needs), or None: as if a stage's claims were all alike;
+    ``two_stage``: the summed throughput (on their first stage) of the peers that hold a
+    second stage (their claims there carry no throughput: the rule plans with their time
+    on their first stage).
     """
 
     totals: tuple[float, ...]
@@ -285,6 +303,7 @@ class SwarmView:
     serving: tuple[int, ...]
     prices: tuple[float, ...] | None = None
     squares: tuple[float, ...] | None = None
+    two_stage: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.totals)
@@ -312,6 +331,7 @@ class SwarmView:
                 raise ValueError(f"prices must not all be 0, got {self.prices}")
         if self.squares is not None:
             _per_stage("squared sum", self.squares, n)
+        _rate("two-stage throughput", self.two_stage)
 
     @property
     def n_stages(self) -> int:
@@ -358,6 +378,7 @@ class SwarmView:
             _bump(self.serving, s, int(claim.serving)),
             self.prices,
             None if self.squares is None else _bump(self.squares, s, claim.throughput**2),
+            self.two_stage,
         )
 
 
@@ -611,6 +632,28 @@ def decide_move(
         moment = (sum(view.squares) - view.squares[target]) * others / supply**2
         share /= max(1.0, moment) ** params.size_bias
     return _draw_move(Move(stage, target, gain, min(1.0, share), "imbalance"), seed)
+
+
+def second_stage(
+    view: SwarmView, stage: int, throughput: Sequence[float], params: Params = DEFAULT_PARAMS
+) -> int | None:
+    """The second stage a peer about to load ``stage`` (counted in ``view``) takes as
+    well, or None: while the peers holding two stages sum to less than
+    ``params.two_stage_reserve`` mean stage totals, a peer at least ``two_stage_min``
+    times the mean claim's speed takes the stage where its priced speed is next best (it
+    loses least there when its time goes to that stage)."""
+    n = view.n_stages
+    _check_own(throughput, n)
+    _stage_index(stage, n, "stage")
+    claims, total = sum(view.counts), sum(view.totals)
+    if params.two_stage_reserve <= 0.0 or n < 2 or claims == 0 or total <= 0.0:
+        return None
+    if view.two_stage >= params.two_stage_reserve * total / n:
+        return None
+    if throughput[stage] < params.two_stage_min * total / claims:
+        return None
+    w = _weights(n, view.prices)
+    return max((s for s in range(n) if s != stage), key=lambda s: w[s] * throughput[s])
 
 
 def alarm(before: SwarmView, now: SwarmView, params: Params = DEFAULT_PARAMS) -> int | None:

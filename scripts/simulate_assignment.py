@@ -39,6 +39,14 @@ totals apart). Moves per peer-hour count changes of stage by a serving peer (eac
 load); intent revisions (a joiner changing its mind before it loads anything) are
 counted apart. The two rules run in two processes.
 
+With ``--two-stage-reserve R`` (ours only; the daemon cannot hold two stages yet), a
+joiner about to load also takes a second stage when ``second_stage`` says so, loads it
+after its first (serving that meanwhile) and never moves. Its record plans it on its first
+stage; routing lends its time to the second where the pipeline waits, which the
+simulator takes as the division of the serving two-stage peers' time that raises the
+least stage total most (a linear programme at each sample, ``Sim.bridged``): the same
+idealisation as summing a stage's peers, which assumes routing within a stage is perfect.
+
     python scripts/simulate_assignment.py --peers 1000
     python scripts/simulate_assignment.py --peers 10000 --stages 4 --duration 7200 \\
         --churn 1.0 --seed 0 --seeds 2
@@ -71,6 +79,7 @@ from protocol.assignment import (  # noqa: E402
     check_delay,
     choose_stage,
     decide_move,
+    second_stage,
     stage_prices,
 )
 
@@ -80,7 +89,7 @@ ARRIVALS_S = 600.0  # ours: the window over which peers count arrivals (node.pla
 PETALS_QUALITY = 0.75  # Petals' default balance_quality
 
 # Event kinds, in the order they are handled when simultaneous.
-ARRIVE, CONFIRM, LOADED, CHECK, DEPART, VANISH, LOSS, PRICES, SAMPLE, ALARM = range(10)
+ARRIVE, CONFIRM, LOADED, CHECK, DEPART, VANISH, LOSS, PRICES, SAMPLE, ALARM, SECOND = range(11)
 # Phases of a peer.
 ABSENT, INTENT, LOADING, SERVING, GONE = range(5)
 
@@ -128,6 +137,8 @@ class Config:
     fit_band: float = DEFAULT_PARAMS.fit_band
     selectivity: float = DEFAULT_PARAMS.selectivity
     size_bias: float = DEFAULT_PARAMS.size_bias
+    two_stage_reserve: float = DEFAULT_PARAMS.two_stage_reserve  # ours: see second_stage
+    two_stage_min: float = DEFAULT_PARAMS.two_stage_min
 
     @property
     def wave_at(self) -> float:
@@ -157,6 +168,8 @@ class Config:
             urgency=self.urgency,
             size_bias=self.size_bias,
             alarm_drop=self.alarm_drop,
+            two_stage_reserve=self.two_stage_reserve,
+            two_stage_min=self.two_stage_min,
             mean_period_s=self.period,
         )
 
@@ -325,6 +338,8 @@ class Result:
     reasons: dict = field(default_factory=dict)  # (reason, steady or not) -> moves
     revisions: int = 0
     alarms: int = 0  # ours: stage losses that brought every serving peer's check forward
+    two_stage: int = 0  # ours: peers that took a second stage
+    two_serving: list[int] = field(default_factory=list)  # ours: serving both, per sample
     peer_hours: float = 0.0
     empty_held_s: float = 0.0  # time with a stage nobody holds while >= S peers present
     empty_serving_samples: int = 0  # samples after warm-up with a stage nobody serves
@@ -378,6 +393,12 @@ class Sim:
         # alarm compares with (one for all peers: what they saw at their last checks)
         self.recent: list[deque[tuple[float, float]]] = [deque() for _ in range(s)]
         self.arrived: deque[float] = deque()  # ours: arrival times, the last ARRIVALS_S
+        # ours, two-stage peers: the second stage (-1: none), and the summed first-stage
+        # throughput of those with a record
+        self.second = [-1] * n
+        self.two_total = 0.0
+        self.two_serving: set[int] = set()  # ... and serving both
+        self.ann_srv2 = np.zeros(n, bool)  # its announced second claim says it serves
 
     # Events and announcements.
 
@@ -446,6 +467,7 @@ class Sim:
             tuple(srv),
             self.prices,
             tuple(max(x, 0.0) for x in sq),
+            max(self.two_total, 0.0),  # from the records: exact here, for speed
         )
 
     def seed(self, i: int) -> str:
@@ -465,22 +487,32 @@ class Sim:
         self.announce(t, i, s, self.thr_rows[i][s], 1, 0)
 
     def unclaim(self, t: float, i: int, announce: bool) -> None:
-        s = int(self.stage[i])
+        s, b = int(self.stage[i]), self.second[i]
         if self.phase[i] == SERVING:
             self.serve_tot[s] -= self.thr_rows[i][s]
             self.serve_cnt[s] -= 1
         self.held[s] -= 1
+        if b >= 0:
+            self.held[b] -= 1
+            if i in self.two_serving:
+                self.serve_cnt[b] -= 1
+                self.two_serving.discard(i)
         if announce:
             self.retract(t, i)
 
     def retract(self, t: float, i: int) -> None:
-        s = int(self.stage[i])
+        s, b = int(self.stage[i]), self.second[i]
         self.claimed[i] = False
         self.n_claimed -= 1
         self.announce(t, i, s, -self.thr_rows[i][s], -1, -int(self.ann_srv[i]))
         self.ann_srv[i] = False
+        if b >= 0:
+            self.announce(t, i, b, 0.0, -1, -int(self.ann_srv2[i]))
+            self.ann_srv2[i] = False
+            self.two_total -= self.thr_rows[i][s]
 
     def move(self, t: float, i: int, to: int, revision: bool) -> None:
+        assert self.second[i] < 0, "two-stage peers do not move"
         s = int(self.stage[i])
         self.unclaim(t, i, announce=False)
         self.announce(t, i, s, -self.thr_rows[i][s], -1, -int(self.ann_srv[i]))
@@ -611,7 +643,9 @@ class Sim:
                 self.on_loaded(t, i)
             elif kind == CHECK:
                 self.on_check(t, i)
-            elif kind == ALARM and self.phase[i] == SERVING:
+            elif kind == SECOND:
+                self.on_second(t, i)
+            elif kind == ALARM and self.phase[i] == SERVING and self.second[i] < 0:
                 to = self.move_choice(t, i, serving=True)
                 if to is not None:
                     self.move(t, i, to, revision=False)
@@ -656,7 +690,25 @@ class Sim:
             self.push(t + self.cfg.confirm, CONFIRM, i)
             return
         self.phase[i] = LOADING
+        self.take_second(t, i)
         self.push(t + self.pop.load[i], LOADED, i)
+
+    def take_second(self, t: float, i: int) -> None:
+        """Ours: whether a joiner about to load also takes a second stage (it loads and
+        serves its first stage while it loads the second). It announces its second
+        stage with no throughput: the rule plans with its time on its first stage, and
+        routing lends it to the second where that one is short (``bridged``)."""
+        if self.rule != "ours" or self.params.two_stage_reserve <= 0.0:
+            return
+        s = int(self.stage[i])
+        b = second_stage(self.view(t, i), s, self.thr_rows[i], self.params)
+        if b is None:
+            return
+        self.second[i] = b
+        self.held[b] += 1
+        self.two_total += self.thr_rows[i][s]
+        self.res.two_stage += 1
+        self.announce(t, i, b, 0.0, 1, 0)
 
     def on_loaded(self, t: float, i: int) -> None:
         s = int(self.stage[i])
@@ -665,7 +717,18 @@ class Sim:
         self.serve_cnt[s] += 1
         self.announce(t, i, s, 0.0, 0, 1)
         self.ann_srv[i] = True
-        self.push(t + check_delay(self.seed(i), self.params), CHECK, i)
+        if self.second[i] >= 0:  # it never moves
+            self.push(t + self.pop.load[i], SECOND, i)
+        else:
+            self.push(t + check_delay(self.seed(i), self.params), CHECK, i)
+
+    def on_second(self, t: float, i: int) -> None:
+        """A two-stage peer has loaded its second stage too, and serves it."""
+        b = self.second[i]
+        self.serve_cnt[b] += 1
+        self.two_serving.add(i)
+        self.announce(t, i, b, 0.0, 0, 1)
+        self.ann_srv2[i] = True
 
     def on_check(self, t: float, i: int) -> None:
         to = self.move_choice(t, i, serving=True)
@@ -684,7 +747,8 @@ class Sim:
         self.n_present -= 1
 
     def on_loss(self, t: float) -> None:
-        holders = np.nonzero((self.stage == 0) & np.isin(self.phase, (INTENT, LOADING, SERVING)))[0]
+        on_0 = (self.stage == 0) | (np.array(self.second) == 0)
+        holders = np.nonzero(on_0 & np.isin(self.phase, (INTENT, LOADING, SERVING)))[0]
         victims = self.rng.choice(holders, len(holders) // 2, replace=False)
         for i in victims:
             self.depart(t, int(i), killed=True)
@@ -724,7 +788,8 @@ class Sim:
             claims = self.pop.thr[self.claimed]
             self.claim_bound = float((claims * self.lam).max(1).sum()) if len(claims) else 0.0
         bound = float((t_live * self.lam).max(1).sum()) if len(t_live) else 0.0
-        achieved = min(self.serve_tot)
+        totals = self.bridged()
+        achieved = min(totals)
         self.res.t.append(t)
         self.res.ratio.append(achieved / bound if bound > 0 else 1.0)
         # The same, leaving out peers still within their first load time of arriving: no
@@ -733,11 +798,39 @@ class Sim:
         settled_bound = float((self.pop.thr[settled] * self.lam).max(1).sum())
         self.res.ratio_settled.append(achieved / settled_bound if settled_bound > 0 else 1.0)
         self.res.present.append(int(live.sum()))
-        self.res.factors.append(self.factors(bound, achieved))
+        self.res.two_serving.append(len(self.two_serving))
+        self.res.factors.append(self.factors(bound, totals))
         if t >= cfg.warmup and min(self.serve_cnt) == 0:
             self.res.empty_serving_samples += 1
 
-    def factors(self, bound: float, achieved: float) -> tuple[float, float, float]:
+    def bridged(self) -> list[float]:
+        """The serving totals, with the time of serving two-stage peers divided as routing
+        divides it: calls go where the pipeline waits, so the division is the one that
+        raises the least total most (a linear programme over their shares of time on
+        their second stage; among the best, the one with the highest priced sum). It is
+        the data plane's doing, instant here as routing within a stage is."""
+        base = np.array(self.serve_tot)
+        two = sorted(self.two_serving)
+        if not two:
+            return base.tolist()
+        coef = np.zeros((self.S, len(two)))  # what all of peer j's time on b moves
+        for j, i in enumerate(two):
+            a, b, row = int(self.stage[i]), self.second[i], self.thr_rows[i]
+            coef[a, j] -= row[a]
+            coef[b, j] += row[b]
+        tie = 1e-6 / max(float(base.max()), 1e-12)  # priced sum, second to the least total
+        res = linprog(
+            np.r_[-tie * (self.lam @ coef), -1.0],
+            A_ub=np.hstack([-coef, np.ones((self.S, 1))]),
+            b_ub=base,
+            bounds=[(0.0, 1.0)] * len(two) + [(None, None)],
+            method="highs",
+        )
+        if res.status != 0:  # cannot happen: shares of 0 are feasible and B is bounded
+            raise RuntimeError(f"splitting two-stage peers failed: {res.message}")
+        return (base + coef @ res.x[:-1]).tolist()
+
+    def factors(self, bound: float, totals: list[float]) -> tuple[float, float, float]:
         """Where the ratio to the bound goes, as three factors whose product it is:
         *serving*, the bound of the serving peers over that of all present (the rest are
         loading); *placement*, the priced sum of the serving totals over the serving
@@ -745,7 +838,7 @@ class Sim:
         *balance*, the least total over the priced sum (1 when all totals are equal)."""
         srv = self.pop.thr[self.phase == SERVING]
         best = float((srv * self.lam).max(1).sum()) if len(srv) else 0.0
-        priced = float(np.dot(self.lam, self.serve_tot))
+        priced, achieved = float(np.dot(self.lam, totals)), min(totals)
         if min(bound, best, priced) <= 0.0:
             return (math.nan,) * 3
         return best / bound, priced / best, achieved / priced
@@ -882,6 +975,14 @@ def report(cfg: Config, results: dict[str, Result], every: float = 600.0) -> str
             f"ours' moves by reason: {dict(sorted(by_reason.items()))}; alarms (a stage's loss "
             f"brought every serving peer's check forward): {results['ours'].alarms}"
         )
+        if cfg.two_stage_reserve > 0:
+            r = results["ours"]
+            keep = steady_mask(cfg, np.array(r.t))
+            share = np.array(r.two_serving)[keep].sum() / max(1, np.array(r.present)[keep].sum())
+            lines.append(
+                f"ours: peers that took a second stage: {r.two_stage}; at steady state "
+                f"{share:.1%} of the peers present serve two"
+            )
     if set(RULES) <= sums.keys():
         ours, base = sums["ours"], sums["petals"]
         never_empty = all(
@@ -948,6 +1049,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arrival-reference", type=float, default=Config.arrival_reference)
     p.add_argument("--fit-band", type=float, default=Config.fit_band)
     p.add_argument("--size-bias", type=float, default=Config.size_bias)
+    p.add_argument("--two-stage-reserve", type=float, default=Config.two_stage_reserve)
+    p.add_argument("--two-stage-min", type=float, default=Config.two_stage_min)
     p.add_argument("--report-every", type=float, default=600.0, help="rows of the time series")
     p.add_argument("--jobs", type=int, default=2, help="processes (one per rule)")
     a = p.parse_args(argv)

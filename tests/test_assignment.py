@@ -29,6 +29,7 @@ from protocol.assignment import (
     choose_stage,
     decide_move,
     least_served_stage,
+    second_stage,
     smooth_bottleneck,
     stage_prices,
     stage_throughput,
@@ -444,6 +445,8 @@ def test_a_record_for_another_layout_is_dropped_not_trusted():
         (lambda: Params(fit_band=-1.0), "fit_band must be in"),
         (lambda: Params(size_bias=9.0), "size_bias must be in"),
         (lambda: Params(alarm_drop=1.5), "alarm_drop must be in"),
+        (lambda: Params(two_stage_reserve=-1.0), "two_stage_reserve must be in"),
+        (lambda: SwarmView((1.0,), (1,), (1,), None, None, math.nan), "two-stage throughput"),
         (lambda: stage_prices(np.ones(3)), "peers x stages table, got shape"),
         (lambda: stage_prices(-np.ones((2, 2))), "finite and >= 0"),
     ],
@@ -459,6 +462,26 @@ def test_the_first_rule_still_serves_its_callers():
     assert least_served_stage(peers, 2, seed="x") == 1
     with pytest.raises(ValueError, match="n_stages must be >= 1, got 0"):
         least_served_stage(peers, 0, seed="x")
+
+
+# Two-stage peers.
+
+
+def test_a_fast_joiner_takes_the_stage_it_is_next_best_at_while_the_reserve_is_short():
+    # 4 stages of 10 peers, 100 each: the mean claim is 10, the mean stage total 100.
+    view = _view([100.0] * 4, prices=(0.1, 0.2, 0.3, 0.4))
+    on = Params(two_stage_reserve=0.5, two_stage_min=2.0)
+    fast = (20.0, 20.0, 30.0, 10.0)  # priced: 2, 4, 9, 4; it loads stage 2
+    assert second_stage(view, 2, fast) is None  # off by default: the daemon holds one
+    assert second_stage(view, 2, fast, on) == 1  # ties go to the lower stage
+    assert second_stage(view, 2, (20.0, 20.0, 30.0, 12.0), on) == 3  # priced 4.8 beats 4
+    assert second_stage(view, 0, (19.0,) * 4, on) is None  # slower than twice the mean
+    full = SwarmView(view.totals, view.counts, view.serving, view.prices, None, 50.0)
+    assert second_stage(full, 2, fast, on) is None  # the reserve holds half a stage already
+    short = SwarmView(view.totals, view.counts, view.serving, view.prices, None, 49.0)
+    assert second_stage(short, 2, fast, on) == 1
+    with pytest.raises(ValueError, match="stage must be"):
+        second_stage(view, 4, fast, on)
 
 
 # The simulator.
@@ -510,6 +533,45 @@ def test_simulator_smoke_200_peers(sim):
     assert 0.9 < ours["balance"] <= 1.0 and ours["placement"] > petals["placement"], ours
     text = sim.report(cfg, results)
     assert "UPPER BOUND" in text and "moves per peer-hour" in text
+
+
+def test_routing_lends_two_stage_peers_where_the_least_total_gains_most(sim):
+    cfg = sim.Config(peers=8, stages=3, two_stage_reserve=1.0)
+    model = sim.Sim(cfg, sim.make_population(cfg), "ours")
+    model.thr_rows = [[4.0, 4.0, 4.0], [4.0, 2.0, 4.0]]
+    model.stage[:2] = (0, 0)
+    model.second[:2] = (1, 1)
+    model.lam = np.array([0.5, 0.3, 0.2])
+
+    def bridged(base, peers):
+        model.serve_tot, model.two_serving = list(base), set(peers)
+        return model.bridged()
+
+    assert bridged([20.0, 14.0, 30.0], []) == [20.0, 14.0, 30.0]
+    # Peer 0 alone levels stages 0 and 1 at 17 (3/4 of its time on stage 1).
+    assert bridged([20.0, 14.0, 30.0], [0]) == pytest.approx([17.0, 17.0, 30.0])
+    # A gap larger than it can fill: all its time goes there.
+    assert bridged([20.0, 0.0, 30.0], [0]) == pytest.approx([16.0, 4.0, 30.0])
+    # Peer 1 is half as fast on stage 1: peer 0 is lent first, peer 1 only after it.
+    assert bridged([20.0, 12.0, 30.0], [0, 1]) == pytest.approx([16.0, 16.0, 30.0])
+    assert bridged([40.0, 10.0, 50.0], [0, 1]) == pytest.approx([32.0, 16.0, 50.0])
+    # The least total is stage 2, which neither serves: both stay where their time is
+    # worth most at the prices (stage 0).
+    assert bridged([20.0, 15.0, 10.0], [0, 1]) == pytest.approx([20.0, 15.0, 10.0])
+
+
+def test_simulator_two_stage_peers_close_the_gaps_that_joiners_leave(sim):
+    base = dict(peers=200, stages=3, duration=2400.0, seed=1, settle=300.0)
+    plain = sim.summary(sim.Config(**base), sim.simulate(sim.Config(**base), "ours"))
+    cfg = sim.Config(**base, two_stage_reserve=1.0)
+    r = sim.simulate(cfg, "ours")
+    two = sim.summary(cfg, r)
+    assert r.two_stage > 0
+    assert two["balance"] > plain["balance"] and two["steady_mean"] > plain["steady_mean"]
+    assert two["empty_held_s"] == 0.0 and two["empty_serving_samples"] == 0
+    product = np.array([a * b * c for a, b, c in r.factors])
+    defined = ~np.isnan(product)
+    np.testing.assert_allclose(product[defined], np.array(r.ratio)[defined])
 
 
 def test_peers_that_lose_least_by_moving_fill_a_gap_first():
