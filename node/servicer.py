@@ -105,6 +105,7 @@ class NodeServicer(ServicerBase):
     max_frame_bytes: ClassVar[int]  # the largest stream frame read: streaming services set it
     refusal_prefix: ClassVar[str] = ""  # starts what a caller refused for a bad frame reads
     callers: BanList | None = None  # callers banned after repeated refusals, if any
+    namespace: str | None = None  # prefixes the handlers' names: one service per namespace
     _p2p: P2P | None = None
 
     @classmethod
@@ -121,7 +122,7 @@ class NodeServicer(ServicerBase):
         """Stop taking requests (the daemon may already be gone)."""
         if self._p2p is not None:
             with contextlib.suppress(Exception):
-                await self.remove_p2p_handlers(self._p2p)
+                await self.remove_p2p_handlers(self._p2p, namespace=self.namespace)
             self._p2p = None
 
     @property
@@ -130,7 +131,7 @@ class NodeServicer(ServicerBase):
         return self._p2p
 
     async def _add_handler(self, p2p: P2P, rpc: RPCHandler) -> None:
-        name = self._get_handle_name(None, rpc.method_name)
+        name = self._get_handle_name(self.namespace, rpc.method_name)
         method = getattr(self, rpc.method_name)
         if not rpc.stream_input and not rpc.stream_output:
 

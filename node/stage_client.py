@@ -21,7 +21,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from node.servicer import FrameError, read_frame
-from node.stage_server import StageServer
+from node.stage_server import StageServer, stage_namespace
 from node.stage_wire import (
     FAILED,
     MAX_FRAME_BYTES,
@@ -71,13 +71,15 @@ async def call(
     metadata: bytes,
     tensors: list[runtime_pb2.Tensor],
     *,
+    stage: int,
     timeout: float = DEFAULT_TIMEOUT,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> list[torch.Tensor]:
-    """Send one raw request to ``peer_id``'s ``rpc_<kind>`` and return the response's tensors."""
+    """Send one raw request to the ``rpc_<kind>`` of ``peer_id``'s server of ``stage``
+    and return the response's tensors."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
-    handle = StageServer._get_handle_name(None, f"rpc_{kind}")
+    handle = StageServer._get_handle_name(stage_namespace(stage), f"rpc_{kind}")
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
     try:
         async with asyncio.timeout(timeout):
@@ -163,7 +165,8 @@ async def forward(
     hidden states (B, T, C). ``train``: a backward for ``micro_batch`` will follow, and the
     server may keep the forward's graph for it (sent to this peer, it skips the recompute)."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
-    out = await call(p2p, peer_id, FORWARD, meta, [serialize(inputs, compression)], timeout=timeout)
+    tensors = [serialize(inputs, compression)]
+    out = await call(p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout)
     b, t = inputs.shape[:2]
     if len(out) != 1 or out[0].dim() != 3:
         raise StageUnavailable(peer_id, f"malformed response: {[tuple(o.shape) for o in out]}")
@@ -189,7 +192,7 @@ async def loss(
     stage's parameter gradients on the server; without it nothing changes there."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression), serialize(targets)]
-    out = await call(p2p, peer_id, FORWARD, meta, tensors, timeout=timeout)
+    out = await call(p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout)
     with_grad = train and inputs.is_floating_point()
     shapes = [()] + ([tuple(inputs.shape)] if with_grad else [])
     got = _expect(peer_id, out, shapes)
@@ -213,7 +216,7 @@ async def backward(
     ``inputs`` (None at stage 0, whose inputs are token ids)."""
     meta = _meta(run_id, stage, BACKWARD, micro_batch)
     tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
-    out = await call(p2p, peer_id, BACKWARD, meta, tensors, timeout=timeout)
+    out = await call(p2p, peer_id, BACKWARD, meta, tensors, stage=stage, timeout=timeout)
     if not inputs.is_floating_point():
         _expect(peer_id, out, [])
         return None

@@ -109,6 +109,11 @@ class _Kept:
     at: float  # time.monotonic() when it ran
 
 
+def stage_namespace(stage: int) -> str:
+    """Where a stage's handlers are named, so that one node can serve two stages."""
+    return f"stage{stage}"
+
+
 class StageServer(NodeServicer):
     """Serves one stage of a run on a ``hivemind.P2P``; build with ``await create(...)``.
 
@@ -141,6 +146,7 @@ class StageServer(NodeServicer):
         self.stage = stage
         self.optimizer = optimizer
         self.contract = contract
+        self.namespace = stage_namespace(contract.stage_index)  # a node may serve two stages
         self.run_id = run_id
         self.compression = compression  # of the activations and gradients this server sends
         self.receive_timeout = receive_timeout  # for a whole request to arrive

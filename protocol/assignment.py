@@ -466,7 +466,9 @@ def view_from_peers(
     """The view from peer records and announced intents.
 
     A record counts on its stage unless the peer is leaving (or has no stage yet); it
-    serves if its state is serving. An intent from a peer replaces what its record says
+    serves if its state is serving. A second stage counts as held (and served, once the
+    record says so) with no throughput, and adds the peer's first-stage throughput to
+    ``two_stage``. An intent from a peer replaces what its record says
     (it is newer). Peers in ``exclude`` are left out of the claims (the deciding peer
     itself, or peers known to have left). A record on a stage outside ``range(n_stages)``
     is dropped: it was validated, but for another layout, and must not break a decision.
@@ -496,7 +498,22 @@ def view_from_peers(
             vectors.append(tuple(own))
         prices = stage_prices(np.array(vectors, dtype=float).reshape(len(vectors), n_stages))
     kept = (c for k, c in claims.items() if k not in exclude)
-    return SwarmView.from_claims(n_stages, kept, prices)
+    view = SwarmView.from_claims(n_stages, kept, prices)
+    seconds = [
+        p
+        for p in records
+        if p.second_stage is not None
+        and max(p.stage, p.second_stage) < n_stages
+        and p.peer_id not in exclude
+    ]
+    if not seconds:
+        return view
+    counts, serving = list(view.counts), list(view.serving)
+    for p in seconds:
+        counts[p.second_stage] += 1
+        serving[p.second_stage] += p.second_serving and p.state is PeerState.SERVING
+    two = sum(p.throughput[p.stage] for p in seconds)
+    return SwarmView(view.totals, tuple(counts), tuple(serving), view.prices, view.squares, two)
 
 
 def bottleneck(totals: Sequence[float]) -> float:

@@ -84,12 +84,24 @@ class PeerInfo(BaseModel):
     timestamp: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     # Private runs: the peer's proof of an invite (protocol.membership), base64.
     membership: Annotated[str, Field(max_length=MAX_MEMBERSHIP_CHARS)] | None = None
+    # A second stage it holds (protocol.assignment.second_stage), and whether it serves it
+    # yet: routing lends it calls there, the assignment rule plans without its time there.
+    second_stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)] | None = None
+    second_serving: bool = False
 
     def model_post_init(self, _context) -> None:
-        if self.stage is not None and self.stage >= len(self.throughput):
+        n = len(self.throughput)
+        if self.stage is not None and self.stage >= n:
+            raise ValueError(f"stage {self.stage} is out of range for {n} stages")
+        if self.second_stage is not None and (
+            self.stage is None or self.second_stage == self.stage or self.second_stage >= n
+        ):
             raise ValueError(
-                f"stage {self.stage} is out of range for {len(self.throughput)} stages"
+                f"second stage {self.second_stage} must be another of the {n} stages than "
+                f"its first ({self.stage})"
             )
+        if self.second_serving and self.second_stage is None:
+            raise ValueError("second_serving without a second stage")
 
     @property
     def routable(self) -> bool:

@@ -25,11 +25,17 @@ class Candidate:
 
 
 def candidates_by_stage(peers: Iterable[PeerInfo], n_stages: int) -> list[list[Candidate]]:
-    """The routable peers of each stage (serving, with a stage in range)."""
+    """The routable peers of each stage (serving, with a stage in range), a peer that
+    serves a second stage on that one too: its ``load`` counts both stages' requests, so
+    its time goes where fewer requests wait."""
     by_stage: list[list[Candidate]] = [[] for _ in range(n_stages)]
     for p in peers:
-        if p.routable and p.stage < n_stages and p.stage < len(p.throughput):
-            by_stage[p.stage].append(Candidate(p.peer_id, p.throughput[p.stage], p.load))
+        if not p.routable:
+            continue
+        held = (p.stage, p.second_stage) if p.second_serving else (p.stage,)
+        for s in held:
+            if s < n_stages:
+                by_stage[s].append(Candidate(p.peer_id, p.throughput[s], p.load))
     for stage in by_stage:
         stage.sort(key=lambda c: c.peer_id)  # same view, same draw: reproducible given a seed
     return by_stage

@@ -38,6 +38,7 @@ from protocol.assignment import (
 )
 from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
+from protocol.routing import candidates_by_stage
 
 SIM_PATH = Path(__file__).resolve().parent.parent / "scripts" / "simulate_assignment.py"
 
@@ -412,6 +413,24 @@ def test_view_from_peer_records_and_intents():
     view = view_from_peers([a, b, c, d], 2, exclude={a.peer_id}, own=(10.0, 20.0))
     assert view.totals == (0.0, 20.0)
     assert view.prices == pytest.approx((2 / 3, 1 / 3), rel=1e-3)
+
+
+def test_a_second_stage_is_held_with_no_throughput_and_routed_to_once_served():
+    one = _peer(1, 0, (10.0, 20.0))
+    two = _peer(2, 1, (30.0, 40.0)).model_copy(update={"second_stage": 0})
+    view = view_from_peers([one, two], 2, priced=False)
+    assert view.totals == (10.0, 40.0) and view.counts == (2, 1) and view.serving == (1, 1)
+    assert view.two_stage == 40.0
+    assert [len(c) for c in candidates_by_stage([one, two], 2)] == [1, 1]
+    two = two.model_copy(update={"second_serving": True})
+    view = view_from_peers([one, two], 2, priced=False)
+    assert view.counts == (2, 1) and view.serving == (2, 1)
+    assert view_from_peers([one, two], 2, exclude={two.peer_id}, priced=False).two_stage == 0.0
+    by_stage = candidates_by_stage([one, two], 2)
+    assert [(c.peer_id, c.throughput) for c in by_stage[0]] == sorted(
+        [(one.peer_id, 10.0), (two.peer_id, 30.0)]
+    )
+    assert [(c.peer_id, c.throughput) for c in by_stage[1]] == [(two.peer_id, 40.0)]
 
 
 def test_a_record_for_another_layout_is_dropped_not_trusted():

@@ -120,6 +120,12 @@ def test_a_record_within_the_limits_of_age_and_skew_passes():
     assert _decode(encode_peer_info(info, KEY)) == info
 
 
+def test_a_peer_may_hold_a_second_stage():
+    info = _info(second_stage=0, second_serving=True)
+    assert _decode(encode_peer_info(info, KEY)) == info
+    assert _info().second_stage is None and not _info().second_serving
+
+
 def test_a_peer_without_a_stage_is_valid_but_not_routable():
     info = _info(stage=None, state="joining")
     assert _decode(encode_peer_info(info, KEY)) == info
@@ -189,6 +195,10 @@ def test_wrong_envelope_is_refused(envelope):
         ({"peer_id": "QmNotAnEd25519Peer"}, "peer_id: Value error, peer id 'QmNotAnEd25519Peer'"),
         ({"admin": True}, "admin: Extra inputs are not permitted"),
         ({"load": 1.5}, "load: Input should be a valid integer, got a number with a fractional"),
+        ({"second_stage": 1}, "second stage 1 must be another of the 2 stages than its first"),
+        ({"second_stage": 2}, "second stage 2 must be another of the 2 stages"),
+        ({"stage": None, "second_stage": 0}, r"second stage 0 must be .* its first \(None\)"),
+        ({"second_serving": True}, "second_serving without a second stage"),
     ],
 )
 def test_malformed_record_is_refused_naming_the_field(changes, what):

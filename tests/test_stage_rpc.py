@@ -77,16 +77,19 @@ async def _swarm(
     server_cls=StageServer,
     cfg=CFG,
     max_tokens=MAX_TOKENS,
+    shared=False,
     **settings,
 ):
-    """One P2P and server per entry of ``stage_indices`` (built with ``settings``), and a
-    client P2P that knows them."""
+    """One P2P and server per entry of ``stage_indices`` (built with ``settings``; with
+    ``shared``, one P2P for all of them: a peer that serves several stages), and a client
+    P2P that knows them."""
     p2ps: list[P2P] = []
     servers: list[StageServer] = []
     try:
         for i in stage_indices:
-            p2p = await P2P.create(host_maddrs=[LOOPBACK])
-            p2ps.append(p2p)
+            if not (shared and p2ps):
+                p2ps.append(await P2P.create(host_maddrs=[LOOPBACK]))
+            p2p = p2ps[-1]
             stage = Stage(cfg, cut[i])
             contract = StageContract.for_stage(cfg, cut[i], i, max_tokens=max_tokens)
             opt = StageOptimizer(stage, OPT)
@@ -178,6 +181,28 @@ def test_pipeline_over_rpc_equals_local_pipeline():
             assert s1a.counters.forward == 1 and s1a.counters.backward == 1
             assert s2.counters.forward == 2 and s2.counters.backward == 1
             assert s0.load == 0 and s0.counters.rejected == 0
+
+    _run(body())
+
+
+def test_one_peer_serves_two_stages_side_by_side():
+    """Two stage servers on one P2P (a two-stage peer): each stage's requests reach its
+    own server, and the pipeline through them computes what one process does."""
+    x, y = _batch()
+    local = _local(TWO)
+    ref = local[1](local[0](x), y)
+
+    async def body():
+        async with _swarm(TWO, [0, 1], shared=True) as (client, (s0, s1)):
+            assert _peer(s0) == _peer(s1)
+            kw = {"run_id": RUN, "micro_batch": 3}
+            a = await stage_client.forward(client, _peer(s0), x, stage=0, **kw)
+            loss, g = await stage_client.loss(client, _peer(s1), a, y, stage=1, train=True, **kw)
+            assert torch.equal(loss, ref.detach())
+            await stage_client.backward(client, _peer(s0), x, g, stage=0, **kw)
+            assert (s0.counters.forward, s0.counters.backward) == (1, 1)
+            assert (s1.counters.forward, s1.counters.backward) == (1, 1)  # loss, train
+            assert s0.optimizer.samples == s1.optimizer.samples == B
 
     _run(body())
 
@@ -437,7 +462,9 @@ def test_bad_requests_are_refused_and_leave_state_alone(caplog):
             for name, stage, kind, metadata, tensors, words in cases:
                 peer = _peer(servers[stage])
                 with pytest.raises(StageRefused) as info:
-                    await stage_client.call(client, peer, kind, metadata, tensors, timeout=10)
+                    await stage_client.call(
+                        client, peer, kind, metadata, tensors, stage=stage, timeout=10
+                    )
                 assert words in info.value.reason, (name, info.value.reason)
                 assert not info.value.retry_elsewhere
 
@@ -658,7 +685,9 @@ def test_a_caller_refused_again_and_again_is_banned_for_a_while(caplog):
             try:
                 for _ in range(BAN_AFTER):
                     with pytest.raises(StageRefused, match="run 'other'"):
-                        await stage_client.call(client, s0.peer_id, FORWARD, bad, [serialize(x)])
+                        await stage_client.call(
+                            client, s0.peer_id, FORWARD, bad, [serialize(x)], stage=0
+                        )
                 banned_at = time.monotonic()
                 with pytest.raises(StageUnavailable, match="banned until") as info:
                     await stage_client.forward(client, s0.peer_id, x, **kw)
