@@ -63,6 +63,11 @@ class NodeSettings:
     identity: Path | None = None  # default: ~/.swarmtrain/<run>/identity.key
     device: str = "auto"
     stage: int | None = None  # pin a stage instead of choosing one (a pinned node never moves)
+    second_stage: int | None = None  # with ``stage``: pin a second stage it serves as well
+    # A node that chooses its stage also takes a second one when the run's rule asks for
+    # more two-stage peers (protocol.assignment.second_stage); False: never (it needs the
+    # memory of two stages, and trains and averages both).
+    two_stage: bool = True
     rebalance: bool = True  # move to another stage when that raises the swarm's bottleneck
     rebalance_period_s: float = 60.0  # mean time between rebalancing checks
     spec_file: Path | None = None  # the run's signed spec (``swarmtrain run create``)
@@ -148,6 +153,11 @@ class Node:
         self.p2p: P2P | None = None
         self.server: StageServer | None = None
         self.averager: StageAverager | None = None
+        # A second stage: which (fixed once taken: a two-stage node never moves), and its
+        # server and averager once loaded.
+        self.second: int | None = None
+        self.second_server: StageServer | None = None
+        self.second_averager: StageAverager | None = None
         self.corpus: Corpus | None = None
         self.probe: BandwidthProbe | None = None
         self.placement: Placement | None = None
@@ -208,8 +218,11 @@ class Node:
         self.dht.use_spec(spec)
         await self.dht.refresh_revocations()
         self.membership = self._membership_proof()
-        if s.stage is not None and not 0 <= s.stage < spec.n_stages:
-            raise NodeError(f"--stage {s.stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
+        for flag, stage in (("--stage", s.stage), ("--second-stage", s.second_stage)):
+            if stage is not None and not 0 <= stage < spec.n_stages:
+                raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
+        if s.second_stage is not None and s.second_stage == s.stage:
+            raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
 
     def _membership_proof(self) -> str | None:
         """Our proof of an invite, in a private run; ``NodeError`` if we are not a member."""
@@ -265,9 +278,11 @@ class Node:
             ),
             stage=self.stage,
             state=state or self.state,
-            load=self.server.load if self.server else 0,
+            load=sum(s.load for s in (self.server, self.second_server) if s is not None),
             timestamp=get_dht_time(),
             membership=self.membership,
+            second_stage=self.second if self.stage is not None else None,
+            second_serving=self.second_server is not None,
         )
 
     def set_state(self, state: PeerState) -> None:
@@ -307,9 +322,12 @@ class Node:
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
             ]
             await self._take_stage()
+            self.second = await self._second_choice()
             if on_ready is not None:
                 on_ready()
-            if self.settings.stage is None and self.settings.rebalance:
+            if self.second is not None:  # a two-stage node never moves
+                background.append(tasks.create_task(self._load_second(), name="second-stage"))
+            elif self.settings.stage is None and self.settings.rebalance:
                 background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
             if self.settings.bandwidth_mbps is None:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
@@ -332,6 +350,33 @@ class Node:
 
             await self.placement.join(on_choice)
         await self._load_stage()
+
+    async def _second_choice(self) -> int | None:
+        """The second stage this node takes as well, if any: pinned, or (for a node that
+        chose its first) what the rule says once the first serves."""
+        s = self.settings
+        if s.second_stage is not None or s.stage is not None or not s.two_stage:
+            return s.second_stage
+        try:
+            second = await self.placement.second_stage(self.stage)
+        except Exception as e:  # a DHT hiccup: one stage is what every node can do
+            logger.warning("could not decide on a second stage: %s", e)
+            return None
+        if second is not None:
+            self._changed.set()  # announce it at once: others count it in the reserve
+        return second
+
+    async def _load_second(self) -> None:
+        """Load and serve the second stage too; its time goes where routing sends calls.
+        If that fails the node goes on with one stage (it does not move either)."""
+        try:
+            self.second_averager, self.second_server = await self._build(self.second)
+        except Exception as e:
+            logger.warning("could not load stage %d as a second stage: %s", self.second, e)
+            self.second = None
+        else:
+            logger.info("serving stage %d as well (a second stage)", self.second)
+        self._changed.set()
 
     async def _rebalance_loop(self) -> None:
         """Move when a check says so and the stage we leave keeps a serving peer."""
@@ -366,26 +411,34 @@ class Node:
         meanwhile), then serve it."""
         self.set_state(PeerState.LOADING)
         logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
-        model = self.spec.model
-        module = Stage(model, self.spec.stage_range(self.stage)).to(self.device.torch)
-        optimizer = StageOptimizer(module, self.spec.optim)
-        self.averager = await StageAverager.create(
-            self.dht, self.spec, self.stage, module, optimizer
-        )
-        loaded = await self.averager.load_state()  # from a peer of the stage, if there is one
-        logger.info("stage %d state: %s", self.stage, loaded)
-        self.server = await AveragedStageServer.create(
-            self.p2p,
-            module,
-            optimizer,
-            StageContract.for_stage(model, module.range, self.stage),
-            self.spec.run,
-            compression=self.spec.compression,
-            averager=self.averager,
-            admission=self.gate.refusal if self.spec.private else None,
-            callers=self.callers,
-        )
+        self.averager, self.server = await self._build(self.stage)
         self.set_state(PeerState.SERVING)
+
+    async def _build(self, stage: int) -> tuple[StageAverager, StageServer]:
+        """A stage's module and optimizer, its state downloaded from a peer of it (if
+        there is one), its averager, and its server."""
+        model = self.spec.model
+        module = Stage(model, self.spec.stage_range(stage)).to(self.device.torch)
+        optimizer = StageOptimizer(module, self.spec.optim)
+        averager = await StageAverager.create(self.dht, self.spec, stage, module, optimizer)
+        try:
+            loaded = await averager.load_state()
+            logger.info("stage %d state: %s", stage, loaded)
+            server = await AveragedStageServer.create(
+                self.p2p,
+                module,
+                optimizer,
+                StageContract.for_stage(model, module.range, stage),
+                self.spec.run,
+                compression=self.spec.compression,
+                averager=averager,
+                admission=self.gate.refusal if self.spec.private else None,
+                callers=self.callers,
+            )
+        except BaseException:
+            await averager.shutdown()
+            raise
+        return averager, server
 
     async def _measure_bandwidth(self) -> None:
         """Up/down against a serving peer (up to 3 tried); on failure it stays 'unknown'."""
@@ -480,10 +533,12 @@ class Node:
         finally:
             if self.placement is not None:
                 await self.placement.close()
-            if self.server is not None:
-                await self.server.shutdown()
-            if self.averager is not None:
-                await self.averager.shutdown()
+            for server in (self.server, self.second_server):
+                if server is not None:
+                    await server.shutdown()
+            for averager in (self.averager, self.second_averager):
+                if averager is not None:
+                    await averager.shutdown()
             if self.probe is not None:
                 await self.probe.shutdown()
             if self.gate is not None:

@@ -93,10 +93,13 @@ def launch_node(
     wait: bool = True,
     host_maddr: str = LOCAL,
     wrap: Callable[[list[str]], list[str]] | None = None,
+    two_stage: bool = False,
 ) -> NodeProcess:
     """Start ``swarmtrain node`` in its own process; with ``wait``, return once it has
     written its maddrs. ``wrap`` turns the command into the one to run (e.g. inside a
-    network namespace)."""
+    network namespace). Unless ``two_stage``, the node never takes a second stage by
+    itself (``--one-stage``): several nodes share this machine, and a test of anything
+    else wants one stage and one averager per node."""
     workdir.mkdir(parents=True, exist_ok=True)
     log, maddrs = workdir / f"{name}.log", workdir / f"{name}.maddrs"
     maddrs.unlink(missing_ok=True)
@@ -111,6 +114,8 @@ def launch_node(
         args += ["--owner-key", str(workdir / "owner.key")]
     if not train:
         args.append("--no-train")
+    if not two_stage:
+        args.append("--one-stage")
     # One torch thread per node: several nodes share this machine's cores.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     command = [*args, *extra]

@@ -51,6 +51,7 @@ from protocol.assignment import (
     check_delay,
     choose_stage,
     decide_move,
+    second_stage,
     view_from_peers,
 )
 from protocol.gossip import GossipMessage, GossipSigner, GossipView, Leaving, run_topic
@@ -306,6 +307,20 @@ class Placement:
             on_choice(stage)
             await self.publish(self.signer.join(stage, self.throughput[stage], get_dht_time()))
         return stage
+
+    async def second_stage(self, stage: int) -> int | None:
+        """The second stage to take as well, now that ``stage`` serves (or None)."""
+        view = self.view(await self.records(), own=self._claim(stage, serving=True))
+        second = second_stage(view, stage, self.throughput, self.params)
+        if second is not None:
+            logger.info(
+                "taking stage %d as a second stage (two-stage peers hold %.1f samples/s); "
+                "stage totals seen: %s",
+                second,
+                view.two_stage,
+                _totals(view),
+            )
+        return second
 
     async def _settle(self, label: str) -> None:
         """Wait about a settle period, drawn in 0.5-1.5 of it from our peer id: joiners of

@@ -60,6 +60,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--stage", type=int, help="serve this stage instead of choosing one (and never move)"
     )
     p.add_argument(
+        "--second-stage",
+        type=int,
+        help="with --stage: serve this stage as well (a two-stage node never moves)",
+    )
+    p.add_argument(
+        "--one-stage",
+        action="store_true",
+        help="never take a second stage (a node that chooses its stage takes one when the "
+        "swarm needs more two-stage peers: that needs memory for two stages)",
+    )
+    p.add_argument(
         "--rebalance-period",
         type=float,
         default=60.0,
@@ -93,6 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace) -> NodeSettings:
     if not args.run and args.spec is None:
         raise ValueError("say which run: --run RUN_ID (or NAME for a new run) or --spec FILE")
+    if args.second_stage is not None and args.stage is None:
+        raise ValueError("--second-stage needs --stage: a pinned node pins both")
     if not args.rebalance_period > 0:
         raise ValueError(f"--rebalance-period must be > 0 seconds, got {args.rebalance_period}")
     return NodeSettings(
@@ -106,6 +119,8 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         identity=args.identity,
         device=args.device,
         stage=args.stage,
+        second_stage=args.second_stage,
+        two_stage=not args.one_stage,
         rebalance=not args.no_rebalance,
         rebalance_period_s=args.rebalance_period,
         preset=args.preset,

@@ -36,6 +36,8 @@ def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
             "stage": s,
             "peers": sum(1 for p in present if p.stage == s),
             "serving": sum(1 for p in serving if p.stage == s),
+            # peers that serve it as their second stage (their time goes where it is needed)
+            "also_served_by": sum(1 for p in serving if p.second_serving and p.second_stage == s),
             "throughput": round(totals[s], 3),
         }
         for s in range(n)
@@ -46,6 +48,8 @@ def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
             {
                 "peer_id": p.peer_id,
                 "stage": p.stage,
+                "second_stage": p.second_stage,
+                "second_serving": p.second_serving,
                 "state": p.state.value,
                 "device": p.device,
                 "throughput": p.throughput[p.stage] if p.stage is not None else None,
@@ -70,6 +74,8 @@ def render(view: dict) -> str:
     ]
     for p in view["peers"]:
         stage = "-" if p["stage"] is None else str(p["stage"])
+        if p["second_stage"] is not None:  # "0+1": serves both; "0+1?": loading the second
+            stage += f"+{p['second_stage']}" + ("" if p["second_serving"] else "?")
         tput = "-" if p["throughput"] is None else f"{p['throughput']:.1f}"
         bw = (
             f"{p['bandwidth_up_mbps']:.0f}/{p['bandwidth_down_mbps']:.0f}"
@@ -83,8 +89,9 @@ def render(view: dict) -> str:
     lines.append("")
     for s in view["stages"]:
         mark = "  <- bottleneck" if s["stage"] == view["bottleneck_stage"] else ""
+        also = f" (and {s['also_served_by']} as a second stage)" if s["also_served_by"] else ""
         lines.append(
-            f"stage {s['stage']}: {s['serving']} serving of {s['peers']} peers, "
+            f"stage {s['stage']}: {s['serving']} serving of {s['peers']} peers{also}, "
             f"{s['throughput']:.1f} samples/s{mark}"
         )
     return "\n".join(lines)

@@ -39,10 +39,10 @@ totals apart). Moves per peer-hour count changes of stage by a serving peer (eac
 load); intent revisions (a joiner changing its mind before it loads anything) are
 counted apart. The two rules run in two processes.
 
-With ``--two-stage-reserve R`` (ours only; the daemon cannot hold two stages yet), a
-joiner about to load also takes a second stage when ``second_stage`` says so, loads it
-after its first (serving that meanwhile) and never moves. Its record plans it on its first
-stage; routing lends its time to the second where the pipeline waits, which the
+Ours has two-stage peers (``--two-stage-reserve``, 0 for none): a joiner whose stage
+serves asks ``second_stage`` whether to take a second stage too, as the node does; if so
+it loads it (serving its first meanwhile) and never moves. Its record plans it on its
+first stage; routing lends its time to the second where the pipeline waits, which the
 simulator takes as the division of the serving two-stage peers' time that raises the
 least stage total most (a linear programme at each sample, ``Sim.bridged``): the same
 idealisation as summing a stage's peers, which assumes routing within a stage is perfect.
@@ -690,15 +690,14 @@ class Sim:
             self.push(t + self.cfg.confirm, CONFIRM, i)
             return
         self.phase[i] = LOADING
-        self.take_second(t, i)
         self.push(t + self.pop.load[i], LOADED, i)
 
     def take_second(self, t: float, i: int) -> None:
-        """Ours: whether a joiner about to load also takes a second stage (it loads and
-        serves its first stage while it loads the second). It announces its second
-        stage with no throughput: the rule plans with its time on its first stage, and
-        routing lends it to the second where that one is short (``bridged``)."""
-        if self.rule != "ours" or self.params.two_stage_reserve <= 0.0:
+        """Ours: whether a joiner whose first stage serves now takes a second stage too
+        (as the node does: it loads the second while it serves the first). It announces
+        its second stage with no throughput: the rule plans with its time on its first
+        stage, and routing lends it to the second where that one is short (``bridged``)."""
+        if self.rule != "ours" or self.params.two_stage_reserve <= 0.0 or self.token[i] > 0:
             return
         s = int(self.stage[i])
         b = second_stage(self.view(t, i), s, self.thr_rows[i], self.params)
@@ -717,6 +716,7 @@ class Sim:
         self.serve_cnt[s] += 1
         self.announce(t, i, s, 0.0, 0, 1)
         self.ann_srv[i] = True
+        self.take_second(t, i)
         if self.second[i] >= 0:  # it never moves
             self.push(t + self.pop.load[i], SECOND, i)
         else:

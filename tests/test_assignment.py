@@ -490,8 +490,9 @@ def test_a_fast_joiner_takes_the_stage_it_is_next_best_at_while_the_reserve_is_s
     # 4 stages of 10 peers, 100 each: the mean claim is 10, the mean stage total 100.
     view = _view([100.0] * 4, prices=(0.1, 0.2, 0.3, 0.4))
     on = Params(two_stage_reserve=0.5, two_stage_min=2.0)
-    fast = (20.0, 20.0, 30.0, 10.0)  # priced: 2, 4, 9, 4; it loads stage 2
-    assert second_stage(view, 2, fast) is None  # off by default: the daemon holds one
+    fast = (20.0, 20.0, 30.0, 10.0)  # priced: 2, 4, 9, 4; it serves stage 2
+    assert second_stage(view, 2, fast, Params(two_stage_reserve=0.0)) is None  # none wanted
+    assert second_stage(view, 2, fast) == 1  # by default, one mean stage total is wanted
     assert second_stage(view, 2, fast, on) == 1  # ties go to the lower stage
     assert second_stage(view, 2, (20.0, 20.0, 30.0, 12.0), on) == 3  # priced 4.8 beats 4
     assert second_stage(view, 0, (19.0,) * 4, on) is None  # slower than twice the mean
@@ -581,8 +582,9 @@ def test_routing_lends_two_stage_peers_where_the_least_total_gains_most(sim):
 
 def test_simulator_two_stage_peers_close_the_gaps_that_joiners_leave(sim):
     base = dict(peers=200, stages=3, duration=2400.0, seed=1, settle=300.0)
-    plain = sim.summary(sim.Config(**base), sim.simulate(sim.Config(**base), "ours"))
-    cfg = sim.Config(**base, two_stage_reserve=1.0)
+    one = sim.Config(**base, two_stage_reserve=0.0)
+    plain = sim.summary(one, sim.simulate(one, "ours"))
+    cfg = sim.Config(**base)  # two-stage peers: the default
     r = sim.simulate(cfg, "ours")
     two = sim.summary(cfg, r)
     assert r.two_stage > 0

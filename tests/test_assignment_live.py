@@ -229,6 +229,70 @@ def test_a_stage_whose_peers_are_all_killed_is_refilled_and_training_resumes(tmp
         stop_all(nodes)
 
 
+def test_a_two_stage_node_keeps_the_pipeline_going_when_the_other_stage_dies(tmp_path):
+    """2 stages: c pinned to stage 1; b chooses its stage (0, which nobody holds) and, once
+    it serves it, takes stage 1 as a second stage (the swarm has no two-stage peer yet).
+    A trainer runs; c gets SIGKILL. Stage 1 is still served, by b, without a move or a
+    download: the trainer's next micro-batches complete at once."""
+    from node.dht import SwarmDHT
+    from node.train import open_trainer
+    from node.trainer import TrainerError, TrainerSettings
+
+    nodes: list[NodeProcess] = []
+    dht = None
+    try:
+        c = launch_node(tmp_path, "c", "twostage", extra=["--stages", "2", "--stage", "1"])
+        nodes.append(c)
+        run = c.run_id
+        b = launch_node(tmp_path, "b", run, initial_peers=[c.maddr], two_stage=True)
+        nodes.append(b)
+        assert b.wait_serving(timeout=90) == 0
+
+        def both_served() -> dict | None:
+            peers = {p["peer_id"]: p for p in status(run, c.maddr)["peers"]}
+            mine = [p for p in peers.values() if p["second_serving"]]
+            return mine[0] if mine else None
+
+        two = wait_until(both_served, 60, "b to serve stage 1 as its second stage", every=1.0)
+        assert (two["stage"], two["second_stage"]) == (0, 1), two
+        assert "taking stage 1 as a second stage" in b.output()
+        dht = SwarmDHT.start(run, initial_peers=[b.maddr], host_maddrs=[LOCAL], client_mode=True)
+
+        async def main() -> dict[str, float]:
+            settings = TrainerSettings(in_flight=2, call_timeout_s=20, stage_wait_s=60)
+            trainer = await open_trainer(dht, settings)
+            try:
+                await asyncio.wait_for(trainer.train(4), 60)
+                before = trainer.stats.micro_batches
+                c.stop(signal.SIGKILL)
+                killed = time.monotonic()
+                failed = 0
+                while trainer.stats.micro_batches < before + 8:
+                    assert time.monotonic() - killed < 60, "training stalled after the kill"
+                    try:
+                        await asyncio.wait_for(trainer.train(4), 60)
+                    except TrainerError as e:  # every route still named c
+                        failed += 1
+                        print(f"trainer paused: {e}")
+                        await asyncio.sleep(0.5)
+                return {"resumed": time.monotonic() - killed, "paused": failed}
+            finally:
+                await trainer.p2p.shutdown()
+
+        result = asyncio.run(main())
+        print(
+            f"stage 1's only one-stage peer was killed; b served it as its second stage and "
+            f"the trainer completed 8 micro-batches {result['resumed']:.1f} s after the kill "
+            f"(paused {result['paused']} times)"
+        )
+        assert result["resumed"] < 30, result
+        assert _moves(b) == [] and b.alive()
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        stop_all(nodes)
+
+
 def test_bad_gossip_is_ignored_by_the_nodes(tmp_path):
     """a serves stage 0 and b stage 1 (pinned) of 3 stages. A peer of the test's own (a
     DHT whose p2pd runs GossipSub) publishes, again and again, claims that stage 2 holds

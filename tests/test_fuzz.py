@@ -36,7 +36,7 @@ from models.training import StageOptimizer
 from node import stage_client, stage_state
 from node.servicer import FrameError, read_frame
 from node.stage_client import StageCallError
-from node.stage_server import StageServer
+from node.stage_server import StageServer, stage_namespace
 from node.stage_wire import (
     FAILED,
     MAX_CHUNK_BYTES,
@@ -886,12 +886,14 @@ def _stream(metadata: bytes, tensors: list, *, end: bool = True) -> bytes:
     return b"".join(_frame(m) for m in messages) + (END if end else b"")
 
 
-async def _exchange(client: P2P, peer, kind: str, raw: bytes, timeout: float = 10.0):
-    """Send ``raw`` on a stream to ``peer``'s ``rpc_<kind>``; return how the server
-    answered: ("refused", reason), ("closed", "") or ("answered", "")."""
-    _, reader, writer = await client.call_binary_stream_handler(
-        peer, f"{StageServer.service_name}.rpc_{kind}"
-    )
+def _handle(stage: int, kind: str) -> str:
+    return StageServer._get_handle_name(stage_namespace(stage), f"rpc_{kind}")
+
+
+async def _exchange(client: P2P, peer, stage: int, kind: str, raw: bytes, timeout: float = 10.0):
+    """Send ``raw`` on a stream to ``peer``'s ``rpc_<kind>`` of ``stage``; return how the
+    server answered: ("refused", reason), ("closed", "") or ("answered", "")."""
+    _, reader, writer = await client.call_binary_stream_handler(peer, _handle(stage, kind))
     try:
         async with asyncio.timeout(timeout):
             writer.write(raw)
@@ -1050,7 +1052,7 @@ def test_live_server_refuses_malformed_streams_and_keeps_serving():
             started = time.monotonic()
             outcomes = []
             for name, i, kind, raw, expect in cases:
-                how, reason = await _exchange(client, servers[i].peer_id, kind, raw)
+                how, reason = await _exchange(client, servers[i].peer_id, i, kind, raw)
                 outcomes.append((name, how))
                 if expect == "closed":
                     assert how in ("closed", "refused"), (name, how, reason)
@@ -1124,7 +1126,7 @@ def test_a_frame_declaring_2_62_bytes_is_refused_unread():
         async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
             process = psutil.Process()
             rss = process.memory_info().rss
-            handle = f"{StageServer.service_name}.rpc_forward"
+            handle = _handle(0, FORWARD)
             answer, after, sent = await flood(
                 client, s0.peer_id, handle, header, 64 * 2**20, runtime_pb2.ExpertResponse
             )
