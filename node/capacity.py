@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from models.stages import Stage
@@ -52,6 +53,28 @@ def pick_device(choice: str = "auto") -> Device:
     if choice == "mps" or choice == "auto" and mps:
         return Device("mps", "mps")
     return Device("cpu", f"cpu:{torch.get_num_threads()}t")
+
+
+# What training a stage holds per parameter, in float32: the weight, its gradient and the
+# two Adam moments; activations and kept forward graphs come on top (``MEMORY_MARGIN``).
+BYTES_PER_PARAMETER = 4 * 4
+MEMORY_MARGIN = 1.5
+
+
+def stage_memory(spec: RunSpec, stage: int) -> int:
+    """Bytes that training ``stage`` needs, margin included; counted on the meta device,
+    so that nothing is allocated."""
+    with torch.device("meta"):
+        module = Stage(spec.model, spec.stage_range(stage))
+    n = sum(p.numel() for p in module.parameters())
+    return int(n * BYTES_PER_PARAMETER * MEMORY_MARGIN)
+
+
+def free_memory(device: Device) -> int:
+    """Bytes free for another stage: the GPU's own memory, else the machine's."""
+    if device.name == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    return psutil.virtual_memory().available
 
 
 def measure_stage(spec: RunSpec, stage: int, device: Device, min_time_s: float = 0.5) -> float:

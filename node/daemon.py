@@ -24,7 +24,7 @@ from models.data import Corpus, load_corpus
 from models.stages import Stage
 from models.training import StageOptimizer
 from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
-from node.capacity import Device, pick_device, stage_throughputs
+from node.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
 from node.dht import SwarmDHT
 from node.files import load_or_create_identity, load_or_create_key, write_atomic
 from node.gossip import GossipUnavailable
@@ -362,8 +362,18 @@ class Node:
         except Exception as e:  # a DHT hiccup: one stage is what every node can do
             logger.warning("could not decide on a second stage: %s", e)
             return None
-        if second is not None:
-            self._changed.set()  # announce it at once: others count it in the reserve
+        if second is None:
+            return None
+        need, free = stage_memory(self.spec, second), free_memory(self.device)
+        if need > free:
+            logger.info(
+                "not taking stage %d as a second stage: it needs about %.0f MiB, %.0f MiB free",
+                second,
+                need / 2**20,
+                free / 2**20,
+            )
+            return None
+        self._changed.set()  # announce it at once: others count it in the reserve
         return second
 
     async def _load_second(self) -> None:

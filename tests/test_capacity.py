@@ -4,7 +4,8 @@ import json
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from node.capacity import pick_device, stage_kind, stage_throughputs
+from models.stages import Stage
+from node.capacity import free_memory, pick_device, stage_kind, stage_memory, stage_throughputs
 from protocol.identity import peer_id_of
 from protocol.run_spec import make_run_spec
 
@@ -23,3 +24,12 @@ def test_stages_doing_the_same_work_get_one_measurement(tmp_path):
     # Cached on disk for the next start, keyed by device and model.
     assert list(json.loads((tmp_path / "throughput.json").read_text()).values()) == [measured]
     assert stage_throughputs(spec, pick_device("cpu"), tmp_path) == measured
+
+
+def test_a_stage_s_training_memory_is_counted_without_allocating_it():
+    spec = make_run_spec("capacity", "tiny", 4, owner=OWNER)
+    for s in (0, 1, 3):  # the embedding, a block, the head
+        real = sum(p.numel() for p in Stage(spec.model, spec.stage_range(s)).parameters())
+        assert stage_memory(spec, s) == int(real * 16 * 1.5)  # weights, grads, 2 moments
+    assert stage_memory(spec, 0) > stage_memory(spec, 1)  # the embedding table weighs
+    assert free_memory(pick_device("cpu")) > stage_memory(spec, 0)
