@@ -121,16 +121,25 @@ def test_arrivals_are_counted_per_peer_hour_over_a_window():
 
 def test_six_nodes_joining_at_once_spread_over_three_stages(tmp_path):
     """Equal declared throughput, 3 stages, 6 nodes: the optimum is 2-2-2. The first node
-    starts the run; the other five start together while it is still choosing."""
+    starts the run; the other five start together while it is still choosing. They may
+    take second stages, as nodes do by default (up to two, here); those never move."""
     nodes: list[NodeProcess] = []
     try:
-        a = launch_node(tmp_path, "a", "spread", extra=["--stages", "3", *FAST])
+        a = launch_node(tmp_path, "a", "spread", extra=["--stages", "3", *FAST], two_stage=True)
         nodes.append(a)
         run = a.run_id
         started = time.monotonic()
         for name in "bcdef":
             nodes.append(
-                launch_node(tmp_path, name, run, initial_peers=[a.maddr], extra=FAST, wait=False)
+                launch_node(
+                    tmp_path,
+                    name,
+                    run,
+                    initial_peers=[a.maddr],
+                    extra=FAST,
+                    wait=False,
+                    two_stage=True,
+                )  # fmt: skip
             )
         chosen = Counter(n.wait_serving(timeout=90) for n in nodes)  # the stage each took first
         all_serving = time.monotonic() - started
@@ -149,10 +158,11 @@ def test_six_nodes_joining_at_once_spread_over_three_stages(tmp_path):
         wait_until(balanced, 60, "the six nodes to settle at 2-2-2")
         settled = time.monotonic() - started
         moves = sum(len(_moves(n)) for n in nodes)
+        two = sum("as a second stage" in n.output() for n in nodes)
         print(
             f"stages taken at join: {dict(sorted(chosen.items()))}; every node serving after "
             f"{all_serving:.1f} s, every stage served after {covered:.1f} s, 2-2-2 after "
-            f"{settled:.1f} s with {moves} moves"
+            f"{settled:.1f} s with {moves} moves; {two} nodes took a second stage"
         )
         assert all(n.alive() for n in nodes)
     finally:
