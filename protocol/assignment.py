@@ -237,8 +237,8 @@ class Params:
     alarm_drop: float = 0.2
     # Peers holding two stages (:func:`second_stage`): while their summed throughput is
     # under this many mean stage totals, a joiner at least ``two_stage_min`` times as
-    # fast as the mean peer takes a second stage. 0: nobody does. (0.25-1.0 measured at
-    # 1,000 peers: 0.976-0.981 of the bound; BENCHMARKS.md.)
+    # fast as the mean peer takes a second stage. 0: nobody does. (At 1,000 peers a
+    # reserve of 0.25 gave 0.976 of the bound, 1.0 gave 0.981, none 0.959: BENCHMARKS.md.)
     two_stage_reserve: float = 1.0
     two_stage_min: float = 1.0
     mean_period_s: float = 60.0  # mean time between a serving peer's checks
