@@ -14,6 +14,8 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from protocol.records import PeerInfo
 
 
@@ -25,20 +27,64 @@ class Candidate:
 
 
 def candidates_by_stage(peers: Iterable[PeerInfo], n_stages: int) -> list[list[Candidate]]:
-    """The routable peers of each stage (serving, with a stage in range), a peer that
-    serves a second stage on that one too: its ``load`` counts both stages' requests, so
-    its time goes where fewer requests wait."""
+    """The routable peers of each stage (serving, with a stage in range). A peer that
+    serves a second stage is offered on both, its throughput on each scaled by its share of
+    time there in the best division (:func:`second_stage_shares`). Offered at full speed
+    on both, such peers took calls for a stage with time to spare away from the stage the
+    pipeline waits on: ``scripts/bench_two_stage_routing.py`` measures what each way
+    reaches of the best division's rate."""
+    routable = [p for p in peers if p.routable and p.stage < n_stages]
+    two = [p for p in routable if p.second_serving and p.second_stage < n_stages]
+    rates = [(p.stage, p.second_stage, p.throughput[p.stage], p.throughput[p.second_stage])
+             for p in two]  # fmt: skip
+    two_ids = {p.peer_id for p in two}
+    totals = [0.0] * n_stages  # of the one-stage peers: where the division starts
+    for p in routable:
+        if p.peer_id not in two_ids:
+            totals[p.stage] += p.throughput[p.stage]
+    shares = dict(zip([p.peer_id for p in two], second_stage_shares(totals, rates), strict=True))
     by_stage: list[list[Candidate]] = [[] for _ in range(n_stages)]
-    for p in peers:
-        if not p.routable:
-            continue
-        held = (p.stage, p.second_stage) if p.second_serving else (p.stage,)
-        for s in held:
-            if s < n_stages:
-                by_stage[s].append(Candidate(p.peer_id, p.throughput[s], p.load))
+    for p in routable:
+        f = shares.get(p.peer_id, 0.0)
+        by_stage[p.stage].append(Candidate(p.peer_id, p.throughput[p.stage] * (1 - f), p.load))
+        if p.peer_id in shares:
+            b = p.second_stage
+            by_stage[b].append(Candidate(p.peer_id, p.throughput[b] * f, p.load))
     for stage in by_stage:
         stage.sort(key=lambda c: c.peer_id)  # same view, same draw: reproducible given a seed
     return by_stage
+
+
+def second_stage_shares(
+    totals: Sequence[float], two: Sequence[tuple[int, int, float, float]]
+) -> list[float]:
+    """The share of its time each two-stage peer gives its second stage, in the division
+    that raises the least stage total most; among the best, each gives as little as it can
+    (its first stage is where the assignment placed it). ``totals``: each stage's summed
+    throughput without the two-stage peers; ``two``: each one's (first stage, second stage,
+    throughput on the first, throughput on the second). A linear programme, solved exactly."""
+    if not two:
+        return []
+    from scipy.optimize import linprog  # hivemind depends on scipy; imported when needed
+
+    n, k = len(totals), len(two)
+    gives = np.zeros((n, k))  # what all of peer j's time on its second stage moves
+    base = np.array(totals, dtype=float)
+    for j, (a, b, on_a, on_b) in enumerate(two):
+        base[a] += on_a
+        gives[a, j] -= on_a
+        gives[b, j] += on_b
+    tie = 1e-6 * max(float(base.max()), 1e-12) / k  # never at the least total's expense
+    res = linprog(
+        np.r_[np.full(k, tie), -1.0],
+        A_ub=np.hstack([-gives, np.ones((n, 1))]),
+        b_ub=base,
+        bounds=[(0.0, 1.0)] * k + [(None, None)],
+        method="highs",
+    )
+    if res.status != 0:  # cannot happen: shares of 0 are feasible and the least is bounded
+        raise ValueError(f"dividing two-stage peers' time failed: {res.message}")
+    return [float(min(max(f, 0.0), 1.0)) for f in res.x[:k]]
 
 
 def choose_peer(

@@ -82,6 +82,7 @@ from protocol.assignment import (  # noqa: E402
     second_stage,
     stage_prices,
 )
+from protocol.routing import second_stage_shares  # noqa: E402
 
 RULES = ("ours", "petals")
 FACTORS = ("serving", "placement", "balance")
@@ -805,30 +806,21 @@ class Sim:
 
     def bridged(self) -> list[float]:
         """The serving totals, with the time of serving two-stage peers divided as routing
-        divides it: calls go where the pipeline waits, so the division is the one that
-        raises the least total most (a linear programme over their shares of time on
-        their second stage; among the best, the one with the highest priced sum). It is
-        the data plane's doing, instant here as routing within a stage is."""
-        base = np.array(self.serve_tot)
+        divides it (``second_stage_shares``, which the trainer's ``candidates_by_stage``
+        scales their throughputs by): the division that raises the least total most. It
+        is taken to be instant and exact, as routing within a stage is
+        (``scripts/bench_two_stage_routing.py`` measures how near queues come to it)."""
+        totals = list(self.serve_tot)
         two = sorted(self.two_serving)
-        if not two:
-            return base.tolist()
-        coef = np.zeros((self.S, len(two)))  # what all of peer j's time on b moves
-        for j, i in enumerate(two):
-            a, b, row = int(self.stage[i]), self.second[i], self.thr_rows[i]
-            coef[a, j] -= row[a]
-            coef[b, j] += row[b]
-        tie = 1e-6 / max(float(base.max()), 1e-12)  # priced sum, second to the least total
-        res = linprog(
-            np.r_[-tie * (self.lam @ coef), -1.0],
-            A_ub=np.hstack([-coef, np.ones((self.S, 1))]),
-            b_ub=base,
-            bounds=[(0.0, 1.0)] * len(two) + [(None, None)],
-            method="highs",
-        )
-        if res.status != 0:  # cannot happen: shares of 0 are feasible and B is bounded
-            raise RuntimeError(f"splitting two-stage peers failed: {res.message}")
-        return (base + coef @ res.x[:-1]).tolist()
+        rows = self.thr_rows
+        rates = [(int(self.stage[i]), self.second[i]) for i in two]
+        rates = [(a, b, rows[i][a], rows[i][b]) for i, (a, b) in zip(two, rates, strict=True)]
+        for a, _, on_a, _ in rates:
+            totals[a] -= on_a
+        for (a, b, on_a, on_b), f in zip(rates, second_stage_shares(totals, rates), strict=True):
+            totals[a] += (1.0 - f) * on_a
+            totals[b] += f * on_b
+        return totals
 
     def factors(self, bound: float, totals: list[float]) -> tuple[float, float, float]:
         """Where the ratio to the bound goes, as three factors whose product it is:

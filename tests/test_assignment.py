@@ -38,7 +38,7 @@ from protocol.assignment import (
 )
 from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
-from protocol.routing import candidates_by_stage
+from protocol.routing import candidates_by_stage, second_stage_shares
 
 SIM_PATH = Path(__file__).resolve().parent.parent / "scripts" / "simulate_assignment.py"
 
@@ -426,11 +426,14 @@ def test_a_second_stage_is_held_with_no_throughput_and_routed_to_once_served():
     view = view_from_peers([one, two], 2, priced=False)
     assert view.counts == (2, 1) and view.serving == (2, 1)
     assert view_from_peers([one, two], 2, exclude={two.peer_id}, priced=False).two_stage == 0.0
+    # Routing offers it on both, at the speed its share of time there gives: levelled,
+    # 10 + 30 f = 40 (1 - f), so f = 3/7 of its time on stage 0.
     by_stage = candidates_by_stage([one, two], 2)
-    assert [(c.peer_id, c.throughput) for c in by_stage[0]] == sorted(
-        [(one.peer_id, 10.0), (two.peer_id, 30.0)]
-    )
-    assert [(c.peer_id, c.throughput) for c in by_stage[1]] == [(two.peer_id, 40.0)]
+    on_0 = {c.peer_id: c.throughput for c in by_stage[0]}
+    assert on_0 == {one.peer_id: 10.0, two.peer_id: pytest.approx(30.0 * 3 / 7)}
+    assert [(c.peer_id, c.throughput) for c in by_stage[1]] == [
+        (two.peer_id, pytest.approx(40.0 * 4 / 7))
+    ]
 
 
 def test_a_record_for_another_layout_is_dropped_not_trusted():
@@ -555,29 +558,20 @@ def test_simulator_smoke_200_peers(sim):
     assert "UPPER BOUND" in text and "moves per peer-hour" in text
 
 
-def test_routing_lends_two_stage_peers_where_the_least_total_gains_most(sim):
-    cfg = sim.Config(peers=8, stages=3, two_stage_reserve=1.0)
-    model = sim.Sim(cfg, sim.make_population(cfg), "ours")
-    model.thr_rows = [[4.0, 4.0, 4.0], [4.0, 2.0, 4.0]]
-    model.stage[:2] = (0, 0)
-    model.second[:2] = (1, 1)
-    model.lam = np.array([0.5, 0.3, 0.2])
-
-    def bridged(base, peers):
-        model.serve_tot, model.two_serving = list(base), set(peers)
-        return model.bridged()
-
-    assert bridged([20.0, 14.0, 30.0], []) == [20.0, 14.0, 30.0]
-    # Peer 0 alone levels stages 0 and 1 at 17 (3/4 of its time on stage 1).
-    assert bridged([20.0, 14.0, 30.0], [0]) == pytest.approx([17.0, 17.0, 30.0])
+def test_two_stage_peers_give_their_second_stage_the_time_that_raises_the_least_total():
+    fast, slow = (0, 1, 4.0, 4.0), (0, 1, 4.0, 2.0)  # first, second, speed on each
+    # Stage totals of the one-stage peers first; the shares of each two-stage peer next.
+    assert second_stage_shares([16.0, 14.0, 30.0], []) == []
+    # One peer levels stages 0 and 1 at 17: 3/4 of its time on stage 1.
+    assert second_stage_shares([16.0, 14.0, 30.0], [fast]) == pytest.approx([0.75])
     # A gap larger than it can fill: all its time goes there.
-    assert bridged([20.0, 0.0, 30.0], [0]) == pytest.approx([16.0, 4.0, 30.0])
-    # Peer 1 is half as fast on stage 1: peer 0 is lent first, peer 1 only after it.
-    assert bridged([20.0, 12.0, 30.0], [0, 1]) == pytest.approx([16.0, 16.0, 30.0])
-    assert bridged([40.0, 10.0, 50.0], [0, 1]) == pytest.approx([32.0, 16.0, 50.0])
-    # The least total is stage 2, which neither serves: both stay where their time is
-    # worth most at the prices (stage 0).
-    assert bridged([20.0, 15.0, 10.0], [0, 1]) == pytest.approx([20.0, 15.0, 10.0])
+    assert second_stage_shares([16.0, 0.0, 30.0], [fast]) == pytest.approx([1.0])
+    # The half-as-fast peer is lent only after the fast one: here the fast one alone
+    # levels stages 0 and 1 at 16 (they start at 20 and 12 with both on stage 0).
+    assert second_stage_shares([12.0, 12.0, 30.0], [fast, slow]) == pytest.approx([1.0, 0.0])
+    assert second_stage_shares([32.0, 10.0, 50.0], [fast, slow]) == pytest.approx([1.0, 1.0])
+    # The least total is stage 2, which neither serves: both stay on their first stage.
+    assert second_stage_shares([12.0, 15.0, 10.0], [fast, slow]) == pytest.approx([0.0, 0.0])
 
 
 def test_simulator_two_stage_peers_close_the_gaps_that_joiners_leave(sim):
