@@ -74,7 +74,7 @@ def second_stage_shares(
         base[a] += on_a
         gives[a, j] -= on_a
         gives[b, j] += on_b
-    tie = 1e-6 * max(float(base.max()), 1e-12) / k  # never at the least total's expense
+    tie = 1e-6 * max(float(base.max()), 1e-12) / k  # all shares: a millionth of a total
     res = linprog(
         np.r_[np.full(k, tie), -1.0],
         A_ub=np.hstack([-gives, np.ones((n, 1))]),
