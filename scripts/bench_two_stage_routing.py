@@ -10,9 +10,12 @@ time with the peer's mean for that stage, and a trainer keeps ``--in-flight``
 micro-batches going, each a call to every stage in turn. Loads are exact (the node
 advertises its queue every few seconds and the trainer adds its own calls in flight).
 
-For each swarm it prints the pipeline's rate with routing, the rate the LP division
-reaches (the simulator's assumption), and the rate without the second stages, side by
-side; the ratio routing / LP is the figure.
+For each swarm it prints, side by side: the pipeline's rate routed as the trainer does
+(each two-stage peer offered on each stage at its share of time in the best division,
+``second_stage_shares``), routed with such peers offered at full speed on both stages,
+the best division's rate (a linear programme over every peer's time: the simulator's
+assumption), and the same swarm with one stage per peer, routed and at its optimum. The
+figures are routed / best for each way, and what the second stages add to the routed rate.
 
     python scripts/bench_two_stage_routing.py --swarms 20 --calls 20000
 """
