@@ -42,9 +42,9 @@ counted apart. The two rules run in two processes.
 Ours has two-stage peers (``--two-stage-reserve``, 0 for none): a joiner whose stage
 serves asks ``second_stage`` whether to take a second stage too, as the node does; if so
 it loads it (serving its first meanwhile) and never moves. Its record plans it on its
-first stage; routing lends its time to the second where the pipeline waits, which the
-simulator takes as the division of the serving two-stage peers' time that raises the
-least stage total most (a linear programme at each sample, ``Sim.bridged``): the same
+first stage; trainers route to it on each stage at its share of time in the division
+that raises the least stage total most (``protocol.routing.second_stage_shares``), and the
+simulator takes that division as delivered at each sample (``Sim.bridged``): the same
 idealisation as summing a stage's peers, which assumes routing within a stage is perfect.
 
     python scripts/simulate_assignment.py --peers 1000
@@ -698,7 +698,8 @@ class Sim:
         (as the node does: it loads the second while it serves the first). It announces
         its second stage with no throughput: the rule plans with its time on its first
         stage, and routing lends it to the second where that one is short (``bridged``)."""
-        if self.rule != "ours" or self.params.two_stage_reserve <= 0.0 or self.token[i] > 0:
+        moved = self.token[i] > 0  # a move bumps the token: only joiners ask, as in the node
+        if self.rule != "ours" or self.params.two_stage_reserve <= 0.0 or moved:
             return
         s = int(self.stage[i])
         b = second_stage(self.view(t, i), s, self.thr_rows[i], self.params)
@@ -811,12 +812,11 @@ class Sim:
         is taken to be instant and exact, as routing within a stage is
         (``scripts/bench_two_stage_routing.py`` measures how near queues come to it)."""
         totals = list(self.serve_tot)
-        two = sorted(self.two_serving)
-        rows = self.thr_rows
-        rates = [(int(self.stage[i]), self.second[i]) for i in two]
-        rates = [(a, b, rows[i][a], rows[i][b]) for i, (a, b) in zip(two, rates, strict=True)]
-        for a, _, on_a, _ in rates:
-            totals[a] -= on_a
+        rates = []  # (first stage, second stage, speed on each), as the records give them
+        for i in sorted(self.two_serving):
+            a, b, row = int(self.stage[i]), self.second[i], self.thr_rows[i]
+            rates.append((a, b, row[a], row[b]))
+            totals[a] -= row[a]  # the division starts from the one-stage peers
         for (a, b, on_a, on_b), f in zip(rates, second_stage_shares(totals, rates), strict=True):
             totals[a] += (1.0 - f) * on_a
             totals[b] += f * on_b
