@@ -7,7 +7,7 @@ import logging
 import sys
 
 from models.data import DataError
-from node import baseline, demo, run_admin, serve, status, train
+from node import baseline, demo, export, generate, run_admin, serve, status, train
 from node.daemon import NodeError
 from node.dht import DHTStartError
 from node.files import IdentityInUseError
@@ -18,6 +18,8 @@ COMMANDS = [
     ("run", run_admin, "create a run; invite machines to a private run, or revoke them"),
     ("status", status, "show the peers and stages of a run"),
     ("train", train, "train through a run's swarm without serving a stage"),
+    ("export", export, "write a run's model, from nodes' checkpoints, in the Hugging Face format"),
+    ("generate", generate, "sample text from an exported model"),
     ("demo", demo, "a local swarm that trains and survives a kill -9"),
 ]
 

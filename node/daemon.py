@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import random
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from hivemind.utils import get_dht_time
 from models.data import Corpus, load_corpus
 from models.stages import Stage
 from models.training import StageOptimizer
+from node import checkpoint
 from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
 from node.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
 from node.dht import SwarmDHT
@@ -84,6 +86,10 @@ class NodeSettings:
     cache_dir: Path | None = field(default_factory=lambda: Path("~/.cache/swarmtrain").expanduser())
     spec_timeout_s: float = 30.0
     train: bool = True  # run a trainer loop alongside the stage
+    # Where the held stages are checkpointed (default: beside the identity key, per peer
+    # id), and how often; 0: never (a clean stop still writes one).
+    checkpoint_dir: Path | None = None
+    checkpoint_every_s: float = 300.0
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
 
     @property
@@ -93,6 +99,12 @@ class NodeSettings:
     def identity_path(self) -> Path:
         name = self.run.partition("@")[0]
         return self.identity or Path(f"~/.swarmtrain/{name}/identity.key").expanduser()
+
+    def checkpoint_root(self, peer_id: str) -> Path:
+        name = self.run.partition("@")[0]
+        return (
+            self.checkpoint_dir or Path(f"~/.swarmtrain/{name}/checkpoints/{peer_id}").expanduser()
+        )
 
     def owner_key_path(self) -> Path:
         return (self.owner_key or Path("~/.swarmtrain/owner.key")).expanduser()
@@ -163,6 +175,7 @@ class Node:
         self.probe: BandwidthProbe | None = None
         self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
+        self.checkpoints: Path | None = None  # where the held stages are checkpointed
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -217,6 +230,8 @@ class Node:
                 )
         self.spec = spec = self.signed_spec.spec
         self.dht.use_spec(spec)
+        self.checkpoints = s.checkpoint_root(self.peer_id)
+        await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.signed_spec)
         await self.dht.refresh_revocations()
         self.membership = self._membership_proof()
         for flag, stage in (("--stage", s.stage), ("--second-stage", s.second_stage)):
@@ -330,6 +345,8 @@ class Node:
                 background.append(tasks.create_task(self._load_second(), name="second-stage"))
             elif self.settings.stage is None and self.settings.rebalance:
                 background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
+            if self.settings.checkpoint_every_s > 0:
+                background.append(tasks.create_task(self._checkpoint_loop(), name="checkpoint"))
             if self.settings.bandwidth_mbps is None:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
             if self.settings.train:
@@ -433,7 +450,9 @@ class Node:
         optimizer = StageOptimizer(module, self.spec.optim)
         averager = await StageAverager.create(self.dht, self.spec, stage, module, optimizer)
         try:
-            loaded = await averager.load_state()
+            kept = await asyncio.to_thread(checkpoint.newest, self.checkpoints, self.spec, stage)
+            saved = None if kept is None else (kept.metadata, kept.tensors, str(kept.path))
+            loaded = await averager.load_state(saved=saved)
             logger.info("stage %d state: %s", stage, loaded)
             server = await AveragedStageServer.create(
                 self.p2p,
@@ -450,6 +469,37 @@ class Node:
             await averager.shutdown()
             raise
         return averager, server
+
+    def _held(self) -> list[tuple[int, StageAverager]]:
+        """The stages this node holds now, with their averagers."""
+        pairs = [(self.stage, self.averager), (self.second, self.second_averager)]
+        return [(s, a) for s, a in pairs if s is not None and a is not None and a.running]
+
+    async def _checkpoint(self) -> None:
+        """Write a checkpoint of every stage held (the copy holds the stage's lock for as
+        long as copying its tensors takes; the write runs off the event loop)."""
+        for stage, averager in self._held():
+            started = time.monotonic()
+            try:
+                metadata, tensors = await asyncio.to_thread(averager.snapshot)
+                path = await asyncio.to_thread(
+                    checkpoint.write, self.checkpoints, self.spec, stage, metadata, tensors
+                )
+            except Exception as e:  # a full disk must not stop the node
+                logger.warning("could not checkpoint stage %d: %s", stage, e)
+                continue
+            logger.info(
+                "checkpointed stage %d at step %d in %.1f s: %s",
+                stage,
+                metadata["step"],
+                time.monotonic() - started,
+                path,
+            )
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.checkpoint_every_s)
+            await self._checkpoint()
 
     async def _measure_bandwidth(self) -> None:
         """Up/down against a serving peer (up to 3 tried); on failure it stays 'unknown'."""
@@ -563,6 +613,7 @@ class Node:
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
+            await self._checkpoint()  # a clean stop loses nothing
             if self.placement is not None:
                 await self.placement.close()
             for server in (self.server, self.second_server):

@@ -410,12 +410,18 @@ class StageAverager:
 
     # -- state download -----------------------------------------------------------------
 
-    async def load_state(self, timeout_s: float | None = None) -> LoadedState:
+    async def load_state(
+        self,
+        timeout_s: float | None = None,
+        saved: tuple[dict, list[torch.Tensor], str] | None = None,
+    ) -> LoadedState:
         """Download the stage's state from one of its peers, then start averaging.
 
-        With no live peer of the stage (no progress record), keep the initial weights.
-        Raises ``StateDownloadError`` if peers exist but none hands over a valid state
-        within ``timeout_s`` (default: twice the round timeout)."""
+        With no live peer of the stage (no progress record), start from ``saved`` (a
+        state ``snapshot`` gave, its metadata, tensors and where it was kept) if it fits
+        the stage, else from the initial weights. Raises ``StateDownloadError`` if peers
+        exist but none hands over a valid state within ``timeout_s`` (default: twice the
+        round timeout)."""
         if self.running:
             raise RuntimeError("load_state() runs once, before averaging starts")
         timeout_s = timeout_s if timeout_s is not None else 2 * self.settings.round_timeout_s
@@ -441,7 +447,7 @@ class StageAverager:
                 )
             await asyncio.sleep(self.settings.report_period_s)
         else:
-            logger.info("%s: no peer holds it, starting from initial weights", self._name)
+            result = await self._resume(saved) or result
         await self._log_digest()
         self._records = await self._read_progress()
         # Visible to the stage's peers (and joiners) from the moment this returns.
@@ -452,6 +458,42 @@ class StageAverager:
             self._process.state_sharing_priority = float(self._epoch)
         self._runner = asyncio.create_task(self._run(), name=f"averaging-stage{self.stage_index}")
         return result
+
+    async def _resume(
+        self, saved: tuple[dict, list[torch.Tensor], str] | None
+    ) -> LoadedState | None:
+        """Start from a state kept on disk, when no peer holds the stage."""
+        if saved is not None:
+            metadata, tensors, where = saved
+            try:
+                state = stage_state.parse(metadata, tensors, self.module, mode=self.mode)
+            except StateError as e:
+                logger.warning("%s: cannot resume from %s: %s", self._name, where, e)
+            else:
+                await asyncio.to_thread(self._apply_state, state)
+                logger.info(
+                    "%s: no peer holds it, resumed step %d (epoch %d) from %s",
+                    self._name,
+                    self.step,
+                    self.epoch,
+                    where,
+                )
+                return LoadedState(True, self.step, self.epoch, where)
+        logger.info("%s: no peer holds it, starting from initial weights", self._name)
+        return None
+
+    async def fetch(self, timeout_s: float) -> StageState | None:
+        """Download the stage's state from a peer of it without taking part in the stage
+        (no progress record, no rounds: ``load_state`` is never called); None if no peer
+        handed over a valid state within ``timeout_s``."""
+        if self.running:
+            raise RuntimeError("fetch() is for an averager that does not average")
+        return await self._download(timeout_s)
+
+    def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
+        """A copy of the stage's state, as a joiner would download it (blocking: takes
+        the stage's lock while it copies the tensors)."""
+        return self._current_state()
 
     def _current_state(self) -> tuple[dict, list[torch.Tensor]]:
         """For a peer downloading our state (on hivemind's background thread)."""

@@ -3,8 +3,10 @@
 A lone node holds every stage (it takes the second stage too, being the swarm's only
 peer), so its own trainer has nobody to call but itself. It must keep training (its
 trainer calls its own stages in-process: libp2p does not dial itself) and keep serving
-for minutes, and a Ctrl-C in its terminal (SIGINT to the whole process group, ``p2pd``
-and the averager processes included) must stop it within seconds, leaving no process.
+for minutes; a Ctrl-C in its terminal (SIGINT to the whole process group, ``p2pd`` and
+the averager processes included) must stop it within seconds, leaving no process, and
+with its stages checkpointed: the model exports (from the live node too) and samples,
+and the node restarted resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from node.dht import SwarmDHT
 from protocol.averaging import decode_progress, progress_key
@@ -46,56 +49,109 @@ def _group(pgid: int) -> list[psutil.Process]:
     return result
 
 
-def test_a_lone_default_node_trains_for_minutes_and_stops_on_ctrl_c(tmp_path: Path):
-    maddrs = tmp_path / "maddrs"
+def _start(tmp_path: Path, log: Path, maddrs: Path) -> subprocess.Popen:
+    """The README's node, in its own session (a Ctrl-C there reaches only its group)."""
     env = dict(os.environ, HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     command = [
         sys.executable, "-m", "node.cli", "node", "--run", "alone", "--preset", "tiny",
         "--stages", "2", "--host-maddrs", LOCAL, "--maddrs-file", str(maddrs),
     ]  # fmt: skip
-    log = tmp_path / "node.log"
-    with log.open("w") as out:  # its own session: a Ctrl-C there reaches only its group
-        proc = subprocess.Popen(
+    maddrs.unlink(missing_ok=True)
+    with log.open("w") as out:
+        return subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+
+
+def _serving_both(proc: subprocess.Popen, log: Path, maddrs: Path) -> tuple[str, str]:
+    """Wait until the node serves both stages; its run id and address."""
+
+    def started() -> str | None:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        words = maddrs.read_text().split() if maddrs.exists() else []
+        return words[0] if words else None
+
+    maddr = wait_until(started, 90, "the node to start")
+    run = next(line.split("'")[1] for line in log.read_text().splitlines() if "in run '" in line)
+
+    def both_stages_served() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        peers = status(run, maddr)["peers"]
+        return bool(peers) and bool(peers[0]["second_serving"])
+
+    wait_until(both_stages_served, 90, "the node to serve both stages", every=1.0)
+    return run, maddr
+
+
+def _ctrl_c(proc: subprocess.Popen, log: Path) -> None:
+    """SIGINT to the node's process group, as Ctrl-C in its terminal: it must exit 0
+    within 10 s, and every process of the group with it."""
+    pgid = os.getpgid(proc.pid)
+    os.killpg(pgid, signal.SIGINT)
+    stopped = time.monotonic()
+    assert proc.wait(timeout=10) == 0, log.read_text()[-3000:]
+    left = 10 - (time.monotonic() - stopped)
+    wait_until(lambda: not _group(pgid), left, "every process of the node to exit")
+
+
+def _cli(tmp_path: Path, *args: str) -> str:
+    env = dict(os.environ, HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(600)  # 3 minutes of training, then a stop, an export and a restart
+def test_a_lone_default_node_trains_for_minutes_stops_on_ctrl_c_and_resumes(tmp_path: Path):
+    log, maddrs = tmp_path / "node.log", tmp_path / "maddrs"
+    proc = _start(tmp_path, log, maddrs)
     dht = None
     try:
-
-        def started() -> str | None:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            words = maddrs.read_text().split() if maddrs.exists() else []
-            return words[0] if words else None
-
-        maddr = wait_until(started, 90, "the node to start")
-        run = next(
-            line.split("'")[1] for line in log.read_text().splitlines() if "in run '" in line
-        )
-
-        def both_stages_served() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            peers = status(run, maddr)["peers"]
-            return bool(peers) and bool(peers[0]["second_serving"])
-
-        wait_until(both_stages_served, 90, "the node to serve both stages", every=1.0)
+        run, maddr = _serving_both(proc, log, maddrs)
         began = time.monotonic()
         dht = SwarmDHT.start(run, initial_peers=[maddr], host_maddrs=[LOCAL], client_mode=True)
         first = [_epochs(dht, run, s) for s in range(2)]
+        # Meanwhile, the model as the live swarm holds it exports, stage by stage.
+        out = _cli(tmp_path, "export", "--run", run, "--initial-peers", maddr,
+                   "--host-maddrs", LOCAL, "--out", str(tmp_path / "live"))  # fmt: skip
+        assert out.count("from peer") == 2, out
+        assert _cli(tmp_path, "generate", "--model", str(tmp_path / "live"), "--prompt", "x")
         while time.monotonic() - began < RUN_FOR_S:
             assert proc.poll() is None, f"the node died:\n{log.read_text()[-3000:]}"
             time.sleep(5)
         last = [_epochs(dht, run, s) for s in range(2)]
         for stage in range(2):
             (peer,) = last[stage]
-            before = first[stage].get(peer, 0)
             # a tiny step takes ~0.1 s here; a stalled trainer adds none
-            assert last[stage][peer] > before + 50, (stage, first, last)
+            assert last[stage][peer] > first[stage].get(peer, 0) + 50, (stage, first, last)
+        dht.shutdown()
+        dht = None
+        _ctrl_c(proc, log)
 
-        proc_pgid = os.getpgid(proc.pid)
-        os.killpg(proc_pgid, signal.SIGINT)  # what Ctrl-C in its terminal does
-        stopped = time.monotonic()
-        assert proc.wait(timeout=10) == 0, log.read_text()[-3000:]
-        wait_until(lambda: not _group(proc_pgid), 10 - (time.monotonic() - stopped),
-                   "every process of the node to exit")  # fmt: skip
+        # The stop checkpointed both stages: the model exports and samples deterministically.
+        name = run.partition("@")[0]
+        _cli(tmp_path, "export", "--checkpoint", str(tmp_path / ".swarmtrain" / name),
+             "--out", str(tmp_path / "model"))  # fmt: skip
+        sample = ["generate", "--model", str(tmp_path / "model"), "--prompt", "def ",
+                  "--max-new-tokens", "24", "--temperature", "0"]  # fmt: skip
+        text = _cli(tmp_path, *sample)
+        assert text.startswith("def ") and len(text.encode()) >= 4 + 24
+        assert _cli(tmp_path, *sample) == text
+
+        # Restarted with the same identity, it resumes where it stopped, not from scratch.
+        proc = _start(tmp_path, log, maddrs)
+        run, maddr = _serving_both(proc, log, maddrs)
+        dht = SwarmDHT.start(run, initial_peers=[maddr], host_maddrs=[LOCAL], client_mode=True)
+        for stage in range(2):
+            (stopped_at,) = last[stage].values()
+            resumed = wait_until(lambda s=stage: _epochs(dht, run, s), 30, "progress records")
+            assert min(resumed.values()) >= stopped_at, (stage, stopped_at, resumed)
+        dht.shutdown()
+        dht = None
+        _ctrl_c(proc, log)
     finally:
         if dht is not None:
             dht.shutdown()

@@ -1,0 +1,83 @@
+"""Stage checkpoints on disk: what is written reads back as the state a peer would
+download; another run's, another spec's or a corrupted file is refused, and the newest
+good one stands in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.stages import Stage
+from models.training import StageOptimizer
+from node import checkpoint, stage_state
+from node.checkpoint import CheckpointError
+from protocol.run_spec import make_run_spec
+
+SPEC = make_run_spec(
+    "ckpt", "tiny", 2, owner="12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+)
+OTHER = make_run_spec("ckpt", "tiny", 3, owner=SPEC.owner)
+
+
+def _trained(stage_index: int, steps: int) -> tuple[Stage, StageOptimizer]:
+    module = Stage(SPEC.model, SPEC.stage_range(stage_index))
+    optimizer = StageOptimizer(module, SPEC.optim)
+    t, c = SPEC.model.block_size, SPEC.model.n_embd
+    tokens = torch.randint(0, 256, (2, t))
+    for _ in range(steps):
+        if module.takes_tokens:
+            module(tokens).pow(2).mean().backward()
+        else:
+            module(torch.randn(2, t, c), tokens).backward()
+        optimizer.accumulated(2)
+        optimizer.step()
+    return module, optimizer
+
+
+def _capture(module, optimizer, epoch):
+    return stage_state.capture(module, optimizer, epoch=epoch, mode="gradient", peer="me")
+
+
+def test_a_checkpoint_reads_back_as_the_state_a_peer_would_download(tmp_path):
+    module, optimizer = _trained(0, steps=3)
+    metadata, tensors = _capture(module, optimizer, epoch=3)
+    path = checkpoint.write(tmp_path, SPEC, 0, metadata, tensors)
+    assert not list(path.parent.glob(".*"))  # no temporary file left behind
+    kept = checkpoint.newest(tmp_path, SPEC, 0)
+    assert kept is not None and kept.epoch == 3 and kept.path == path
+
+    fresh, fresh_opt = _trained(0, steps=0)
+    state = stage_state.parse(kept.metadata, kept.tensors, fresh, mode="gradient")
+    stage_state.apply(state, fresh, fresh_opt)
+    assert fresh_opt.step_count == 3
+    for a, b in zip(module.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert checkpoint.newest(tmp_path, SPEC, 1) is None  # nothing of stage 1
+
+
+def test_only_the_newest_are_kept_and_a_corrupted_one_falls_back(tmp_path):
+    module, optimizer = _trained(1, steps=1)
+    paths = [
+        checkpoint.write(tmp_path, SPEC, 1, *_capture(module, optimizer, epoch), keep=2)
+        for epoch in (1, 2, 3)
+    ]
+    assert sorted(p.name for p in paths[0].parent.iterdir()) == [paths[1].name, paths[2].name]
+    data = bytearray(paths[2].read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit in the tensors
+    paths[2].write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        checkpoint.read(paths[2], SPEC, 1)
+    assert checkpoint.newest(tmp_path, SPEC, 1).epoch == 2
+    paths[1].write_bytes(paths[1].read_bytes()[:100])  # truncated
+    assert checkpoint.newest(tmp_path, SPEC, 1) is None
+
+
+def test_another_runs_or_specs_checkpoint_is_refused_naming_both(tmp_path):
+    module, optimizer = _trained(0, steps=1)
+    path = checkpoint.write(tmp_path, SPEC, 0, *_capture(module, optimizer, 1))
+    with pytest.raises(CheckpointError, match="not of 'ckpt@") as e:
+        checkpoint.read(path, OTHER, 0)
+    assert checkpoint.spec_hash(SPEC) in str(e.value)
+    assert checkpoint.spec_hash(OTHER) in str(e.value)
+    with pytest.raises(CheckpointError, match="holds stage 0, not 1"):
+        checkpoint.read(path, SPEC, 1)
