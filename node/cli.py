@@ -99,7 +99,17 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         if argv is None or name == chosen:
             add_verbose(p, default=argparse.SUPPRESS)
             _load(command.arguments)(p)
+            _verbose_in_subcommands(p)
     return parser
+
+
+def _verbose_in_subcommands(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after a subcommand's own subcommand too (``swarmtrain run invite ... -v``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                add_verbose(p, default=argparse.SUPPRESS)
+                _verbose_in_subcommands(p)
 
 
 def _known(error: BaseException) -> bool:
