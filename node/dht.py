@@ -229,9 +229,10 @@ class SwarmDHT:
             _stop_process(dht)
             shutil.rmtree(socket_dir, ignore_errors=True)
             if isinstance(e, TimeoutError):
+                peers = f" through {', '.join(initial_peers)}" if initial_peers else ""
                 raise DHTStartError(
-                    f"hivemind's DHT did not start within {startup_timeout_s:.0f} s"
-                    + (f" (initial peers: {', '.join(initial_peers)})" if initial_peers else "")
+                    f"could not join the DHT{peers} within {startup_timeout_s:.0f} s: is a "
+                    "node of the run reachable there?"
                 ) from None
             if isinstance(e, Exception):
                 raise DHTStartError(_start_failure(e, initial_peers, host_maddrs)) from None

@@ -10,23 +10,17 @@ import socket
 
 _HOST_PORT = re.compile(r"^\[?[\w.:-]*?\]?:\d+$")  # 127.0.0.1:31337, [::1]:31337, host:31337
 _PEER_FORM = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
+_LISTEN_FORM = "/ip4/0.0.0.0/tcp/PORT"
 
 
-def _parse(text: str):
+def _parse(text: str, form: str = _PEER_FORM, where: str = "a node prints its own at start"):
     from multiaddr import Multiaddr
 
     try:
         return Multiaddr(text)
     except Exception:  # multiaddr raises several kinds, all with long messages
-        if _HOST_PORT.match(text):
-            raise ValueError(
-                f"{text!r} is not a multiaddr: write it as {_PEER_FORM} "
-                "(a node prints its own at start)"
-            ) from None
-        raise ValueError(
-            f"{text!r} is not a valid multiaddr: write it as {_PEER_FORM} "
-            "(a node prints its own at start)"
-        ) from None
+        what = "not a multiaddr" if _HOST_PORT.match(text) else "not a valid multiaddr"
+        raise ValueError(f"{text!r} is {what}: write it as {form} ({where})") from None
 
 
 def _protocols(maddr) -> list[str]:
@@ -45,7 +39,7 @@ def check_peer_maddr(text: str) -> str:
 
 def check_listen_maddr(text: str) -> str:
     """An address of this machine to listen on."""
-    protocols = _protocols(_parse(text))
+    protocols = _protocols(_parse(text, _LISTEN_FORM, "0.0.0.0: every interface"))
     if "p2p" in protocols:
         raise ValueError(f"{text!r}: an address to listen on has no /p2p/ part")
     return text
@@ -53,7 +47,7 @@ def check_listen_maddr(text: str) -> str:
 
 def check_announce_maddr(text: str) -> str:
     """An address others should dial: it needs an explicit port."""
-    maddr = _parse(text)
+    maddr = _parse(text, "/ip4/PUBLIC_IP/tcp/PORT", "the address and port others reach")
     for proto in ("tcp", "udp"):
         if proto in _protocols(maddr) and maddr.value_for_protocol(proto) == "0":
             raise ValueError(f"{text!r}: an announced address needs an explicit port, not 0")
@@ -73,7 +67,7 @@ def check_can_listen(text: str) -> None:
     """Whether a TCP listen address is free, by binding it for a moment (with
     SO_REUSEADDR, as the daemon does); ``ValueError`` saying why not. Port 0 and other
     transports are not checked."""
-    maddr = _parse(text)
+    maddr = _parse(text, _LISTEN_FORM, "0.0.0.0: every interface")
     protocols = _protocols(maddr)
     if "tcp" not in protocols or maddr.value_for_protocol("tcp") == "0":
         return

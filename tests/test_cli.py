@@ -211,6 +211,19 @@ def test_maddr_checks():
             check_can_listen(f"/ip4/127.0.0.1/tcp/{busy.getsockname()[1]}")
 
 
+def test_daemon_errors_read_as_one_line():
+    from node.dht import _start_failure
+
+    busy = RuntimeError(
+        "Daemon failed to start: 2026/12/01 15:45:15 failed to listen on any addresses: "
+        "[listen tcp4 127.0.0.1:45123: bind: address already in use]"
+    )
+    text = _start_failure(busy, [], ["/ip4/127.0.0.1/tcp/45123"])
+    assert "cannot listen on /ip4/127.0.0.1/tcp/45123: address already in use" in text
+    other = _start_failure(RuntimeError("Daemon failed to start: boom\nmore"), [], [])
+    assert "\n" not in other and "boom" in other
+
+
 def test_dht_sockets_are_removed_at_shutdown(monkeypatch):
     """A DHT's daemon sockets live in a private directory, gone after shutdown."""
     from node.dht import SwarmDHT
