@@ -30,6 +30,7 @@ time. The host side answers state downloads through ``state_source``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import signal
@@ -50,6 +51,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from node.child_process import die_with_parent
 from node.frame_cap import cap_hivemind_frames
+from node.servicer import DETACH_TIMEOUT_S, p2pd_running
 from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight, robust_mean
 from protocol.membership import MembershipPolicy
 
@@ -164,7 +166,14 @@ class StageAveragerProcess(DecentralizedAverager):
         super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:
-        await super()._shutdown(timeout)
+        # p2pd may be gone already (Ctrl-C reaches the whole process group): removing our
+        # handlers then fails or never returns, and the process must still exit.
+        if p2pd_running(self._p2p):
+            try:
+                async with asyncio.timeout(DETACH_TIMEOUT_S):
+                    await super()._shutdown(timeout)
+            except Exception as e:
+                logger.debug("averager shutdown: %s", e)
         await self._p2p.shutdown()  # removes our own handler socket file
 
     def set_round(self, epoch: int, size: int | None) -> None:

@@ -30,7 +30,7 @@ from node.files import load_or_create_identity, load_or_create_key, write_atomic
 from node.gossip import GossipUnavailable
 from node.membership import MembershipGate, prove_membership
 from node.placement import Placement
-from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S
+from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from node.stage_averaging import AveragedStageServer, StageAverager
 from node.stage_server import StageServer
 from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
 OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
+TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
 
 
 class NodeError(RuntimeError):
@@ -464,12 +465,27 @@ class Node:
             self._changed.set()  # re-announce with the measured figures
             return
 
+    def _serving(self, stage: int) -> StageServer | None:
+        """This node's server of ``stage``, if it serves it now (its own trainer calls it
+        in-process)."""
+        if stage == self.stage and self.state is PeerState.SERVING:
+            return self.server
+        if stage == self.second:
+            return self.second_server
+        return None
+
     async def _train_loop(self) -> None:
         """Drive micro-batches through the swarm for as long as the node runs."""
         assert self.spec is not None and self.p2p is not None
         settings = replace(self.settings.trainer, stream=zlib.crc32(self.peer_id.encode()))
         trainer = Trainer(
-            self.dht, self.p2p, self.spec, self.corpus, settings, membership=self.membership
+            self.dht,
+            self.p2p,
+            self.spec,
+            self.corpus,
+            settings,
+            membership=self.membership,
+            local=self._serving,
         )
         losses: list[float] = []
 
@@ -483,12 +499,15 @@ class Node:
                 )
                 losses.clear()
 
-        while True:
+        while True:  # whatever stops the trainer pauses it: the node goes on serving
             try:
                 await trainer.train(100, on_result)
             except TrainerError as e:
-                logger.warning("training paused: %s", e)
-                await asyncio.sleep(self.settings.update_period_s)
+                logger.warning("training paused for %.0f s: %s", TRAIN_PAUSE_S, e)
+                await asyncio.sleep(TRAIN_PAUSE_S)
+            except Exception:
+                logger.exception("the trainer failed; trying again in %.0f s", TRAIN_PAUSE_S)
+                await asyncio.sleep(TRAIN_PAUSE_S)
 
     async def _announce_loop(self) -> None:
         while True:
@@ -531,8 +550,11 @@ class Node:
     async def close(self, grace_s: float = 5.0) -> None:
         """Announce ``leaving`` (best effort, within ``grace_s``), stop the DHT, free the key."""
         logger.info("leaving the run")
+        p2pd_up = self.p2p is None or p2pd_running(self.p2p)
+        if not p2pd_up:  # Ctrl-C in a terminal signals the whole process group, p2pd too
+            logger.warning("p2pd has stopped already: leaving without announcing it")
         try:
-            if self.spec is not None and self.device is not None:
+            if self.spec is not None and self.device is not None and p2pd_up:
                 leaving = self.info(PeerState.LEAVING)
                 async with asyncio.timeout(grace_s):
                     if self.placement is not None:  # gossip first: it arrives in milliseconds

@@ -35,6 +35,7 @@ from node.maddrs import (
     check_listen_maddr,
     check_peer_maddr,
 )
+from node.servicer import DETACH_TIMEOUT_S, p2pd_running
 from protocol.keys import peers_key, revocations_key, spec_key
 from protocol.membership import MembershipPolicy, Revocations, decode_revocations
 from protocol.records import (
@@ -170,6 +171,14 @@ class _OwnedDHT(hivemind.DHT):
         die_with_parent(self._parent_pid)
         cap_hivemind_frames()
         super().run()
+
+    async def _shutdown(self) -> None:
+        # With p2pd gone (a Ctrl-C reaches the whole process group), the DHT node's
+        # shutdown hangs unregistering its handlers: only clean up our own socket then.
+        p2p = self._node.p2p
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(DETACH_TIMEOUT_S):
+                await (super()._shutdown() if p2pd_running(p2p) else p2p.shutdown())
 
 
 class SwarmDHT:

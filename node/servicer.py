@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import ClassVar
 
 from google.protobuf.message import DecodeError, Message
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PREFETCH = 5  # frames read ahead of the handler, as hivemind does: at most 6 in memory
 REFUSAL_LINGER_S = 2.0  # for a refused caller to close the stream once it has the error
+DETACH_TIMEOUT_S = 2.0  # to remove a service's handlers from p2pd on shutdown
 # A caller is banned for BAN_S after BAN_AFTER refused requests within BAN_WINDOW_S.
 BAN_AFTER = 5
 BAN_WINDOW_S = 60.0
@@ -94,6 +96,13 @@ async def _refuse(
                 max_bytes -= len(data)
 
 
+def p2pd_running(p2p: P2P) -> bool:
+    """Whether the ``p2pd`` that ``p2p`` talks to still listens on its control socket (a
+    Ctrl-C in a terminal signals the whole process group, p2pd too: then nothing can be
+    announced or unregistered, and waiting for it would hang shutdown)."""
+    return Path(p2p.daemon_listen_maddr["unix"]).exists()
+
+
 class NodeServicer(ServicerBase):
     """hivemind names handlers after the concrete class, so a subclass (one that averages,
     one that injects faults) would serve where no client calls: ``service_name`` pins it.
@@ -118,11 +127,13 @@ class NodeServicer(ServicerBase):
         await asyncio.gather(*(self._add_handler(p2p, h) for h in self._rpc_handlers))
         self._p2p = p2p
 
-    async def detach(self) -> None:
-        """Stop taking requests (the daemon may already be gone)."""
-        if self._p2p is not None:
+    async def detach(self, timeout_s: float = DETACH_TIMEOUT_S) -> None:
+        """Stop taking requests, within ``timeout_s`` (the daemon may already be gone: a
+        unary handler's removal then waits forever on its broken control connection)."""
+        if self._p2p is not None and p2pd_running(self._p2p):
             with contextlib.suppress(Exception):
-                await self.remove_p2p_handlers(self._p2p, namespace=self.namespace)
+                async with asyncio.timeout(timeout_s):
+                    await self.remove_p2p_handlers(self._p2p, namespace=self.namespace)
             self._p2p = None
 
     @property

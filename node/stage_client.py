@@ -74,11 +74,15 @@ async def call(
     stage: int,
     timeout: float = DEFAULT_TIMEOUT,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
+    local: StageServer | None = None,
 ) -> list[torch.Tensor]:
     """Send one raw request to the ``rpc_<kind>`` of ``peer_id``'s server of ``stage``
-    and return the response's tensors."""
+    and return the response's tensors. ``local``: ``peer_id`` is this process's own peer
+    and this is its server of ``stage``; the request is served in-process."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
+    if local is not None:
+        return await _call_local(local, peer_id, kind, metadata, tensors, timeout)
     handle = StageServer._get_handle_name(stage_namespace(stage), f"rpc_{kind}")
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
     try:
@@ -102,6 +106,27 @@ async def call(
         raise StageUnavailable(peer_id, f"malformed response: {e}") from None
     except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:
         raise StageUnavailable(peer_id, f"unreachable: {type(e).__name__}: {e}") from None
+
+
+async def _call_local(
+    server: StageServer,
+    peer_id: PeerID,
+    kind: str,
+    metadata: bytes,
+    tensors: list[runtime_pb2.Tensor],
+    timeout: float,
+) -> list[torch.Tensor]:
+    """A call to our own server, with the remote path's errors."""
+    try:
+        async with asyncio.timeout(timeout):
+            out = await server.call_local(kind, metadata, tensors, peer_id.to_base58())
+    except TimeoutError:
+        raise StageTimeout(peer_id, f"no response within {timeout} s") from None
+    except StageRequestError as e:
+        raise StageRefused(peer_id, str(e)) from None
+    except Exception as e:  # shut down meanwhile (a move), or a fault of this peer
+        raise StageUnavailable(peer_id, f"{type(e).__name__}: {e}") from None
+    return [deserialize(t) for t in out]
 
 
 async def _send(
@@ -160,13 +185,16 @@ async def forward(
     train: bool = False,
     compression: str = "none",
     timeout: float = DEFAULT_TIMEOUT,
+    local: StageServer | None = None,
 ) -> torch.Tensor:
     """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, C) ->
     hidden states (B, T, C). ``train``: a backward for ``micro_batch`` will follow, and the
     server may keep the forward's graph for it (sent to this peer, it skips the recompute)."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression)]
-    out = await call(p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout)
+    out = await call(
+        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
+    )
     b, t = inputs.shape[:2]
     if len(out) != 1 or out[0].dim() != 3:
         raise StageUnavailable(peer_id, f"malformed response: {[tuple(o.shape) for o in out]}")
@@ -185,6 +213,7 @@ async def loss(
     micro_batch: int = 0,
     compression: str = "none",
     timeout: float = DEFAULT_TIMEOUT,
+    local: StageServer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The last stage: the mean loss over the micro-batch and, with ``train``, the
     gradient of ``loss * B`` w.r.t. ``inputs`` (None without ``train``, or when the last
@@ -192,7 +221,9 @@ async def loss(
     stage's parameter gradients on the server; without it nothing changes there."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression), serialize(targets)]
-    out = await call(p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout)
+    out = await call(
+        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
+    )
     with_grad = train and inputs.is_floating_point()
     shapes = [()] + ([tuple(inputs.shape)] if with_grad else [])
     got = _expect(peer_id, out, shapes)
@@ -210,13 +241,16 @@ async def backward(
     micro_batch: int = 0,
     compression: str = "none",
     timeout: float = DEFAULT_TIMEOUT,
+    local: StageServer | None = None,
 ) -> torch.Tensor | None:
     """Stage ``stage`` (not the last) recomputes its forward on ``inputs`` (exactly what
     its forward got), accumulates its parameter gradients and returns the gradient w.r.t.
     ``inputs`` (None at stage 0, whose inputs are token ids)."""
     meta = _meta(run_id, stage, BACKWARD, micro_batch)
     tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
-    out = await call(p2p, peer_id, BACKWARD, meta, tensors, stage=stage, timeout=timeout)
+    out = await call(
+        p2p, peer_id, BACKWARD, meta, tensors, stage=stage, timeout=timeout, local=local
+    )
     if not inputs.is_floating_point():
         _expect(peer_id, out, [])
         return None

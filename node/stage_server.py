@@ -227,6 +227,28 @@ class StageServer(NodeServicer):
             yield message
         await self._linger()
 
+    async def call_local(
+        self, kind: str, metadata: bytes, tensors: list[runtime_pb2.Tensor], caller: str
+    ) -> list[runtime_pb2.Tensor]:
+        """Serve a request of this node's own trainer in-process: the same checks and
+        computation as a request that came over the network (so the same result, kept
+        graphs included), without the hop, since libp2p never dials its own peer id.
+        Raises ``StageRequestError`` where a remote caller would be refused, and
+        ``RuntimeError`` once the server is shut down."""
+        if kind not in (FORWARD, BACKWARD):
+            raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
+        self._load += 1
+        try:
+            meta = StageMeta.decode(metadata)
+            check_meta(self.contract, meta, run_id=self.run_id, kind=kind)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._compute, meta, tensors, caller)
+        except StageRequestError:
+            self._rejected += 1
+            raise
+        finally:
+            self._load -= 1
+
     async def _linger(self) -> None:
         # Keep the stream open until the caller, holding the whole response, closes it
         # (hivemind then cancels this handler): closing first can cut the last chunk short.

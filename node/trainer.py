@@ -31,6 +31,7 @@ from node import stage_client
 from node.dht import SwarmDHT
 from node.membership import NOT_A_MEMBER, present
 from node.stage_client import StageRefused, StageTimeout, StageUnavailable
+from node.stage_server import StageServer
 from protocol.records import PeerInfo
 from protocol.routing import BanList, CallTimer, Candidate, candidates_by_stage, choose_peer
 from protocol.run_spec import RunSpec
@@ -95,8 +96,13 @@ class Trainer:
         settings: TrainerSettings,
         *,
         membership: str | None = None,
+        local: Callable[[int], StageServer | None] | None = None,
     ) -> None:
         self.dht, self.p2p, self.spec, self.settings = dht, p2p, spec, settings
+        # This node's own server of a stage, if it serves it: our calls to our own peer id
+        # run in-process (libp2p does not dial itself).
+        self._local = local or (lambda stage: None)
+        self._own_id = p2p.peer_id.to_base58()
         self.corpus = corpus
         self.membership = membership  # private runs: our proof, shown to each peer we call
         self._presented: set[str] = set()
@@ -137,7 +143,16 @@ class Trainer:
     async def train(
         self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None = None
     ) -> None:
-        """Run ``n_micro_batches`` through the swarm, ``in_flight`` at a time."""
+        """Run ``n_micro_batches`` through the swarm, ``in_flight`` at a time. Raises
+        ``TrainerError`` (not a group of them) when training cannot go on."""
+        try:
+            await self._train(n_micro_batches, on_result)
+        except* TrainerError as group:
+            raise group.exceptions[0] from None
+
+    async def _train(
+        self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None
+    ) -> None:
         await self.refresh()
         counter = iter(range(n_micro_batches))
 
@@ -170,29 +185,34 @@ class Trainer:
         for s in reversed(range(last)):
             grad, _ = await self._call(
                 s,
-                lambda peer, timeout, s=s, g=grad: stage_client.backward(
-                    self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **self._opts(timeout)
+                lambda peer, opts, s=s, g=grad: stage_client.backward(
+                    self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **opts
                 ),
                 prefer=route[s],  # it kept the forward's graph: no recompute there
             )
         return MicroBatchResult(index, float(loss), len(x), tuple(route))
 
-    def _opts(self, timeout: float) -> dict:
-        return {"run_id": self.spec.run, "compression": self.spec.compression, "timeout": timeout}
+    def _opts(self, stage: int, peer: str, timeout: float) -> dict:
+        """The keyword arguments of a ``stage_client`` call to ``peer`` of ``stage``."""
+        local = None
+        if peer == self._own_id:
+            local = self._local(stage)
+            if local is None:  # our record is behind: we no longer serve it (a move)
+                raise StageUnavailable(self.p2p.peer_id, f"this node does not serve stage {stage}")
+        return {
+            "run_id": self.spec.run,
+            "compression": self.spec.compression,
+            "timeout": timeout,
+            "local": local,
+        }
 
     async def _forward(
         self, stage: int, x: torch.Tensor, index: int, train: bool = False
     ) -> tuple[torch.Tensor, str]:
         return await self._call(
             stage,
-            lambda peer, timeout: stage_client.forward(
-                self.p2p,
-                peer,
-                x,
-                stage=stage,
-                micro_batch=index,
-                train=train,
-                **self._opts(timeout),
+            lambda peer, opts: stage_client.forward(
+                self.p2p, peer, x, stage=stage, micro_batch=index, train=train, **opts
             ),
         )
 
@@ -200,23 +220,17 @@ class Trainer:
         last = self.spec.n_stages - 1
         return await self._call(
             last,
-            lambda peer, timeout: stage_client.loss(
-                self.p2p,
-                peer,
-                x,
-                y,
-                stage=last,
-                train=train,
-                micro_batch=index,
-                **self._opts(timeout),
+            lambda peer, opts: stage_client.loss(
+                self.p2p, peer, x, y, stage=last, train=train, micro_batch=index, **opts
             ),
         )
 
     async def _call(
-        self, stage: int, call: Callable[[PeerID, float], Awaitable[R]], prefer: str = ""
+        self, stage: int, call: Callable[[PeerID, dict], Awaitable[R]], prefer: str = ""
     ) -> tuple[R, str]:
-        """``call(peer, timeout)`` on a peer of ``stage`` (``prefer`` first, if it is
-        there and not banned); on a peer failure, ban it and try another."""
+        """``call(peer, opts)`` on a peer of ``stage`` (``prefer`` first, if it is there
+        and not banned; ``opts``: ``_opts``'s keywords); on a peer failure, ban it and try
+        another."""
         deadline = time.monotonic() + self.settings.stage_wait_s
         while True:
             candidates = [
@@ -240,7 +254,8 @@ class Trainer:
             try:
                 await self._present(peer)
                 started = time.monotonic()
-                result = await call(PeerID.from_base58(peer), self._timer.timeout(stage))
+                opts = self._opts(stage, peer, self._timer.timeout(stage))
+                result = await call(PeerID.from_base58(peer), opts)
                 self._timer.succeeded(stage, time.monotonic() - started)
             except StageRefused as e:
                 if NOT_A_MEMBER in str(e):
@@ -265,7 +280,7 @@ class Trainer:
 
     async def _present(self, peer: str) -> None:
         """In a private run, show our invite to ``peer`` before our first call there."""
-        if self.membership is None or peer in self._presented:
+        if self.membership is None or peer in self._presented or peer == self._own_id:
             return
         try:
             await present(self.p2p, PeerID.from_base58(peer), self.membership)

@@ -207,6 +207,36 @@ def test_one_peer_serves_two_stages_side_by_side():
     _run(body())
 
 
+def test_a_peer_calls_its_own_stages_in_process():
+    """libp2p does not dial its own peer id, so a node's own trainer calls its servers
+    in-process (``local=``): the same checks and result as over the network, the kept
+    graph reused, bad requests refused alike."""
+    x, y = _batch()
+    local = _local(TWO)
+    ref = local[1](local[0](x), y)
+
+    async def body():
+        async with _swarm(TWO, [0, 1], shared=True) as (_, (s0, s1)):
+            own, me = s0.p2p, _peer(s0)
+            kw = {"run_id": RUN, "micro_batch": 3}
+            with pytest.raises(StageUnavailable):  # what the network path does to itself
+                await stage_client.forward(own, me, x, stage=0, timeout=5, **kw)
+            a = await stage_client.forward(own, me, x, stage=0, train=True, local=s0, **kw)
+            loss, g = await stage_client.loss(own, me, a, y, stage=1, train=True, local=s1, **kw)
+            assert torch.equal(loss, ref.detach())
+            await stage_client.backward(own, me, x, g, stage=0, local=s0, **kw)
+            assert (s0.counters.forward, s0.counters.backward, s0.counters.reused) == (1, 1, 1)
+            assert s0.optimizer.samples == s1.optimizer.samples == B
+            with pytest.raises(StageRefused):  # token ids out of the vocabulary
+                await stage_client.forward(own, me, x + CFG.vocab_size, stage=0, local=s0, **kw)
+            assert s0.counters.rejected == 1 and s0.optimizer.samples == B
+            await s0.shutdown()
+            with pytest.raises(StageUnavailable):  # shut down (a move): try another peer
+                await stage_client.forward(own, me, x, stage=0, local=s0, **kw)
+
+    _run(body())
+
+
 def test_a_forward_kept_for_its_backward_gives_what_a_recompute_gives():
     """A forward marked ``train`` keeps its graph, and the backward sent to the same peer
     skips the recompute; the gradients are bitwise those of a peer that recomputes. Changed
