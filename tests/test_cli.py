@@ -36,7 +36,7 @@ def _env(home: Path, tmp: Path, **extra: str) -> dict[str, str]:
     return dict(os.environ, HOME=str(home), TMPDIR=str(tmp), OMP_NUM_THREADS="1", **extra)
 
 
-def _swarmtrain(home, *args, timeout: float = 60, **env) -> subprocess.CompletedProcess:
+def _swarmtrain(home, *args, timeout: float = 120, **env) -> subprocess.CompletedProcess:
     home, tmp = home
     return subprocess.run(
         [sys.executable, "-m", "node.cli", *map(str, args)],
