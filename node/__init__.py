@@ -1,7 +1,9 @@
 """The node daemon a volunteer runs, and the ``swarmtrain`` command line.
 
-- ``cli``: the ``swarmtrain`` console script; ``serve``, ``status``, ``train``, ``demo``,
-  ``baseline``: its subcommands. ``progress`` and ``plot``: what a person sees.
+- ``cli``: the ``swarmtrain`` console script, its parser in ``cli_args`` (light: no torch);
+  ``serve``, ``status``, ``train``, ``demo``, ``baseline``, ``whoami`` (``id``): its
+  subcommands; ``maddrs``: checks of the addresses a person types. ``progress`` and
+  ``plot``: what a person sees.
 - ``daemon``: ``Node``, the lifecycle: join, measure, announce, take a stage, serve, leave.
 - ``placement``: the node's stage at join and its rebalancing moves, over the run's gossip
   topic (``gossip``: GossipSub through the node's own ``p2pd``).

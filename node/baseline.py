@@ -8,19 +8,9 @@ import math
 from pathlib import Path
 
 from models.config import preset
-from models.data import STDLIB, load_corpus
+from models.data import load_corpus
 from models.training import BaselineResult, StepReport, train_baseline
 from node.progress import Progress
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", help="model preset: tiny, small or base")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to take")
-    p.add_argument("--stages", type=int, default=1, help="cut the model into this many stages")
-    p.add_argument("--data", default=STDLIB, help="'stdlib', a text file or a directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=50, help="steps between validations")
-    p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,7 +47,10 @@ def pick_device(choice: str = "auto") -> Device:
         raise ValueError(f"device must be auto, cpu, cuda or mps, got {choice!r}")
     cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
     if choice == "cuda" and not cuda or choice == "mps" and not mps:
-        raise ValueError(f"--device {choice} requested but torch sees no {choice} device")
+        raise ValueError(
+            f"--device {choice}: torch sees no {choice.upper()} device on this machine; "
+            "use --device auto (or cpu)"
+        )
     if choice == "cuda" or choice == "auto" and cuda:
         return Device("cuda", f"cuda:{torch.cuda.get_device_name()}"[:64])
     if choice == "mps" or choice == "auto" and mps:

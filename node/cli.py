@@ -1,56 +1,153 @@
-"""The ``swarmtrain`` command line: one subcommand per use."""
+"""The ``swarmtrain`` command line: one subcommand per use.
+
+Only the chosen subcommand's arguments are defined, and its module is imported only to
+run it: ``swarmtrain --help`` and ``swarmtrain node --help`` import neither torch nor
+hivemind (``node.cli_args``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from models.data import DataError
-from node import baseline, demo, export, generate, run_admin, serve, status, train
-from node.daemon import NodeError
-from node.dht import DHTStartError
-from node.files import IdentityInUseError
+from node.cli_args import CommandParser, add_verbose, version
 
-COMMANDS = [
-    ("baseline", baseline, "train the whole model in one process (the reference)"),
-    ("node", serve, "run a node daemon: join (or start) a run and serve a stage"),
-    ("run", run_admin, "create a run; invite machines to a private run, or revoke them"),
-    ("status", status, "show the peers and stages of a run"),
-    ("train", train, "train through a run's swarm without serving a stage"),
-    ("export", export, "write a run's model, from nodes' checkpoints, in the Hugging Face format"),
-    ("generate", generate, "sample text from an exported model"),
-    ("demo", demo, "a local swarm that trains and survives a kill -9"),
+
+@dataclass(frozen=True)
+class Command:
+    summary: str
+    arguments: str  # "module:function" that adds the subcommand's arguments to a parser
+    handler: str  # "module:function" that runs it, given the parsed arguments
+
+
+COMMANDS = {
+    "baseline": Command(
+        "train the whole model in one process (the reference)",
+        "node.cli_args:baseline_arguments",
+        "node.baseline:run",
+    ),
+    "node": Command(
+        "run a node daemon: join (or start) a run and serve a stage",
+        "node.cli_args:node_arguments",
+        "node.serve:run",
+    ),
+    "run": Command(
+        "create a run; invite machines to a private run, or revoke them",
+        "node.run_admin:add_arguments",
+        "node.run_admin:run",
+    ),
+    "status": Command(
+        "show the peers and stages of a run", "node.status:add_arguments", "node.status:run"
+    ),
+    "train": Command(
+        "train through a run's swarm without serving a stage",
+        "node.train:add_arguments",
+        "node.train:run",
+    ),
+    "export": Command(
+        "write a run's model in the Hugging Face format, from checkpoints or a live run",
+        "node.export:add_arguments",
+        "node.export:run",
+    ),
+    "generate": Command(
+        "sample text from an exported model",
+        "node.generate:add_arguments",
+        "node.generate:run",
+    ),
+    "demo": Command(
+        "a local swarm that trains and survives a kill -9",
+        "node.cli_args:demo_arguments",
+        "node.demo:run",
+    ),
+    "id": Command(
+        "print this machine's peer id in a run (what an invite is bound to)",
+        "node.cli_args:id_arguments",
+        "node.whoami:run",
+    ),
+}
+
+# Errors that say what is wrong and what to do in their message: shown as one line, exit
+# status 2. Named by module, and matched only if that module was imported (an error of a
+# module that was never imported cannot have been raised).
+KNOWN_ERRORS = [
+    ("builtins", "ValueError"),
+    ("models.data", "DataError"),
+    ("node.daemon", "NodeError"),
+    ("node.dht", "DHTStartError"),
+    ("node.files", "IdentityInUseError"),
+    ("node.files", "KeyFileError"),
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _load(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: its first word that is not an option (the
+    top-level options take no values)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: every subcommand is listed, but only the one ``argv`` names
+    gets its arguments (all of them do with ``argv`` None)."""
+    parser = CommandParser(
         prog="swarmtrain", description="Peer-to-peer volunteer training of pipelined models."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, module, summary in COMMANDS:
-        command = sub.add_parser(name, help=summary)
-        module.add_arguments(command)
-        command.set_defaults(handler=module.run)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    add_verbose(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = _command_in(argv) if argv is not None else None
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.summary, description=command.summary)
+        if argv is None or name == chosen:
+            add_verbose(p, default=argparse.SUPPRESS)
+            _load(command.arguments)(p)
+            _verbose_in_subcommands(p)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _verbose_in_subcommands(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after a subcommand's own subcommand too (``swarmtrain run invite ... -v``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                add_verbose(p, default=argparse.SUPPRESS)
+                _verbose_in_subcommands(p)
+
+
+def _known(error: BaseException) -> bool:
+    for module, name in KNOWN_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(error, cls):
+            return True
+    return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return args.handler(args)
-    except (DataError, ValueError, NodeError, IdentityInUseError, DHTStartError) as e:
-        print(f"swarmtrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _load(COMMANDS[args.command].handler)(args)
     except KeyboardInterrupt:
         print(f"swarmtrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _known(e):
+            raise
+        message = " ".join(str(e).split())  # one line, whatever the message holds
+        print(f"swarmtrain {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import logging
 import signal
 import time
 import uuid
-from pathlib import Path
 
 from node.dht import SwarmDHT
 from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
@@ -24,17 +23,6 @@ from node.train import Curve, open_trainer, train_with_progress
 from node.trainer import MicroBatchResult, Trainer, TrainerSettings
 
 logger = logging.getLogger(__name__)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--peers", type=int, default=2, help="peers per stage")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--micro-batches", type=int, default=800)
-    p.add_argument("--in-flight", type=int, default=4)
-    p.add_argument("--kill-at", type=float, default=0.25, help="fraction of training: SIGKILL")
-    p.add_argument("--replace-at", type=float, default=0.45, help="fraction: start a replacement")
-    p.add_argument("--out", type=Path, default=Path("demo-out"), help="logs, CSV and PNG go here")
 
 
 class Demo:

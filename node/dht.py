@@ -7,11 +7,13 @@ record read is validated here; invalid ones are dropped and logged, never return
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import math
+import re
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,11 +23,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from node.child_process import die_with_parent
 from node.frame_cap import cap_hivemind_frames
 from node.gossip import daemon_pubsub
+from node.maddrs import (
+    check_announce_maddr,
+    check_can_listen,
+    check_listen_maddr,
+    check_peer_maddr,
+)
 from node.servicer import DETACH_TIMEOUT_S, p2pd_running
 from protocol.keys import peers_key, revocations_key, spec_key
 from protocol.membership import MembershipPolicy, Revocations, decode_revocations
@@ -46,7 +55,67 @@ REVOCATIONS_TTL_S = 365 * 86400.0
 
 
 class DHTStartError(RuntimeError):
-    """The DHT process did not come up."""
+    """The DHT process did not come up, for a reason said in one line."""
+
+
+def _check_addresses(
+    initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str]
+) -> None:
+    """Refuse addresses that cannot work before any process starts."""
+    try:
+        for m in initial_peers:
+            check_peer_maddr(m)
+        for m in announce_maddrs:
+            check_announce_maddr(m)
+        for m in host_maddrs:
+            check_listen_maddr(m)
+            check_can_listen(m)
+    except ValueError as e:
+        raise DHTStartError(str(e)) from None
+
+
+def _start_failure(e: BaseException, initial_peers: Sequence[str], host_maddrs: Sequence[str]):
+    """What went wrong, in one line, from the daemon's error (hivemind's P2PDaemonError
+    carries p2pd's own last line)."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"^Daemon failed to start:\s*", "", text)
+    text = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*", "", text)  # p2pd's timestamp
+    if "failed to connect to bootstrap peers" in text:
+        peers = ", ".join(initial_peers)
+        return (
+            f"cannot reach any initial peer ({peers}): is a node of the run running at that "
+            "address, and is its port open to this machine? (a node prints its address at start)"
+        )
+    if "failed to listen" in text:
+        reason = m.group(1) if (m := re.search(r"bind: ([^\]]+)", text)) else text
+        return (
+            f"cannot listen on {', '.join(host_maddrs)}: {reason}; choose another address "
+            "in --host-maddrs (tcp/0 takes any free port)"
+        )
+    return f"the p2p daemon did not start: {text or type(e).__name__}"
+
+
+def _socket_dir() -> str:
+    """A private directory (mode 0700) for one DHT's daemon sockets, short enough for a
+    socket path (about 100 bytes at most)."""
+    base = tempfile.gettempdir()
+    if len(base) > 40 or not re.fullmatch(r"[\w./-]+", base):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="hivemind-", dir=base)
+
+
+@contextlib.contextmanager
+def _sockets_in(directory: str):
+    """Inside, every ``P2P`` created in this process, or in one forked from it (hivemind's
+    DHT), puts its sockets in ``directory``, not in ``/tmp/hivemind-*``: so they can be
+    removed whatever happens to the daemon (a ``p2pd`` that fails to start leaves its
+    socket behind). Undone on exit."""
+    original = P2P.__dict__["_UNIX_SOCKET_PREFIX"]
+    P2P._UNIX_SOCKET_PREFIX = f"/unix{directory}/"
+    try:
+        yield
+    finally:
+        P2P._UNIX_SOCKET_PREFIX = original
 
 
 class RunRecordValidator(RecordValidatorBase):
@@ -118,9 +187,10 @@ class SwarmDHT:
     Once the run's spec is known, ``policy`` says who is a member: in a private run,
     records of peers without a valid invite are dropped as they are read."""
 
-    def __init__(self, dht: hivemind.DHT, run: str) -> None:
+    def __init__(self, dht: hivemind.DHT, run: str, socket_dir: str | None = None) -> None:
         self.dht = dht
         self.run = run
+        self._socket_dir = socket_dir  # removed at shutdown
         self.policy: MembershipPolicy | None = None
         self._dropped: set[str] = set()  # reasons already logged
 
@@ -141,7 +211,11 @@ class SwarmDHT:
 
         Blocking, and to be called from the main thread: the DHT process is forked, and a
         fork from a worker thread of a running uvloop can leave the child unable to start
-        its ``p2pd`` (seen as a node that hangs at start)."""
+        its ``p2pd`` (seen as a node that hangs at start).
+
+        ``DHTStartError``, in one line, for addresses that cannot work (checked before
+        anything starts) and for a daemon that does not start; nothing is left behind."""
+        _check_addresses(initial_peers, host_maddrs, announce_maddrs)
         kwargs = {
             "initial_peers": list(initial_peers),
             "host_maddrs": list(host_maddrs),
@@ -154,15 +228,25 @@ class SwarmDHT:
             # hivemind's "identity taken" check only understands RSA keys; ours are Ed25519.
             kwargs.update(identity_path=str(identity_path), check_if_identity_free=False)
         dht = _OwnedDHT(**kwargs)
+        socket_dir = _socket_dir()
         try:
-            with daemon_pubsub(pubsub):  # forked inside: its p2pd runs GossipSub (node.gossip)
-                dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            dht.terminate()
-            raise DHTStartError(
-                f"hivemind's DHT did not start within {startup_timeout_s:.0f} s"
-            ) from None
-        return cls(dht, run)
+            # Both patches are inherited by the DHT's process, forked in start().
+            with _sockets_in(socket_dir), daemon_pubsub(pubsub):  # GossipSub: node.gossip
+                dht.start()
+            dht.wait_until_ready(timeout=startup_timeout_s)
+        except BaseException as e:
+            _stop_process(dht)
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            if isinstance(e, TimeoutError):
+                peers = f" through {', '.join(initial_peers)}" if initial_peers else ""
+                raise DHTStartError(
+                    f"could not join the DHT{peers} within {startup_timeout_s:.0f} s: is a "
+                    "node of the run reachable there?"
+                ) from None
+            if isinstance(e, Exception):
+                raise DHTStartError(_start_failure(e, initial_peers, host_maddrs)) from None
+            raise
+        return cls(dht, run, socket_dir)
 
     @property
     def peer_id(self) -> str:
@@ -287,5 +371,19 @@ class SwarmDHT:
             )
 
     def shutdown(self) -> None:
-        """Stop the DHT process and its ``p2pd`` (blocking, about a second)."""
-        self.dht.shutdown()
+        """Stop the DHT process and its ``p2pd`` (blocking, about a second), and remove
+        their sockets."""
+        try:
+            self.dht.shutdown()
+        finally:
+            if self._socket_dir is not None:
+                shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def _stop_process(dht: hivemind.DHT) -> None:
+    """Stop a DHT process that did not start (it may have exited already)."""
+    if dht.pid is None:
+        return
+    if dht.is_alive():
+        dht.terminate()
+    dht.join(5)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from protocol.identity import decode_private_key, encode_private_key
+from protocol.identity import IdentityError, decode_private_key, encode_private_key
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -33,13 +33,31 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.close(dir_fd)
 
 
+class KeyFileError(IdentityError):
+    """A key file that cannot be read or used; the message names the file."""
+
+
+def default_identity_path(run: str) -> Path:
+    """Where a node of ``run`` (an id, ``NAME@FINGERPRINT``, or a name) keeps its identity
+    unless told otherwise: one per run name."""
+    return Path(f"~/.swarmtrain/{run.partition('@')[0]}/identity.key").expanduser()
+
+
 def load_or_create_key(path: Path) -> Ed25519PrivateKey:
     """The Ed25519 key at ``path``, created (mode 0600) if there is none: a node's identity
     or a run owner's key, in libp2p's encoding."""
     path = path.expanduser()
-    if not path.exists():
-        write_atomic(path, encode_private_key(Ed25519PrivateKey.generate()), mode=0o600)
-    return decode_private_key(path.read_bytes())
+    try:
+        if not path.exists():
+            write_atomic(path, encode_private_key(Ed25519PrivateKey.generate()), mode=0o600)
+        return decode_private_key(path.read_bytes())
+    except IdentityError as e:
+        raise KeyFileError(
+            f"key file {path} is not usable: {e}; restore it, or move it aside and a new key "
+            "is made (a new identity)"
+        ) from None
+    except OSError as e:
+        raise KeyFileError(f"key file {path}: {e.strerror or e}") from None
 
 
 class IdentityInUseError(RuntimeError):

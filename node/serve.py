@@ -4,101 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 from pathlib import Path
 
+from node.capacity import pick_device
 from node.daemon import Node, NodeSettings, write_maddrs
+from node.maddrs import check_can_listen
 from node.membership import read_invite
+from protocol.records import RecordError
+from protocol.run_spec import read_spec_file
 
 logger = logging.getLogger(__name__)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--run",
-        default="",
-        help="the run's id (NAME@FINGERPRINT); a bare NAME with no --initial-peers starts a "
-        "new public run owned by --owner-key",
-    )
-    p.add_argument("--spec", type=Path, help="the run's signed spec file (swarmtrain run create)")
-    p.add_argument(
-        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
-    )
-    p.add_argument(
-        "--owner-key",
-        type=Path,
-        help="the run owner's key (default ~/.swarmtrain/owner.key): signs a new run's spec; "
-        "the owner's own node needs no invite",
-    )
-    p.add_argument(
-        "--initial-peers",
-        nargs="*",
-        default=[],
-        metavar="MADDR",
-        help="multiaddrs of nodes of the run",
-    )
-    p.add_argument(
-        "--host-maddrs",
-        nargs="*",
-        default=["/ip4/0.0.0.0/tcp/0"],
-        metavar="MADDR",
-        help="where to listen (default: every interface, a free TCP port)",
-    )
-    p.add_argument(
-        "--announce-maddrs",
-        nargs="*",
-        default=[],
-        metavar="MADDR",
-        help="addresses others should dial, e.g. behind port forwarding",
-    )
-    p.add_argument(
-        "--identity", type=Path, help="key file (default ~/.swarmtrain/RUN/identity.key)"
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument(
-        "--stage", type=int, help="serve this stage instead of choosing one (and never move)"
-    )
-    p.add_argument(
-        "--second-stage",
-        type=int,
-        help="with --stage: serve this stage as well (a two-stage node never moves)",
-    )
-    p.add_argument(
-        "--one-stage",
-        action="store_true",
-        help="never take a second stage (a node that chooses its stage takes one when the "
-        "swarm needs more two-stage peers: that needs memory for two stages)",
-    )
-    p.add_argument(
-        "--rebalance-period",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="mean time between checks whether moving to another stage would raise the "
-        "swarm's bottleneck (randomised around it)",
-    )
-    p.add_argument(
-        "--no-rebalance", action="store_true", help="keep the stage taken at join; never move"
-    )
-    p.add_argument("--preset", default="tiny", help="new run only: model preset")
-    p.add_argument("--stages", type=int, default=2, help="new run only: number of stages")
-    p.add_argument(
-        "--compression",
-        default="none",
-        choices=["none", "float16", "uint8"],
-        help="new run only: compression of activations and gradients",
-    )
-    p.add_argument("--throughput", type=float, help="declare samples/s instead of measuring")
-    p.add_argument("--bandwidth-mbps", type=float, help="declare up/down bandwidth in Mbit/s")
-    p.add_argument(
-        "--update-period",
-        type=float,
-        default=5.0,
-        help="seconds between record refreshes (records expire after 3)",
-    )
-    p.add_argument("--no-train", action="store_true", help="serve only; run no trainer loop")
-    p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
 
 
 def settings_from(args: argparse.Namespace) -> NodeSettings:
@@ -106,8 +24,8 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         raise ValueError("say which run: --run RUN_ID (or NAME for a new run) or --spec FILE")
     if args.second_stage is not None and args.stage is None:
         raise ValueError("--second-stage needs --stage: a pinned node pins both")
-    if not args.rebalance_period > 0:
-        raise ValueError(f"--rebalance-period must be > 0 seconds, got {args.rebalance_period}")
+    if args.second_stage is not None and args.second_stage == args.stage:
+        raise ValueError(f"--second-stage {args.second_stage} is the node's --stage already")
     return NodeSettings(
         run=args.run,
         spec_file=args.spec,
@@ -166,8 +84,29 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
     return 0
 
 
+def check_before_start(settings: NodeSettings) -> None:
+    """What can be checked before anything starts (no key written, no daemon started,
+    nothing published): the device, and the pinned stages against the run's stage count
+    where it is known here (a spec file, or a new run by name; a run joined by its id is
+    checked once its spec is found, before the node announces itself)."""
+    pick_device(settings.device)
+    for maddr in settings.host_maddrs:
+        check_can_listen(maddr)
+    n_stages = None
+    if settings.spec_file is not None:
+        with contextlib.suppress(OSError, RecordError):  # if so, resolve_run says why
+            n_stages = read_spec_file(settings.spec_file.read_text()).spec.n_stages
+    elif settings.run and "@" not in settings.run and not settings.initial_peers:
+        n_stages = settings.n_stages
+    for flag, stage in (("--stage", settings.stage), ("--second-stage", settings.second_stage)):
+        if stage is not None and n_stages is not None and stage >= n_stages:
+            raise ValueError(f"{flag} {stage}: the run has stages 0..{n_stages - 1}")
+
+
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    node = Node.start(settings_from(args))
+    settings = settings_from(args)
+    check_before_start(settings)
+    node = Node.start(settings)
     return uvloop.run(serve(node, args.maddrs_file))

@@ -15,9 +15,21 @@ from protocol.records import PeerInfo, PeerState
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
-    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
+    p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
+    )
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="where to listen",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 

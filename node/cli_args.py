@@ -1,0 +1,271 @@
+"""The ``swarmtrain`` parser and the arguments of its light subcommands.
+
+Light on purpose: ``swarmtrain --help`` and ``swarmtrain node --help`` build their parser
+from this module alone, so it imports neither torch nor hivemind (a subcommand's module
+is imported only to run it). Values are checked as they are parsed: bad input gets one
+line and exit status 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+STDLIB = "stdlib"  # models.data.STDLIB: Python's standard library as a corpus
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default, unless it has none worth showing or the help text
+    says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, "", argparse.SUPPRESS)
+            or default == []
+            or not action.option_strings
+            or isinstance(action, argparse._VersionAction | argparse._HelpAction)
+        ):
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
+        return f"{text} (default: {shown})".lstrip()
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage dump), exit status 2,
+    and whose help shows defaults. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_verbose(p: argparse.ArgumentParser, default=False) -> None:
+    """``-v``, accepted before and after the subcommand (a subcommand's own ``-v`` has no
+    default, so that it does not undo one given before it)."""
+    p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+
+
+# Argument types: argparse shows their ArgumentTypeError's text as it is.
+
+
+def _number(text: str, kind: type) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    return value
+
+
+def stage_number(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"stages are numbered from 0, got {text}")
+    return value
+
+
+def _maddr(check: str, text: str) -> str:
+    import node.maddrs  # multiaddr's parser: only when there is an address to check
+
+    try:
+        return getattr(node.maddrs, check)(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def peer_maddr(text: str) -> str:
+    return _maddr("check_peer_maddr", text)
+
+
+def listen_maddr(text: str) -> str:
+    return _maddr("check_listen_maddr", text)
+
+
+def announce_maddr(text: str) -> str:
+    return _maddr("check_announce_maddr", text)
+
+
+def node_arguments(p: argparse.ArgumentParser) -> None:
+    """``swarmtrain node``."""
+    p.add_argument(
+        "--run",
+        default="",
+        help="the run's id (NAME@FINGERPRINT); a bare NAME with no --initial-peers starts a "
+        "new public run owned by --owner-key",
+    )
+    p.add_argument("--spec", type=Path, help="the run's signed spec file (swarmtrain run create)")
+    p.add_argument(
+        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
+    )
+    p.add_argument(
+        "--owner-key",
+        type=Path,
+        help="the run owner's key (default ~/.swarmtrain/owner.key): signs a new run's spec; "
+        "the owner's own node needs no invite",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        type=peer_maddr,
+        metavar="MADDR",
+        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID, as a node "
+        "prints at start); none: start a new run",
+    )
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        type=listen_maddr,
+        metavar="MADDR",
+        help="where to listen (default: every interface, a free TCP port)",
+    )
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="*",
+        default=[],
+        type=announce_maddr,
+        metavar="MADDR",
+        help="addresses others should dial, e.g. behind port forwarding",
+    )
+    p.add_argument(
+        "--identity", type=Path, help="key file (default ~/.swarmtrain/RUN/identity.key)"
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "mps"],
+        help="auto: CUDA, else MPS, else the CPU",
+    )
+    p.add_argument(
+        "--stage",
+        type=stage_number,
+        help="serve this stage instead of choosing one (and never move)",
+    )
+    p.add_argument(
+        "--second-stage",
+        type=stage_number,
+        help="with --stage: serve this stage as well (a two-stage node never moves)",
+    )
+    p.add_argument(
+        "--one-stage",
+        action="store_true",
+        help="never take a second stage (a node that chooses its stage takes one when the "
+        "swarm needs more two-stage peers: that needs memory for two stages)",
+    )
+    p.add_argument(
+        "--rebalance-period",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="mean time between checks whether moving to another stage would raise the "
+        "swarm's bottleneck (randomised around it)",
+    )
+    p.add_argument(
+        "--no-rebalance", action="store_true", help="keep the stage taken at join; never move"
+    )
+    p.add_argument("--preset", default="tiny", help="new run only: model preset")
+    p.add_argument("--stages", type=positive_int, default=2, help="new run only: number of stages")
+    p.add_argument(
+        "--compression",
+        default="none",
+        choices=["none", "float16", "uint8"],
+        help="new run only: compression of activations and gradients",
+    )
+    p.add_argument(
+        "--throughput",
+        type=positive_float,
+        metavar="SAMPLES_PER_S",
+        help="declare samples/s instead of measuring",
+    )
+    p.add_argument(
+        "--bandwidth-mbps",
+        type=positive_float,
+        metavar="MBPS",
+        help="declare up/down bandwidth in Mbit/s instead of measuring",
+    )
+    p.add_argument(
+        "--update-period",
+        type=positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between record refreshes (records expire after 3)",
+    )
+    p.add_argument("--no-train", action="store_true", help="serve only; run no trainer loop")
+    p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
+
+
+def baseline_arguments(p: argparse.ArgumentParser) -> None:
+    """``swarmtrain baseline``."""
+    p.add_argument("--preset", default="tiny", help="model preset: tiny, small or base")
+    p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to take")
+    p.add_argument(
+        "--stages", type=positive_int, default=1, help="cut the model into this many stages"
+    )
+    p.add_argument("--data", default=STDLIB, help="'stdlib', a text file or a directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
+    p.add_argument("--eval-every", type=positive_int, default=50, help="steps between validations")
+    p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
+
+
+def demo_arguments(p: argparse.ArgumentParser) -> None:
+    """``swarmtrain demo``."""
+    p.add_argument("--stages", type=positive_int, default=2, help="pipeline stages")
+    p.add_argument("--peers", type=positive_int, default=2, help="peers per stage")
+    p.add_argument("--preset", default="tiny", help="model preset")
+    p.add_argument("--micro-batches", type=positive_int, default=800, help="micro-batches to train")
+    p.add_argument(
+        "--in-flight", type=positive_int, default=4, help="micro-batches in flight at once"
+    )
+    p.add_argument(
+        "--kill-at", type=float, default=0.25, help="fraction of training: SIGKILL a peer"
+    )
+    p.add_argument("--replace-at", type=float, default=0.45, help="fraction: start a replacement")
+    p.add_argument("--out", type=Path, default=Path("demo-out"), help="logs, CSV and PNG go here")
+
+
+def id_arguments(p: argparse.ArgumentParser) -> None:
+    """``swarmtrain id``."""
+    p.add_argument(
+        "--run",
+        required=True,
+        help="the run's id (NAME@FINGERPRINT) or name: each run has its own identity",
+    )
+    p.add_argument(
+        "--identity",
+        type=Path,
+        help="key file (default ~/.swarmtrain/NAME/identity.key, as the node uses; created "
+        "if missing)",
+    )
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("swarmtrain")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
