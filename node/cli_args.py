@@ -72,6 +72,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = _number(text, int)
     if value < 1:
@@ -214,6 +221,19 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds between record refreshes (records expire after 3)",
     )
     p.add_argument("--no-train", action="store_true", help="serve only; run no trainer loop")
+    p.add_argument(
+        "--checkpoint-every",
+        type=non_negative_float,
+        default=300.0,
+        metavar="SECONDS",
+        help="checkpoint the stages held this often (0: only when the node stops)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="where checkpoints go (default: ~/.swarmtrain/NAME/checkpoints/PEER_ID)",
+    )
     p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
 
 

@@ -14,7 +14,7 @@ import os
 import random
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -337,8 +337,10 @@ class Node:
                 tasks.create_task(self.placement.follow(), name="gossip"),
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
             ]
-            await self._take_stage()
-            self.second = await self._second_choice()
+            if not await until_stopped(stop, self._join()):
+                for task in background:
+                    task.cancel()
+                return
             if on_ready is not None:
                 on_ready()
             if self.second is not None:  # a two-stage node never moves
@@ -354,6 +356,11 @@ class Node:
             await stop.wait()
             for task in background:
                 task.cancel()
+
+    async def _join(self) -> None:
+        """Take a stage, load it, and decide on a second one."""
+        await self._take_stage()
+        self.second = await self._second_choice()
 
     async def _take_stage(self) -> None:
         """Choose a stage (``--stage`` pins it) and load it."""
@@ -630,6 +637,25 @@ class Node:
                 await self.p2p.shutdown()
             await asyncio.to_thread(self.dht.shutdown)
             os.close(self._lock_fd)
+
+
+async def until_stopped(stop: asyncio.Event, work: Awaitable[object]) -> bool:
+    """Await ``work`` unless ``stop`` is set first (then cancel it and wait for it to
+    unwind). True if the work finished; its exception, if it raised one, propagates."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 def write_maddrs(path: Path, maddrs: list[str]) -> None:

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from node.capacity import pick_device
-from node.daemon import Node, NodeSettings, write_maddrs
+from node.daemon import Node, NodeSettings, until_stopped, write_maddrs
 from node.maddrs import check_can_listen
 from node.membership import read_invite
 from protocol.records import RecordError
@@ -48,6 +48,8 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         bandwidth_mbps=args.bandwidth_mbps,
         update_period_s=args.update_period,
         train=not args.no_train,
+        checkpoint_every_s=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir,
     )
 
 
@@ -62,26 +64,37 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.set_exception_handler(_quiet_when_p2pd_is_gone)
     try:
-        await node.prepare()
-        maddrs = node.dht.visible_maddrs()
-        print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
-        for m in maddrs:
-            print(f"  --initial-peers {m}", flush=True)
-        if maddrs_file:  # after the printout: whoever waits for this file may read it
-            write_maddrs(maddrs_file, maddrs)
+        if await until_stopped(stop, node.prepare()):  # a stop meanwhile: just close
+            maddrs = node.dht.visible_maddrs()
+            print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
+            for m in maddrs:
+                print(f"  --initial-peers {m}", flush=True)
+            if maddrs_file:  # after the printout: whoever waits for this file may read it
+                write_maddrs(maddrs_file, maddrs)
 
-        def on_ready() -> None:
-            print(
-                f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}",
-                flush=True,
-            )
+            def on_ready() -> None:
+                print(
+                    f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}",
+                    flush=True,
+                )
 
-        await node.run(stop, on_ready)
+            await node.run(stop, on_ready)
     finally:
         await node.close()
     print("node stopped", flush=True)
     return 0
+
+
+def _quiet_when_p2pd_is_gone(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """hivemind's readers of p2pd's control connection fail when p2pd stops first (a
+    Ctrl-C reaches it too), and nobody awaits them: that is no error of ours."""
+    error = context.get("exception")
+    if isinstance(error, ConnectionError | asyncio.IncompleteReadError):
+        logger.debug("%s: %r", context.get("message"), error)
+        return
+    loop.default_exception_handler(context)
 
 
 def check_before_start(settings: NodeSettings) -> None:
