@@ -149,6 +149,7 @@ class SwarmDHT:
         self.policy: MembershipPolicy | None = None
         self._dropped: set[str] = set()  # reasons already logged
         self._spec_checked = False  # publish_spec looked for a conflicting spec
+        self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
         self._conflicts: set[bytes] = set()  # later specs for this run id, already reported
 
     @classmethod
@@ -282,8 +283,9 @@ class SwarmDHT:
         """Store the owner-signed spec (every node does, again and again, so it outlives
         the owner's presence). The first time, refuse (``SpecConflict``) if the DHT holds a
         different spec for the run that peers keep instead: a run's spec never changes, a
-        new one needs a new run name."""
-        if not self._spec_checked:
+        new one needs a new run name. (A spec read from the DHT through ``spec`` is not
+        checked again: re-publishing what peers keep never fails.)"""
+        if not self._spec_checked and signed.raw != self._kept_spec:
             found = await self._specs()
             if found and (first := earliest_spec([*found, signed])).raw != signed.raw:
                 changes = spec_differences(first.spec, signed.spec) or ["its signature"]
@@ -322,6 +324,7 @@ class SwarmDHT:
         if not specs:
             return None
         first = earliest_spec(specs)
+        self._kept_spec = first.raw
         for other in specs:
             if other.raw != first.raw and other.raw not in self._conflicts:
                 self._conflicts.add(other.raw)
@@ -429,8 +432,8 @@ class SwarmDHT:
         claim = self.policy.verify(peer_id, proof)[1]
         if claim is None:
             return
-        if not await self._store_claim(claim):
-            logger.warning("no peer stored our claim on the bearer invite (yet)")
+        if not await self._store_claim(claim):  # e.g. stored before: a restart
+            logger.debug("the DHT did not store our claim on the bearer invite")
         await asyncio.sleep(CLAIM_SETTLE_S)
         await self._refresh_claims(restore=False)
         self._learn_claims([claim])

@@ -33,7 +33,13 @@ from protocol.identity import peer_id_of, sign
 from protocol.keys import spec_key
 from protocol.membership import InviteClaimed, issue_invite
 from protocol.records import PeerState
-from protocol.run_spec import _SPEC_DOMAIN, SignedSpec, make_run_spec, read_spec_file
+from protocol.run_spec import (
+    _SPEC_DOMAIN,
+    SignedSpec,
+    make_run_spec,
+    read_spec_file,
+    sign_run_spec,
+)
 from tests.records import peer_info
 from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
 
@@ -255,49 +261,53 @@ def _cli_in(home, *args, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_two_peers_claiming_one_bearer_invite_at_the_same_moment_one_holds(tmp_path):
     """The race itself, through a real DHT: two clients that both found the token unused
-    publish their claims at once; exactly one (the lower time, then peer id) holds, and
-    the owner's side admits that one only."""
+    publish their claims at once; exactly one (the lower time, then peer id) holds, the
+    owner's side admits that one only, and a trainer with the token later is refused."""
     key = load_or_create_key(tmp_path / "owner.key")
     spec = make_run_spec("race", "tiny", 2, owner=peer_id_of(key.public_key()), private=True)
     token = issue_invite(key, spec.run, expires=time.time() + 600)
     host = SwarmDHT.start(spec.run, host_maddrs=[LOCAL])
-    clients = []
+    clients: list[SwarmDHT] = []
     try:
-        for _ in range(2):
+        for _ in range(3):
             clients.append(SwarmDHT.start(spec.run, initial_peers=host.visible_maddrs(),
                                           host_maddrs=[LOCAL], client_mode=True))  # fmt: skip
-
-        async def race() -> None:
-            for dht in (host, *clients):
-                dht.use_spec(spec)
-                await dht.refresh_revocations()
-            proofs = [prove_membership(c.policy, c.peer_id, token) for c in clients]
-            results = await asyncio.gather(
-                *(c.claim_invite(c.peer_id, p) for c, p in zip(clients, proofs, strict=True)),
-                return_exceptions=True,
-            )
-            refused = [r for r in results if isinstance(r, BaseException)]
-            assert len(refused) == 1 and isinstance(refused[0], InviteClaimed), results
-            claims = [
-                c.policy.verify(c.peer_id, p)[1] for c, p in zip(clients, proofs, strict=True)
-            ]
-            first = min(claims, key=lambda c: c.order)
-            assert results[claims.index(first)] is None, "the earlier claim holds"
-            assert refused[0].winner == first.peer_id
-            # The owner's side learns both claims and admits the winner only.
-            await host.refresh_revocations(restore=True)
-            now = time.time()
-            for c, p in zip(clients, proofs, strict=True):
-                if c.peer_id == first.peer_id:
-                    assert host.policy.check(c.peer_id, p, now)
-                else:
-                    with pytest.raises(InviteClaimed):
-                        host.policy.check(c.peer_id, p, now)
-
-        asyncio.run(race())
+        asyncio.run(_race(host, clients[:2], clients[2], sign_run_spec(spec, key), token))
     finally:
         for dht in (*clients, host):
             dht.shutdown()
+
+
+async def _race(
+    host: SwarmDHT, pair: list[SwarmDHT], late: SwarmDHT, signed: SignedSpec, token: str
+) -> None:
+    assert await host.publish_spec(signed)
+    for dht in (host, *pair):
+        dht.use_spec(signed.spec)
+        await dht.refresh_revocations()
+    proofs = [prove_membership(c.policy, c.peer_id, token) for c in pair]
+    results = await asyncio.gather(
+        *(c.claim_invite(c.peer_id, p) for c, p in zip(pair, proofs, strict=True)),
+        return_exceptions=True,
+    )
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(refused) == 1 and isinstance(refused[0], InviteClaimed), results
+    claims = [c.policy.verify(c.peer_id, p)[1] for c, p in zip(pair, proofs, strict=True)]
+    first = min(claims, key=lambda c: c.order)
+    assert results[claims.index(first)] is None, "the earlier claim holds"
+    assert refused[0].winner == first.peer_id
+    # The owner's side learns both claims and admits the winner only.
+    await host.refresh_revocations(restore=True)
+    now = time.time()
+    for c, p in zip(pair, proofs, strict=True):
+        if c.peer_id == first.peer_id:
+            assert host.policy.check(c.peer_id, p, now)
+        else:
+            with pytest.raises(InviteClaimed):
+                host.policy.check(c.peer_id, p, now)
+    # Later, a trainer with the same token is refused before it trains.
+    with pytest.raises(InviteClaimed, match=f"already used by peer {first.peer_id}"):
+        await open_trainer(late, TrainerSettings(), spec_timeout_s=10, invite=token)
 
 
 # --- the owner's tools: the owner key's default path, and `run invite`'s input --------------
