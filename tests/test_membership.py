@@ -1,17 +1,24 @@
-"""Invites, membership proofs and revocations (protocol.membership): pure, no network."""
+"""Invites, membership proofs, bearer claims and revocations (protocol.membership), and the
+RPC gate that applies them (node.membership): pure, no network."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import struct
+import time
+from types import SimpleNamespace
 
 import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node.membership import MembershipGate
 from protocol.identity import peer_id_of
 from protocol.membership import (
     InviteClaimed,
@@ -224,3 +231,26 @@ def test_claim_records_round_trip_and_refuse_what_is_not_a_claim():
 def test_arbitrary_claim_records_decode_or_raise_record_error(raw, subkey):
     with contextlib.suppress(RecordError):
         decode_claim(raw, subkey=subkey, run=RUN)
+
+
+def test_the_gate_refuses_a_bearer_peer_once_it_learns_of_an_earlier_claim():
+    """Two peers used one token at once and each was admitted before the claims spread:
+    once the gate's policy knows the earlier claim, the later peer's calls are refused."""
+    now = time.time()
+    token = issue_invite(OWNER_KEY, RUN, expires=now + 600, issued=now - 60)
+    policy = [POLICY]
+    gate = MembershipGate(lambda: policy[0])
+    later = _proof(BOB, token, at=now - 5)
+
+    async def present_as(peer_id: str, proof: str) -> None:
+        context = SimpleNamespace(remote_id=PeerID.from_base58(peer_id))
+        await gate.rpc_present(runtime_pb2.ExpertRequest(metadata=proof.encode()), context)
+
+    asyncio.run(present_as(BOB, later))
+    assert gate.refusal(BOB) is None
+    policy[0] = POLICY.with_claims([_claim(ALICE, token, now - 10)])
+    assert f"already used by peer {ALICE}" in gate.refusal(BOB)
+    with pytest.raises(MembershipError, match="already used"):
+        asyncio.run(present_as(BOB, later))
+    asyncio.run(present_as(ALICE, _proof(ALICE, token, at=now - 10)))
+    assert gate.refusal(ALICE) is None
