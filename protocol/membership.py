@@ -31,7 +31,6 @@ import struct
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Annotated
 
 import msgpack
@@ -286,9 +285,9 @@ class MembershipPolicy:
     owner: str
     private: bool
     revocations: Revocations | None = None
-    claims: Mapping[str, Claim] = field(
-        default_factory=lambda: MappingProxyType({}), hash=False, compare=False
-    )
+    # Never mutated: ``with_claims`` returns a new policy (a plain dict: policies travel
+    # to the averager's process).
+    claims: Mapping[str, Claim] = field(default_factory=dict, hash=False, compare=False)
 
     def check(self, peer_id: str, proof: str | None, now: float) -> Invite | None:
         """The peer's invite (None in a public run); ``MembershipError`` saying why a peer
@@ -373,4 +372,4 @@ class MembershipPolicy:
                 known[claim.invite_id] = claim
         if known == self.claims:
             return self
-        return replace(self, claims=MappingProxyType(known))
+        return replace(self, claims=known)
