@@ -151,6 +151,7 @@ class SwarmDHT:
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
         self._conflicts: set[bytes] = set()  # later specs for this run id, already reported
+        self._claims_seen: dict[tuple[str, str], Claim | None] = {}  # (peer, proof) -> claim
 
     @classmethod
     def start(
@@ -245,13 +246,21 @@ class SwarmDHT:
         return result
 
     def _claim_in(self, info: PeerInfo) -> Claim | None:
-        """The (verified) claim on a bearer invite that ``info``'s proof makes, if any."""
+        """The (verified) claim on a bearer invite that ``info``'s proof makes, if any.
+        Remembered per proof: records are re-read every second or so."""
         if info.membership is None:
             return None
+        seen = (info.peer_id, info.membership)
+        if seen in self._claims_seen:
+            return self._claims_seen[seen]
         try:
-            return self.policy.verify(info.peer_id, info.membership)[1]
+            claim = self.policy.verify(info.peer_id, info.membership)[1]
         except RecordError:
-            return None  # ``check`` drops the record, saying why
+            claim = None  # ``check`` drops the record, saying why
+        if len(self._claims_seen) >= 10_000:
+            self._claims_seen.clear()
+        self._claims_seen[seen] = claim
+        return claim
 
     def _learn_claims(self, claims) -> None:
         """Add verified claims to ``policy``; warn when one beats a claim we held."""
