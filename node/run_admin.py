@@ -77,15 +77,16 @@ def owned_spec(owner_key_path: Path, key: Ed25519PrivateKey, spec: RunSpec) -> S
     return signed
 
 
-def load_owner_key(path: Path) -> Ed25519PrivateKey:
-    """The owner's existing key at ``path``; ``ValueError`` if there is none (only the
-    run's owner invites or revokes: no key is created here) or it does not parse."""
+def load_owner_key(path: Path, action: str) -> Ed25519PrivateKey:
+    """The owner's existing key at ``path``, to ``action`` (e.g. "invite"); ``ValueError``
+    if there is none (only the run's owner may: no key is created here) or it does not
+    parse."""
     path = path.expanduser()
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ValueError(
-            f"no owner key at {path}: only the run's owner can do this (give its key with "
+            f"no owner key at {path}: only the run's owner can {action} (give its key with "
             "--owner-key)"
         ) from None
     except OSError as e:
@@ -158,7 +159,8 @@ def _create(args: argparse.Namespace) -> int:
     kind = "private" if spec.private else "public"
     again = "" if signed.spec.created == spec.created else " (it existed: the same spec)"
     print(f"created {kind} run {spec.run} ({args.preset}, {spec.n_stages} stages){again}: {out}")
-    print(f"start its first node with: swarmtrain node --spec {out} --owner-key {args.owner_key}")
+    key_flag = "" if args.owner_key == DEFAULT_OWNER_KEY else f" --owner-key {args.owner_key}"
+    print(f"start its first node with: swarmtrain node --spec {out}{key_flag}")
     if spec.private:
         print(f"invite a machine with:    swarmtrain run invite --run {spec.run} --peer PEER_ID")
     return 0
@@ -174,8 +176,8 @@ def _invite(args: argparse.Namespace) -> int:
                 f"--peer {args.peer!r} is not a peer id ({e}): a node prints its id "
                 "(12D3KooW...) when it starts"
             ) from None
-    key = load_owner_key(args.owner_key)
-    _check_owner(args.run, key)
+    key = load_owner_key(args.owner_key, args.action)
+    _check_owner(args.run, key, args.action)
     token = issue_invite(key, args.run, expires=expires, peer_id=args.peer)
     if args.out is not None:
         write_atomic(args.out, (token + "\n").encode(), mode=0o600)
@@ -191,16 +193,16 @@ def _invite(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_owner(run: str, key: Ed25519PrivateKey) -> None:
+def _check_owner(run: str, key: Ed25519PrivateKey, action: str) -> None:
     try:
         check_owner(run, key.public_key())
     except RecordError as e:
-        raise ValueError(f"{e}: only the run's owner can do this") from None
+        raise ValueError(f"{e}: only the run's owner can {action}") from None
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    key = load_owner_key(args.owner_key)
-    _check_owner(args.run, key)
+    key = load_owner_key(args.owner_key, args.action)
+    _check_owner(args.run, key, args.action)
     if not args.peer and not args.invite_id:
         raise ValueError("say what to revoke: --peer PEER_ID ... and/or --invite-id ID ...")
     dht = SwarmDHT.start(

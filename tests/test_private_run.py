@@ -345,6 +345,6 @@ def test_run_invite_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys)
     other_key = tmp_path / "other.key"
     load_or_create_key(other_key)
     assert main(["run", "invite", "--run", run, "--owner-key", str(other_key)]) == 2
-    assert "only the run's owner" in capsys.readouterr().err
+    assert "only the run's owner can invite" in capsys.readouterr().err
     assert main(["run", "invite", *owner, "--expires", "90m"]) == 0
     assert capsys.readouterr().out.startswith("swarmtrain-invite:")
