@@ -32,6 +32,7 @@ from node.files import load_or_create_identity, load_or_create_key, write_atomic
 from node.gossip import GossipUnavailable
 from node.membership import MembershipGate, prove_membership
 from node.placement import Placement
+from node.run_admin import owned_spec
 from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from node.stage_averaging import AveragedStageServer, StageAverager
 from node.stage_server import StageServer
@@ -42,7 +43,7 @@ from protocol.membership import MembershipError, issue_invite
 from protocol.ownership import check_run_id, fingerprint
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
 from protocol.routing import BanList
-from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file, sign_run_spec
+from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file
 from protocol.stage_messages import StageContract
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,9 @@ class NodeSettings:
 
 def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
     """The run's id, and its signed spec when this node brings it (a spec file, or a new
-    public run by name, signed with this machine's owner key)."""
+    public run by name, signed with this machine's owner key). A run started by name
+    keeps the spec it was created with (``run_admin.owned_spec``): restarting it with
+    other settings is refused, since a run's spec never changes."""
     if settings.spec_file is not None:
         try:
             signed = read_spec_file(settings.spec_file.read_text())
@@ -134,7 +137,10 @@ def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
         owner=owner,
         compression=settings.compression,
     )
-    return spec.run, sign_run_spec(spec, owner_key)
+    try:
+        return spec.run, owned_spec(settings.owner_key_path(), owner_key, spec)
+    except ValueError as e:
+        raise NodeError(str(e)) from None
 
 
 class Node:
@@ -234,6 +240,7 @@ class Node:
         await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.signed_spec)
         await self.dht.refresh_revocations()
         self.membership = self._membership_proof()
+        await self.dht.claim_invite(self.peer_id, self.membership)  # a bearer invite: ours now
         for flag, stage in (("--stage", s.stage), ("--second-stage", s.second_stage)):
             if stage is not None and not 0 <= stage < spec.n_stages:
                 raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
@@ -251,10 +258,10 @@ class Node:
             raise NodeError(f"this node cannot join: {e}") from None
 
     def _own_invite(self) -> str | None:
-        """The run's owner, running a node with ``--owner-key``, needs no invite: it makes
-        one for itself."""
-        path = self.settings.owner_key
-        if path is None or not path.exists():
+        """The run's owner needs no invite: a node that finds the run's owner key (at
+        ``--owner-key``, by default ``~/.swarmtrain/owner.key``) makes one for itself."""
+        path = self.settings.owner_key_path()
+        if not path.exists():
             return None
         owner_key = load_or_create_key(path)
         if fingerprint(peer_id_of(owner_key.public_key())) != self.spec.run.partition("@")[2]:

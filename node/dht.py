@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import re
@@ -37,7 +38,15 @@ from node.maddrs import (
 )
 from node.servicer import DETACH_TIMEOUT_S, p2pd_running
 from protocol.keys import peers_key, revocations_key, spec_key
-from protocol.membership import MembershipPolicy, Revocations, decode_revocations
+from protocol.membership import (
+    Claim,
+    MembershipPolicy,
+    Revocations,
+    claims_key,
+    decode_claim,
+    decode_revocations,
+    encode_claim,
+)
 from protocol.records import (
     MAX_RECORD_AGE_S,
     PeerInfo,
@@ -45,13 +54,31 @@ from protocol.records import (
     decode_peer_info,
     encode_peer_info,
 )
-from protocol.run_spec import SignedSpec, decode_run_spec
+from protocol.run_spec import (
+    SignedSpec,
+    decode_run_spec,
+    earliest_spec,
+    spec_differences,
+)
 
 logger = logging.getLogger(__name__)
 
 SPEC_TTL_S = 3600.0  # every node re-stores the spec (and revocations), so they outlive
 # their creator
 REVOCATIONS_TTL_S = 365 * 86400.0
+MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
+MAX_CLAIMS = 1000  # claim records read at once
+CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
+
+
+class SpecConflict(RecordError):
+    """The DHT holds a different, earlier spec under this run id: a run's spec never changes."""
+
+
+def spec_subkey(raw: bytes) -> str:
+    """Each spec signed for a run id has its own slot (the hash of its signed bytes), so
+    readers see every one and all keep the same (``earliest_spec``)."""
+    return hashlib.sha256(raw).hexdigest()[:32]
 
 
 class DHTStartError(RuntimeError):
@@ -135,16 +162,24 @@ class RunRecordValidator(RecordValidatorBase):
         self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
+        self._claims_id = DHTID.generate(source=claims_key(run)).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._peers_id, self._spec_id, self._revoked_id):
+        if record.key not in (self._peers_id, self._spec_id, self._revoked_id, self._claims_id):
             return True  # other subsystems' keys (e.g. averaging) are theirs to check
         try:
             value = DHTProtocol.serializer.loads(record.value)
             if record.key == self._spec_id:
                 decode_run_spec(value, run=self.run)
+                if DHTProtocol.serializer.loads(record.subkey) != spec_subkey(value):
+                    raise RecordError("a run spec is stored under the hash of its bytes")
             elif record.key == self._revoked_id:
                 decode_revocations(value, run=self.run)
+            elif record.key == self._claims_id:
+                subkey = DHTProtocol.serializer.loads(record.subkey)
+                claim = decode_claim(value, subkey=subkey, run=self.run)
+                if record.expiration_time > claim.expires + 1:
+                    raise RecordError("an invite claim would outlive its invite")
             else:
                 subkey = DHTProtocol.serializer.loads(record.subkey)
                 info = decode_peer_info(
@@ -193,6 +228,10 @@ class SwarmDHT:
         self._socket_dir = socket_dir  # removed at shutdown
         self.policy: MembershipPolicy | None = None
         self._dropped: set[str] = set()  # reasons already logged
+        self._spec_checked = False  # publish_spec looked for a conflicting spec
+        self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
+        self._conflicts: set[bytes] = set()  # later specs for this run id, already reported
+        self._claims_seen: dict[tuple[str, str], Claim | None] = {}  # (peer, proof) -> claim
 
     @classmethod
     def start(
@@ -277,18 +316,60 @@ class SwarmDHT:
         found = await self.dht.get(peers_key(self.run), latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        now, result = get_dht_time(), []
+        now, infos, result = get_dht_time(), [], []
         for subkey, item in found.value.items():
             try:
-                info = decode_peer_info(
-                    item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
+                infos.append(
+                    decode_peer_info(
+                        item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
+                    )
                 )
+            except RecordError as e:
+                self._log_dropped(e)
+        if self.policy is not None and self.policy.private:
+            # Each bearer proof is a claim on its invite: learn them all before judging any,
+            # so that of two peers using one token at once, the later is dropped right away.
+            self._learn_claims(self._claim_in(i) for i in infos)
+        for info in infos:
+            try:
                 if self.policy is not None:
                     self.policy.check(info.peer_id, info.membership, now)
                 result.append(info)
             except RecordError as e:
                 self._log_dropped(e)
         return result
+
+    def _claim_in(self, info: PeerInfo) -> Claim | None:
+        """The (verified) claim on a bearer invite that ``info``'s proof makes, if any.
+        Remembered per proof: records are re-read every second or so."""
+        if info.membership is None:
+            return None
+        seen = (info.peer_id, info.membership)
+        if seen in self._claims_seen:
+            return self._claims_seen[seen]
+        try:
+            claim = self.policy.verify(info.peer_id, info.membership)[1]
+        except RecordError:
+            claim = None  # ``check`` drops the record, saying why
+        if len(self._claims_seen) >= 10_000:
+            self._claims_seen.clear()
+        self._claims_seen[seen] = claim
+        return claim
+
+    def _learn_claims(self, claims) -> None:
+        """Add verified claims to ``policy``; warn when one beats a claim we held."""
+        before = self.policy
+        self.policy = before.with_claims(c for c in claims if c is not None)
+        for invite_id, winner in self.policy.claims.items():
+            held = before.claims.get(invite_id)
+            if held is not None and held.peer_id != winner.peer_id:
+                logger.warning(
+                    "bearer invite %s: peer %s used it first; peer %s, which used it later, "
+                    "is refused",
+                    invite_id,
+                    winner.peer_id,
+                    held.peer_id,
+                )
 
     def _log_dropped(self, e: RecordError) -> None:
         """Warn once per distinct reason (records are re-read every second or so)."""
@@ -302,22 +383,62 @@ class SwarmDHT:
         logger.warning("dropped a peer record: %s", reason)
 
     async def publish_spec(self, signed: SignedSpec) -> bool:
-        return await self._publish_owned(spec_key(self.run), signed.raw)
+        """Store the owner-signed spec (every node does, again and again, so it outlives
+        the owner's presence). The first time, refuse (``SpecConflict``) if the DHT holds a
+        different spec for the run that peers keep instead: a run's spec never changes, a
+        new one needs a new run name. (A spec read from the DHT through ``spec`` is not
+        checked again: re-publishing what peers keep never fails.)"""
+        if not self._spec_checked and signed.raw != self._kept_spec:
+            found = await self._specs()
+            if found and (first := earliest_spec([*found, signed])).raw != signed.raw:
+                changes = spec_differences(first.spec, signed.spec) or ["its signature"]
+                raise SpecConflict(
+                    f"run {self.run} already has a different spec (this one changes "
+                    f"{'; '.join(changes)}): a run's spec never changes; start a new run "
+                    "under a new name"
+                )
+            self._spec_checked = True
+        return await self._publish_owned(spec_key(self.run), signed.raw, spec_subkey(signed.raw))
 
-    async def _publish_owned(self, key: str, raw: bytes) -> bool:
+    async def _publish_owned(self, key: str, raw: bytes, subkey: str | None = None) -> bool:
         """Store an owner-signed record as it is (peers verify the owner's signature)."""
         expiration = get_dht_time() + SPEC_TTL_S
-        return await self.dht.store(key, raw, expiration_time=expiration, return_future=True)
+        return await self.dht.store(
+            key, raw, expiration_time=expiration, subkey=subkey, return_future=True
+        )
+
+    async def _specs(self) -> list[SignedSpec]:
+        """Every valid spec stored under the run's id (normally one)."""
+        found = await self.dht.get(spec_key(self.run), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        specs = []
+        for item in list(found.value.values())[:MAX_SPECS]:
+            try:
+                specs.append(decode_run_spec(item.value, run=self.run))
+            except RecordError as e:
+                logger.warning("dropped a run spec: %s", e)
+        return specs
 
     async def spec(self) -> SignedSpec | None:
-        found = await self.dht.get(spec_key(self.run), latest=True, return_future=True)
-        if found is None:
+        """The run's spec: if the owner ever signed two for its id, the earliest (peers all
+        keep that one), with a warning naming what the other would change."""
+        specs = await self._specs()
+        if not specs:
             return None
-        try:
-            return decode_run_spec(found.value, run=self.run)
-        except RecordError as e:
-            logger.warning("dropped the run spec: %s", e)
-            return None
+        first = earliest_spec(specs)
+        self._kept_spec = first.raw
+        for other in specs:
+            if other.raw != first.raw and other.raw not in self._conflicts:
+                self._conflicts.add(other.raw)
+                changes = spec_differences(first.spec, other.spec) or ["its signature"]
+                logger.warning(
+                    "run %s has two specs signed by its owner: keeping the first, ignoring "
+                    "one created later that changes %s",
+                    self.run,
+                    "; ".join(changes),
+                )
+        return first
 
     async def wait_for_spec(self, timeout_s: float) -> SignedSpec | None:
         """The run's spec, polling the DHT until it appears; None after ``timeout_s``."""
@@ -353,10 +474,14 @@ class SwarmDHT:
             return None
 
     async def refresh_revocations(self, *, restore: bool = False) -> None:
-        """Apply the owner's latest revocations to ``policy``; with ``restore`` (a serving
-        node, periodically) store them again, so that they outlive the owner's presence."""
+        """Apply the owner's latest revocations, and the claims on bearer invites, to
+        ``policy``; with ``restore`` (a serving node, periodically) store them again, so
+        that they outlive the owner's (and the claimer's) presence."""
+        if self.policy is None or not self.policy.private:
+            return
+        await self._refresh_claims(restore=restore)
         found = await self.revocations()
-        if found is None or self.policy is None:
+        if found is None:
             return
         revocations, raw = found
         if restore:
@@ -369,6 +494,53 @@ class SwarmDHT:
                 len(revocations.peers),
                 len(revocations.invites),
             )
+
+    async def claims(self) -> list[Claim]:
+        """The claims on the run's bearer invites stored in the DHT that validate."""
+        found = await self.dht.get(claims_key(self.run), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        result = []
+        for subkey, item in list(found.value.items())[:MAX_CLAIMS]:
+            try:
+                result.append(decode_claim(item.value, subkey=subkey, run=self.run))
+            except RecordError as e:
+                self._log_dropped(e)
+        return result
+
+    async def _refresh_claims(self, *, restore: bool) -> None:
+        self._learn_claims(await self.claims())
+        if restore:  # the winners only: a beaten claim need not outlive its claimer
+            now = get_dht_time()
+            for claim in list(self.policy.claims.values()):
+                if claim.expires > now:
+                    await self._store_claim(claim)
+
+    async def _store_claim(self, claim: Claim) -> bool:
+        return await self.dht.store(
+            claims_key(self.run),
+            encode_claim(claim, self.policy.owner),
+            expiration_time=claim.expires,
+            subkey=claim.subkey,
+            return_future=True,
+        )
+
+    async def claim_invite(self, peer_id: str, proof: str | None) -> None:
+        """Publish our claim on a bearer invite (``proof`` made by ``prove_membership``),
+        give others' claims ``CLAIM_SETTLE_S`` to show up, and raise ``MembershipError``
+        ("this bearer invite was already used by peer ...") if one of them holds instead.
+        Does nothing for other invites, or in a public run."""
+        if proof is None or self.policy is None or not self.policy.private:
+            return
+        claim = self.policy.verify(peer_id, proof)[1]
+        if claim is None:
+            return
+        if not await self._store_claim(claim):  # e.g. stored before: a restart
+            logger.debug("the DHT did not store our claim on the bearer invite")
+        await asyncio.sleep(CLAIM_SETTLE_S)
+        await self._refresh_claims(restore=False)
+        self._learn_claims([claim])
+        self.policy.admit(peer_id, proof, get_dht_time())  # raises if another claim holds
 
     def shutdown(self) -> None:
         """Stop the DHT process and its ``p2pd`` (blocking, about a second), and remove

@@ -5,7 +5,9 @@ anything else). Instead a caller *presents* its membership proof to each peer it
 (``present``); the peer's ``MembershipGate`` checks it against the run's policy, for the
 peer id that opened the connection, and remembers the caller until its invite expires.
 A stage server asks the gate (``refusal``) before it reads a request. In a public run the
-gate admits everyone and nobody needs to present anything.
+gate admits everyone and nobody needs to present anything. A caller admitted with a
+bearer invite is refused again as soon as the policy learns of an earlier claim on it
+(another peer used the token first: ``protocol.membership``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from node.servicer import MEMBERSHIP, NodeServicer
-from protocol.membership import MembershipError, MembershipPolicy, parse_invite_token
+from protocol.membership import (
+    Claim,
+    InviteClaimed,
+    MembershipError,
+    MembershipPolicy,
+    parse_invite_token,
+)
 from protocol.records import MAX_MEMBERSHIP_CHARS, RecordError
 from protocol.routing import BanList
 
@@ -39,7 +47,8 @@ class MembershipGate(NodeServicer):
         self, policy: Callable[[], MembershipPolicy], callers: BanList | None = None
     ) -> None:
         self._policy = policy  # read on every check: revocations arrive while we run
-        self._admitted: dict[str, tuple[str, float]] = {}  # peer id -> (invite id, expiry)
+        # peer id -> (invite id, expiry, claim on a bearer invite)
+        self._admitted: dict[str, tuple[str, float, Claim | None]] = {}
         self.callers = callers  # refused proofs count against their caller
 
     @classmethod
@@ -61,13 +70,17 @@ class MembershipGate(NodeServicer):
         admitted = self._admitted.get(peer_id)
         if admitted is None:
             return f"{NOT_A_MEMBER}peer {peer_id} has not presented an invite"
-        invite_id, expires = admitted
+        invite_id, expires, claim = admitted
         revoked = policy.revocations
         if get_dht_time() > expires or (
             revoked is not None and (peer_id in revoked.peers or invite_id in revoked.invites)
         ):
             del self._admitted[peer_id]
             return f"{NOT_A_MEMBER}the invite of peer {peer_id} expired or was revoked"
+        winner = policy.beaten(claim) if claim is not None else None
+        if winner is not None:
+            del self._admitted[peer_id]
+            return NOT_A_MEMBER + str(InviteClaimed(winner.peer_id, peer_id))
         return None
 
     async def rpc_present(
@@ -79,7 +92,7 @@ class MembershipGate(NodeServicer):
             if len(request.metadata) > MAX_MEMBERSHIP_CHARS:
                 raise MembershipError(f"a proof is at most {MAX_MEMBERSHIP_CHARS} bytes")
             proof = request.metadata.decode("ascii", errors="replace")
-            invite = self._policy().check(caller, proof, get_dht_time())
+            invite, claim = self._policy().admit(caller, proof, get_dht_time())
         except RecordError as e:
             self.refused(context, "a membership proof", str(e), cause=MEMBERSHIP)
             raise MembershipError(NOT_A_MEMBER + str(e)) from None
@@ -88,7 +101,7 @@ class MembershipGate(NodeServicer):
                 self.callers.forgive(caller, MEMBERSHIP)
             if len(self._admitted) >= MAX_ADMITTED:
                 self._admitted.pop(next(iter(self._admitted)))
-            self._admitted[caller] = (invite.invite_id, invite.expires)
+            self._admitted[caller] = (invite.invite_id, invite.expires, claim)
         return runtime_pb2.ExpertResponse()
 
 
@@ -102,7 +115,9 @@ async def present(p2p: P2P, peer: PeerID, proof: str, timeout: float = 10.0) -> 
 
 def prove_membership(policy: MembershipPolicy, peer_id: str, token: str | None) -> str | None:
     """Our proof of an invite to a private run (None in a public run, where none is
-    needed); ``MembershipError`` saying why we are not a member."""
+    needed); ``MembershipError`` saying why we are not a member (among others: a bearer
+    invite that ``policy`` knows another peer claimed first). For a bearer invite the
+    proof is our claim on it, which ``SwarmDHT.claim_invite`` then publishes."""
     if not policy.private:
         if token:
             logger.info("run %s is public: the invite is not needed", policy.run)

@@ -1,8 +1,10 @@
 """``swarmtrain run create|invite|revoke``: what a run's owner does, with the owner key.
 
-``create`` writes the run's signed spec to a file (nodes start from it with ``--spec``);
-``invite`` prints an invite token for a private run; ``revoke`` publishes, through a
-node of the run, the owner's signed list of revoked peers and invites.
+``create`` writes the run's signed spec to a file (nodes start from it with ``--spec``)
+and records it beside the owner key (``runs/RUN_ID.spec.json``): a run's spec never
+changes, so creating it again with other settings is refused. ``invite`` prints an
+invite token for a private run; ``revoke`` publishes, through a node of the run, the
+owner's signed list of revoked peers and invites. Both need the owner's existing key.
 """
 
 from __future__ import annotations
@@ -14,26 +16,85 @@ import sys
 import time
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from node.dht import SwarmDHT
 from node.files import load_or_create_key, write_atomic
-from protocol.identity import peer_id_of
+from protocol.identity import decode_private_key, peer_id_of
 from protocol.membership import Revocations, issue_invite, parse_invite_token, sign_revocations
 from protocol.ownership import check_owner
-from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
+from protocol.records import RecordError, check_peer_id
+from protocol.run_spec import (
+    AveragingSpec,
+    RunSpec,
+    SignedSpec,
+    make_run_spec,
+    read_spec_file,
+    sign_run_spec,
+    spec_differences,
+    spec_file_text,
+)
 
 DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
-_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``90``, ``90s``, ``30m``, ``12h`` or ``7d``."""
+    """Seconds in ``90s``, ``30m``, ``12h`` or ``7d``; ``ValueError`` for anything else,
+    a bare number included (it would be ambiguous)."""
     m = _DURATION.match(text.strip())
     if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"duration {text!r}: write e.g. 3600, 30m, 12h or 7d")
+        hint = (
+            f" (did you mean {text.strip()}h or {text.strip()}d?)" if text.strip().isdigit() else ""
+        )
+        raise ValueError(f"duration {text!r} needs a unit: e.g. 90s, 30m, 12h or 7d{hint}")
     return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def owned_spec(owner_key_path: Path, key: Ed25519PrivateKey, spec: RunSpec) -> SignedSpec:
+    """The signed spec of the run ``spec`` describes, as its owner created it: the one
+    recorded at creation (``runs/RUN_ID.spec.json`` beside the owner key) if its settings
+    are ``spec``'s, or ``spec`` signed and recorded now if the run is new. ``ValueError``
+    naming the difference if the run was created with other settings."""
+    path = owner_key_path.expanduser().parent / "runs" / f"{spec.run}.spec.json"
+    if path.exists():
+        try:
+            recorded = read_spec_file(path.read_text())
+        except (OSError, RecordError) as e:
+            raise ValueError(f"cannot read the record of run {spec.run} at {path}: {e}") from None
+        changes = spec_differences(recorded.spec, spec)
+        if changes:
+            raise ValueError(
+                f"run {spec.run} exists with other settings (this changes "
+                f"{'; '.join(changes)}; it was created as {path}): a run's spec never "
+                "changes, so start a new run under a new name"
+            )
+        return recorded
+    signed = sign_run_spec(spec, key)
+    write_atomic(path, spec_file_text(signed).encode())
+    return signed
+
+
+def load_owner_key(path: Path, action: str) -> Ed25519PrivateKey:
+    """The owner's existing key at ``path``, to ``action`` (e.g. "invite"); ``ValueError``
+    if there is none (only the run's owner may: no key is created here) or it does not
+    parse."""
+    path = path.expanduser()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(
+            f"no owner key at {path}: only the run's owner can {action} (give its key with "
+            "--owner-key)"
+        ) from None
+    except OSError as e:
+        raise ValueError(f"cannot read the owner key {path}: {e.strerror}") from None
+    try:
+        return decode_private_key(raw)
+    except ValueError as e:
+        raise ValueError(f"the owner key {path} is not a valid key: {e}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     invite = actions.add_parser("invite", help="print an invite token for a private run")
     invite.add_argument("--run", required=True, help="the run's id")
     invite.add_argument("--peer", help="bind the invite to this peer id (default: bearer)")
-    invite.add_argument("--expires", default="7d", help="valid for (e.g. 12h, 7d; default 7d)")
+    invite.add_argument(
+        "--expires", default="7d", help="valid for, with a unit: 90s, 30m, 12h, 7d (default 7d)"
+    )
     invite.add_argument("--out", type=Path, help="also write the token to this file (0600)")
     _owner_key(invite)
 
@@ -70,7 +133,7 @@ def _owner_key(p: argparse.ArgumentParser) -> None:
         "--owner-key",
         type=Path,
         default=DEFAULT_OWNER_KEY,
-        help=f"the owner's key file (default {DEFAULT_OWNER_KEY}; created if missing)",
+        help=f"the owner's key file (default {DEFAULT_OWNER_KEY}; `create` makes it if missing)",
     )
 
 
@@ -91,19 +154,30 @@ def _create(args: argparse.Namespace) -> int:
         private=args.private,
     )
     out = args.out or Path(f"{args.name}.spec.json")
-    write_atomic(out, spec_file_text(sign_run_spec(spec, key)).encode())
+    signed = owned_spec(args.owner_key, key, spec)
+    write_atomic(out, spec_file_text(signed).encode())
     kind = "private" if spec.private else "public"
-    print(f"created {kind} run {spec.run} ({args.preset}, {spec.n_stages} stages): {out}")
-    print(f"start its first node with: swarmtrain node --spec {out} --owner-key {args.owner_key}")
+    again = "" if signed.spec.created == spec.created else " (it existed: the same spec)"
+    print(f"created {kind} run {spec.run} ({args.preset}, {spec.n_stages} stages){again}: {out}")
+    key_flag = "" if args.owner_key == DEFAULT_OWNER_KEY else f" --owner-key {args.owner_key}"
+    print(f"start its first node with: swarmtrain node --spec {out}{key_flag}")
     if spec.private:
         print(f"invite a machine with:    swarmtrain run invite --run {spec.run} --peer PEER_ID")
     return 0
 
 
 def _invite(args: argparse.Namespace) -> int:
-    key = load_or_create_key(args.owner_key)
-    check_owner(args.run, key.public_key())
     expires = time.time() + parse_duration(args.expires)
+    if args.peer is not None:
+        try:
+            check_peer_id(args.peer)
+        except ValueError as e:
+            raise ValueError(
+                f"--peer {args.peer!r} is not a peer id ({e}): a node prints its id "
+                "(12D3KooW...) when it starts"
+            ) from None
+    key = load_owner_key(args.owner_key, args.action)
+    _check_owner(args.run, key, args.action)
     token = issue_invite(key, args.run, expires=expires, peer_id=args.peer)
     if args.out is not None:
         write_atomic(args.out, (token + "\n").encode(), mode=0o600)
@@ -119,9 +193,16 @@ def _invite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_owner(run: str, key: Ed25519PrivateKey, action: str) -> None:
+    try:
+        check_owner(run, key.public_key())
+    except RecordError as e:
+        raise ValueError(f"{e}: only the run's owner can {action}") from None
+
+
 def _revoke(args: argparse.Namespace) -> int:
-    key = load_or_create_key(args.owner_key)
-    check_owner(args.run, key.public_key())
+    key = load_owner_key(args.owner_key, args.action)
+    _check_owner(args.run, key, args.action)
     if not args.peer and not args.invite_id:
         raise ValueError("say what to revoke: --peer PEER_ID ... and/or --invite-id ID ...")
     dht = SwarmDHT.start(

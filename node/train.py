@@ -80,6 +80,7 @@ async def open_trainer(
     dht.use_spec(spec)
     await dht.refresh_revocations()
     membership = prove_membership(dht.policy, dht.peer_id, invite)
+    await dht.claim_invite(dht.peer_id, membership)  # a bearer invite: ours now
     corpus = await asyncio.to_thread(load_corpus, spec.data)
     p2p = await dht.replicate_p2p()
     return Trainer(dht, p2p, spec, corpus, settings, membership=membership)

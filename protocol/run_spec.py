@@ -4,13 +4,16 @@ who may join).
 Immutable once published, and signed by the run's owner (``protocol.ownership``): the
 run id carries the owner's fingerprint, so a spec under that id that the owner did not
 sign is refused, wherever it comes from (the DHT or a file). Every node re-publishes the
-owner's signed bytes as they are and builds exactly the same stages from them.
+owner's signed bytes as they are and builds exactly the same stages from them. A spec
+carries the time it was ``created``: should an owner ever sign two different specs for
+one id, every peer keeps the earliest (``earliest_spec``), so the run never splits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -87,6 +90,9 @@ class RunSpec(BaseModel):
     seed: Annotated[int, Field(ge=0, lt=2**32)] = 0
     owner: PeerId  # the owner's public key, written as a peer id
     private: bool = False  # only invited peers may take part
+    # When the owner signed it (Unix time): of two specs for one run id, peers keep the
+    # earlier. 0 for specs written before the field existed.
+    created: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
     @field_validator("arch", "optimizer")
     @classmethod
@@ -128,7 +134,8 @@ def make_run_spec(
     name: str, preset_name: str, n_stages: int, *, owner: str, **settings: Any
 ) -> RunSpec:
     """A spec of run ``name`` (its id: ``NAME@FINGERPRINT`` of ``owner``) from a model
-    preset cut evenly into ``n_stages`` stages."""
+    preset cut evenly into ``n_stages`` stages, ``created`` now unless given."""
+    settings.setdefault("created", time.time())
     model, optim = preset(preset_name)
     optim_overrides = {k: settings.pop(k) for k in list(settings) if hasattr(optim, k)}
     optim = dataclasses.replace(optim, **optim_overrides)
@@ -142,12 +149,36 @@ def make_run_spec(
     )
 
 
+def spec_differences(old: RunSpec, new: RunSpec) -> list[str]:
+    """What ``new`` changes from ``old``, one phrase per setting (e.g. ``"2 -> 3 stages"``);
+    empty if they describe the same run (when each was created does not count)."""
+    a, b = old.model_dump(exclude={"created"}), new.model_dump(exclude={"created"})
+    changes = []
+    if a["boundaries"] != b["boundaries"]:
+        changes.append(f"{old.n_stages} -> {new.n_stages} stages")
+    for name in a:
+        if name != "boundaries" and a[name] != b[name]:
+            if isinstance(a[name], dict):
+                changed = sorted(k for k in a[name].keys() | b[name].keys()
+                                 if a[name].get(k) != b[name].get(k))  # fmt: skip
+                changes.append(f"{name} ({', '.join(changed)})")
+            else:
+                changes.append(f"{name} {a[name]!r} -> {b[name]!r}")
+    return changes
+
+
 @dataclass(frozen=True)
 class SignedSpec:
     """A spec with the owner's signature: ``raw`` is what travels and is re-published."""
 
     spec: RunSpec
     raw: bytes
+
+
+def earliest_spec(specs: list[SignedSpec]) -> SignedSpec:
+    """The spec every peer keeps of several validly signed ones for one run id: the
+    earliest ``created``, ties broken by the signed bytes (the same choice everywhere)."""
+    return min(specs, key=lambda s: (s.spec.created, s.raw))
 
 
 def sign_run_spec(spec: RunSpec, owner_key: Ed25519PrivateKey) -> SignedSpec:

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -19,17 +21,25 @@ from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.utils import get_dht_time
 
 from node import stage_client
+from node.cli import main
+from node.daemon import Node, NodeSettings
 from node.dht import SwarmDHT
 from node.files import load_or_create_key
-from node.membership import present
+from node.membership import present, prove_membership
 from node.stage_client import StageRefused
 from node.train import open_trainer
 from node.trainer import TrainerSettings
 from protocol.identity import peer_id_of, sign
 from protocol.keys import spec_key
-from protocol.membership import issue_invite
+from protocol.membership import InviteClaimed, issue_invite
 from protocol.records import PeerState
-from protocol.run_spec import _SPEC_DOMAIN, SignedSpec, read_spec_file
+from protocol.run_spec import (
+    _SPEC_DOMAIN,
+    SignedSpec,
+    make_run_spec,
+    read_spec_file,
+    sign_run_spec,
+)
 from tests.records import peer_info
 from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
 
@@ -167,3 +177,174 @@ def _forged_spec_raw(signed: SignedSpec) -> bytes:
 def _forged_spec_text(spec_file) -> str:
     fields = msgpack.unpackb(_forged_spec_raw(read_spec_file(spec_file.read_text())))
     return json.dumps({"spec": fields["spec"].decode(), "signature": fields["sig"].hex()})
+
+
+# --- a bearer invite admits one peer -------------------------------------------------------
+
+
+def _home(tmp_path, name: str):
+    """A machine of its own: a HOME directory, and a wrap that runs a command in it."""
+    home = tmp_path / f"home-{name}"
+    home.mkdir(parents=True, exist_ok=True)
+    return home, lambda command: ["env", f"HOME={home}", *command]
+
+
+def test_a_bearer_invite_admits_one_peer_even_when_two_use_it_at_once(tmp_path):
+    """Two default nodes (training on) start with one bearer token at the same moment: one
+    serves, the other stops (exit 2) and is not listed; a third identity is refused later.
+    The owner's node finds its key at the default path (no --owner-key)."""
+    owner_home, as_owner = _home(tmp_path, "owner")
+    created = _cli_in(owner_home, "run", "create", "lab", "--private", "--stages", "2",
+                      "--out", owner_home / "lab.spec.json")  # fmt: skip
+    run = re.search(r"created private run (\S+)", created.stdout).group(1)
+    bearer = _cli_in(owner_home, "run", "invite", "--run", run, "--expires", "1h")
+    token = tmp_path / "bearer.invite"
+    token.write_text(bearer.stdout)
+
+    nodes = []
+    try:
+        owner = launch_node(tmp_path, "a", run, train=True, two_stage=True, wrap=as_owner,
+                            extra=["--spec", owner_home / "lab.spec.json"])  # fmt: skip
+        nodes.append(owner)
+        owner.wait_serving(120)
+        pair = [
+            launch_node(
+                tmp_path,
+                name,
+                run,
+                initial_peers=[owner.maddr],
+                train=True,
+                two_stage=True,
+                wait=False,
+                wrap=_home(tmp_path, name)[1],
+                extra=["--invite", f"@{token}"],
+            )  # fmt: skip
+            for name in ("x", "y")
+        ]
+        nodes += pair
+        # One of them stops (at start, or once it sees the other's earlier claim) ...
+        loser = wait_until(lambda: next((n for n in pair if not n.alive()), None), 180,
+                           "one of the two nodes with the same bearer token to stop")  # fmt: skip
+        winner = next(n for n in pair if n is not loser)
+        assert loser.proc.returncode == 2, loser.output()
+        assert "already used by peer" in loser.output(), loser.output()
+        # ... and the other serves, admitted by the owner's node (listed in the run).
+        winner.wait_serving(180)
+        wait_until(lambda: winner.peer_id in _peers(run, owner.maddr), 60, "the winner listed")
+        assert loser.peer_id not in _peers(run, owner.maddr) if loser.maddrs_file.exists() else True
+
+        # Later, a third identity with the same token is refused before it serves.
+        late = launch_node(tmp_path, "z", run, initial_peers=[owner.maddr], train=True,
+                           two_stage=True, wait=False, wrap=_home(tmp_path, "z")[1],
+                           extra=["--invite", f"@{token}"])  # fmt: skip
+        nodes.append(late)
+        assert late.proc.wait(120) == 2, late.output()
+        assert late.stage() is None and winner.alive() and owner.alive()
+        assert set(_peers(run, owner.maddr)) == {owner.peer_id, winner.peer_id}
+    finally:
+        stop_all(nodes)
+
+
+def _cli_in(home, *args, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``swarmtrain ARGS`` as run by the user whose HOME is ``home``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "node.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=home,
+        env=dict(os.environ, OMP_NUM_THREADS="1", HOME=str(home)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_two_peers_claiming_one_bearer_invite_at_the_same_moment_one_holds(tmp_path):
+    """The race itself, through a real DHT: two clients that both found the token unused
+    publish their claims at once; exactly one (the lower time, then peer id) holds, the
+    owner's side admits that one only, and a trainer with the token later is refused."""
+    key = load_or_create_key(tmp_path / "owner.key")
+    spec = make_run_spec("race", "tiny", 2, owner=peer_id_of(key.public_key()), private=True)
+    token = issue_invite(key, spec.run, expires=time.time() + 600)
+    host = SwarmDHT.start(spec.run, host_maddrs=[LOCAL])
+    clients: list[SwarmDHT] = []
+    try:
+        for _ in range(3):
+            clients.append(SwarmDHT.start(spec.run, initial_peers=host.visible_maddrs(),
+                                          host_maddrs=[LOCAL], client_mode=True))  # fmt: skip
+        asyncio.run(_race(host, clients[:2], clients[2], sign_run_spec(spec, key), token))
+    finally:
+        for dht in (*clients, host):
+            dht.shutdown()
+
+
+async def _race(
+    host: SwarmDHT, pair: list[SwarmDHT], late: SwarmDHT, signed: SignedSpec, token: str
+) -> None:
+    assert await host.publish_spec(signed)
+    for dht in (host, *pair):
+        dht.use_spec(signed.spec)
+        await dht.refresh_revocations()
+    proofs = [prove_membership(c.policy, c.peer_id, token) for c in pair]
+    results = await asyncio.gather(
+        *(c.claim_invite(c.peer_id, p) for c, p in zip(pair, proofs, strict=True)),
+        return_exceptions=True,
+    )
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(refused) == 1 and isinstance(refused[0], InviteClaimed), results
+    claims = [c.policy.verify(c.peer_id, p)[1] for c, p in zip(pair, proofs, strict=True)]
+    first = min(claims, key=lambda c: c.order)
+    assert results[claims.index(first)] is None, "the earlier claim holds"
+    assert refused[0].winner == first.peer_id
+    # The owner's side learns both claims and admits the winner only.
+    await host.refresh_revocations(restore=True)
+    now = time.time()
+    for c, p in zip(pair, proofs, strict=True):
+        if c.peer_id == first.peer_id:
+            assert host.policy.check(c.peer_id, p, now)
+        else:
+            with pytest.raises(InviteClaimed):
+                host.policy.check(c.peer_id, p, now)
+    # Later, a trainer with the same token is refused before it trains.
+    with pytest.raises(InviteClaimed, match=f"already used by peer {first.peer_id}"):
+        await open_trainer(late, TrainerSettings(), spec_timeout_s=10, invite=token)
+
+
+# --- the owner's tools: the owner key's default path, and `run invite`'s input --------------
+
+
+def test_the_owners_node_finds_its_key_at_the_default_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = load_or_create_key(Path("~/.swarmtrain/owner.key"))
+    spec = make_run_spec("lab", "tiny", 2, owner=peer_id_of(key.public_key()), private=True)
+    me = peer_id_of(Ed25519PrivateKey.generate().public_key())
+    node = Node.__new__(Node)  # only what joining reads: settings, spec, our peer id
+    node.settings, node.spec = NodeSettings(run=spec.run), spec
+    node.dht = SimpleNamespace(peer_id=me, policy=spec.membership)
+    assert node._membership_proof() is not None, "the owner's node needs no invite"
+
+
+def test_run_invite_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key_file = tmp_path / "owner.key"
+    assert main(["run", "create", "lab", "--private", "--owner-key", str(key_file),
+                 "--out", str(tmp_path / "lab.spec.json")]) == 0  # fmt: skip
+    run = re.search(r"created private run (\S+)", capsys.readouterr().out).group(1)
+    owner = ["--run", run, "--owner-key", str(key_file)]
+    for args, what in [
+        ([*owner, "--peer", "x"], "is not a peer id"),
+        ([*owner, "--expires", "3"], "needs a unit"),
+        ([*owner, "--expires", "0m"], "needs a unit"),
+        (["--run", run], "no owner key at"),  # someone else, with no owner key
+    ]:
+        assert main(["run", "invite", *args]) == 2, args
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
+        assert what in captured.err, captured.err
+    assert not (tmp_path / ".swarmtrain" / "owner.key").exists(), "no key made for a non-owner"
+    other_key = tmp_path / "other.key"
+    load_or_create_key(other_key)
+    assert main(["run", "invite", "--run", run, "--owner-key", str(other_key)]) == 2
+    assert "only the run's owner can invite" in capsys.readouterr().err
+    assert main(["run", "invite", *owner, "--expires", "90m"]) == 0
+    assert capsys.readouterr().out.startswith("swarmtrain-invite:")

@@ -12,6 +12,9 @@ from typing import Any
 import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +22,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from models.config import ModelConfig, OptimizerConfig
+from node.dht import RunRecordValidator, spec_subkey
 from protocol.identity import (
     IdentityError,
     decode_private_key,
@@ -28,6 +32,8 @@ from protocol.identity import (
     sign,
     verify,
 )
+from protocol.keys import spec_key
+from protocol.membership import claims_key, encode_claim, issue_invite, parse_invite_token
 from protocol.ownership import make_run_id
 from protocol.records import (
     _PEER_DOMAIN,  # to sign payloads that PeerInfo itself would refuse to build
@@ -45,9 +51,11 @@ from protocol.run_spec import (
     _SPEC_DOMAIN,  # to sign payloads that RunSpec itself would refuse to build
     RunSpec,
     decode_run_spec,
+    earliest_spec,
     make_run_spec,
     read_spec_file,
     sign_run_spec,
+    spec_differences,
     spec_file_text,
 )
 
@@ -560,3 +568,66 @@ def test_a_spec_whose_arithmetic_overflows_is_refused():
     arch = {**_spec_fields()["arch"], "n_embd": 10**400, "n_head": 1.5}
     with pytest.raises(RecordError, match="malformed run spec"):
         decode_run_spec(_raw_spec(_spec_fields(arch=arch)), run=SPEC_RUN)
+
+
+# --- a run's spec never changes: of two for one id, every peer keeps the earliest ------------
+
+
+def test_of_two_specs_for_one_run_id_every_peer_keeps_the_earliest():
+    first = sign_run_spec(make_run_spec(RUN, "tiny", 2, owner=OWNER, created=NOW), OWNER_KEY)
+    later = sign_run_spec(
+        make_run_spec(RUN, "tiny", 3, owner=OWNER, created=NOW + 1, compression="float16"),
+        OWNER_KEY,
+    )
+    assert earliest_spec([first, later]) == earliest_spec([later, first]) == first
+    same_time = sign_run_spec(make_run_spec(RUN, "tiny", 3, owner=OWNER, created=NOW), OWNER_KEY)
+    assert earliest_spec([first, same_time]) == earliest_spec([same_time, first])
+    assert spec_differences(first.spec, later.spec) == [
+        "2 -> 3 stages",
+        "compression 'none' -> 'float16'",
+    ]
+    # The same settings signed at another time describe the same run.
+    again = make_run_spec(RUN, "tiny", 2, owner=OWNER, created=NOW + 99)
+    assert spec_differences(first.spec, again) == []
+    private = make_run_spec(RUN, "tiny", 2, owner=OWNER, private=True)
+    assert spec_differences(first.spec, private) == ["private False -> True"]
+    # Specs written before specs carried their creation time read as created at 0.
+    fields = json.loads(msgpack.unpackb(first.raw)["spec"])
+    del fields["created"]
+    assert decode_run_spec(_raw_spec(fields), run=first.spec.run).spec.created == 0.0
+
+
+def _dht_record(key: str, subkey: object, value: bytes, expiration: float) -> DHTRecord:
+    dumps = DHTProtocol.serializer.dumps
+    return DHTRecord(DHTID.generate(source=key).to_bytes(), dumps(subkey), dumps(value), expiration)
+
+
+def test_the_dht_keeps_specs_under_their_hash_and_claims_within_their_invite():
+    signed = sign_run_spec(make_run_spec(RUN, "tiny", 2, owner=OWNER, private=True), OWNER_KEY)
+    run = signed.spec.run
+    validator = RunRecordValidator(run)
+    good = _dht_record(spec_key(run), spec_subkey(signed.raw), signed.raw, NOW + 60)
+    assert validator.validate(good)
+    assert not validator.validate(_dht_record(spec_key(run), "0" * 32, signed.raw, NOW + 60))
+    assert not validator.validate(_dht_record(spec_key(run), None, signed.raw, NOW + 60))
+
+    token = issue_invite(OWNER_KEY, run, expires=NOW + 600, issued=NOW)
+    proof = parse_invite_token(token, owner=OWNER).proof(OTHER_PEER, NOW + 1)
+    claim = signed.spec.membership.verify(OTHER_PEER, proof)[1]
+    raw = encode_claim(claim, OWNER)
+    assert validator.validate(_dht_record(claims_key(run), claim.subkey, raw, NOW + 600))
+    for record in [
+        _dht_record(claims_key(run), claim.subkey, raw, NOW + 3600),  # outlives its invite
+        _dht_record(claims_key(run), f"{claim.invite_id}:{OWNER}", raw, NOW + 60),
+        _dht_record(claims_key(run), None, raw, NOW + 60),
+        _dht_record(claims_key(run), claim.subkey, b"\xc1", NOW + 60),
+    ]:
+        assert validator.validate(record) is False
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64), st.binary(max_size=512))
+def test_the_dht_validator_never_raises_on_claims(subkey, value):
+    run = make_run_id("lab", OWNER)
+    record = DHTRecord(DHTID.generate(source=claims_key(run)).to_bytes(), subkey, value, NOW)
+    assert RunRecordValidator(run).validate(record) in (True, False)
