@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import zlib
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
 OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
+# Once a peer is reached, how long a run's spec may stay unfound before the run is taken
+# not to exist (lookups that find nothing while peers answer are definitive).
+SPEC_GRACE_S = 5.0
 
 
 class NodeError(RuntimeError):
@@ -95,6 +99,50 @@ class NodeSettings:
 
     def owner_key_path(self) -> Path:
         return (self.owner_key or Path("~/.swarmtrain/owner.key")).expanduser()
+
+
+def no_such_run(run: str) -> str:
+    """What ``node``, ``train`` and ``status`` say when the peers they reached know no
+    spec for ``run``: one wording for one situation."""
+    return (
+        f"no run {run!r} found: the run's peers that were reached know no spec for it. Is "
+        "the run id right (NAME@FINGERPRINT, as the owner's node prints it), and do "
+        "--initial-peers name a node of that run?"
+    )
+
+
+def no_peer_reached(run: str, timeout_s: float) -> str:
+    """What they say when no DHT peer could be reached to look ``run`` up."""
+    return (
+        f"no peer reached to look up run {run!r} within {timeout_s:.0f} s: give "
+        "--initial-peers of a node of that run"
+    )
+
+
+async def find_spec(
+    dht: SwarmDHT, timeout_s: float = 30.0, grace_s: float = SPEC_GRACE_S
+) -> SignedSpec:
+    """The run's signed spec from the DHT, else ``NodeError`` (one message for every
+    command: ``no_such_run`` or ``no_peer_reached``).
+
+    While the DHT knows no peer, lookups are retried for up to ``timeout_s``. Once it knows
+    one (a DHT started with ``initial_peers`` has pinged at least one), a lookup that finds
+    nothing is an answer: the run does not exist there. It is retried for ``grace_s`` only
+    (a store in flight, a peer slow to answer), so a wrong run id fails within seconds."""
+    loop = asyncio.get_running_loop()
+    deadline, definitive = loop.time() + timeout_s, math.inf
+    while True:
+        signed = await dht.spec()
+        if signed is not None:
+            return signed
+        now = loop.time()
+        if definitive == math.inf and await dht.known_peers() > 0:
+            definitive = now + grace_s
+        if now >= definitive:
+            raise NodeError(no_such_run(dht.run))
+        if now >= deadline:
+            raise NodeError(no_peer_reached(dht.run, timeout_s))
+        await asyncio.sleep(0.5)
 
 
 def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
@@ -206,14 +254,7 @@ class Node:
                 "publishing the spec of run %s: %d stages%s", spec.run, spec.n_stages, private
             )
         else:
-            self.signed_spec = await self.dht.wait_for_spec(s.spec_timeout_s)
-            if self.signed_spec is None:
-                raise NodeError(
-                    f"no valid spec for run {s.run!r} found through "
-                    f"{', '.join(s.initial_peers) or 'the DHT'} within "
-                    f"{s.spec_timeout_s:.0f} s: is the run id right, and is a node of that "
-                    "run reachable?"
-                )
+            self.signed_spec = await find_spec(self.dht, s.spec_timeout_s)
         self.spec = spec = self.signed_spec.spec
         self.dht.use_spec(spec)
         await self.dht.refresh_revocations()

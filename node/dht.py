@@ -232,6 +232,11 @@ class SwarmDHT:
             await asyncio.sleep(0.5)
         return spec
 
+    async def known_peers(self) -> int:
+        """How many DHT peers this node's routing table holds: 0 until it has reached one
+        (so a lookup that finds nothing may just have asked nobody)."""
+        return await self.dht.run_coroutine(_routing_table_size, return_future=True)
+
     def use_spec(self, spec) -> None:
         """From now on, read records as members of ``spec``'s run see them."""
         self.policy = spec.membership
@@ -279,3 +284,8 @@ class SwarmDHT:
     def shutdown(self) -> None:
         """Stop the DHT process and its ``p2pd`` (blocking, about a second)."""
         self.dht.shutdown()
+
+
+async def _routing_table_size(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+    """Run in the DHT process (``DHT.run_coroutine``): the size of its routing table."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
