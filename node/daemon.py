@@ -210,6 +210,8 @@ class Node:
         self.probe: BandwidthProbe | None = None
         self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
+        self.started = get_dht_time()  # for the uptime in our record
+        self._served_before = 0  # micro-batches served by stage servers since unloaded
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -324,7 +326,14 @@ class Node:
             membership=self.membership,
             second_stage=self.second if self.stage is not None else None,
             second_serving=self.second_server is not None,
+            samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
+            started=self.started,
         )
+
+    def micro_batches_served(self) -> int:
+        """Forward passes (train and validation) our stage servers computed, since start."""
+        servers = (self.server, self.second_server)
+        return self._served_before + sum(s.counters.forward for s in servers if s is not None)
 
     def set_state(self, state: PeerState) -> None:
         """Change state and re-announce at once."""
@@ -453,6 +462,7 @@ class Node:
         server, self.server = self.server, None
         if server is not None:
             await server.shutdown()
+            self._served_before += server.counters.forward
         averager, self.averager = self.averager, None
         if averager is not None:
             await averager.shutdown()
