@@ -52,6 +52,8 @@ OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
 # Once a peer is reached, how long a run's spec may stay unfound before the run is taken
 # not to exist (lookups that find nothing while peers answer are definitive).
 SPEC_GRACE_S = 5.0
+HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
+MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
 
 
 class NodeError(RuntimeError):
@@ -83,10 +85,12 @@ class NodeSettings:
     compression: str = "none"
     update_period_s: float = 5.0  # records expire after 3 periods without a refresh
     throughput: float | None = None  # declared samples/s for every stage (skips measuring)
+    remeasure: bool = False  # measure throughput again instead of using the cached figures
     bandwidth_mbps: float | None = None  # declared up and down
     cache_dir: Path | None = field(default_factory=lambda: Path("~/.cache/swarmtrain").expanduser())
     spec_timeout_s: float = 30.0
     train: bool = True  # run a trainer loop alongside the stage
+    heartbeat_s: float = HEARTBEAT_S
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
 
     @property
@@ -296,7 +300,9 @@ class Node:
             self.throughput = (float(self.settings.throughput),) * self.spec.n_stages
         else:
             cache = self.settings.cache_dir
-            self.throughput = tuple(stage_throughputs(self.spec, self.device, cache))
+            self.throughput = tuple(
+                stage_throughputs(self.spec, self.device, cache, remeasure=self.settings.remeasure)
+            )
         logger.info("throughput per stage (samples/s): %s", self.throughput)
 
     def info(self, state: PeerState | None = None) -> PeerInfo:
@@ -370,6 +376,7 @@ class Node:
                 tasks.create_task(self._revocations_loop(), name="revocations"),
                 tasks.create_task(self.placement.follow(), name="gossip"),
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
+                tasks.create_task(self._watch_loop(), name="watch"),
             ]
             await self._take_stage()
             self.second = await self._second_choice()
@@ -540,6 +547,76 @@ class Node:
             except TrainerError as e:
                 logger.warning("training paused: %s", e)
                 await asyncio.sleep(self.settings.update_period_s)
+
+    async def _watch_loop(self) -> None:
+        """Log who joins and leaves the run, as this node's reads of the run's peers see
+        it (a peer leaves when it announces so, or when its record has been missing for
+        longer than a record lives), and, every ``heartbeat_s``, a line that says the node
+        is alive: ``heartbeat: stage=S second_stage=S|- served=N steps=N stage_peers=N
+        run_peers=N`` (micro-batches served, optimizer steps of its stage(s), peers serving
+        or loading its stage, this node included, and peers in the run)."""
+        loop = asyncio.get_running_loop()
+        grace = self.settings.record_ttl_s + MEMBERS_CHECK_S
+        seen: dict[str, float] | None = None  # other peers present -> when last read
+        peers: list[PeerInfo] = []
+        next_beat = loop.time() + self.settings.heartbeat_s
+        while True:
+            try:
+                peers = await self.dht.peers()
+            except Exception as e:  # a DHT hiccup: the next check retries
+                logger.debug("reading the run's peers failed: %s", e)
+            else:
+                seen = self._log_members(peers, seen, loop.time(), grace)
+            if loop.time() >= next_beat and self.state is PeerState.SERVING:
+                next_beat = loop.time() + self.settings.heartbeat_s
+                logger.info("%s", self._heartbeat(peers))
+            await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
+
+    def _log_members(
+        self, peers: list[PeerInfo], seen: dict[str, float] | None, now: float, grace: float
+    ) -> dict[str, float]:
+        """Log the joins and departures since the last read; the new ``seen``."""
+        present = {
+            p.peer_id: p
+            for p in peers
+            if p.peer_id != self.peer_id and p.state is not PeerState.LEAVING
+        }
+        leaving = {p.peer_id for p in peers if p.state is PeerState.LEAVING}
+        if seen is None:  # the first read: who was there before us
+            if present:
+                logger.info("%d other peers in the run", len(present))
+            return dict.fromkeys(present, now)
+        for peer_id, p in sorted(present.items()):
+            if peer_id not in seen:
+                stage = "no stage yet" if p.stage is None else f"stage {p.stage}"
+                logger.info("peer %s joined the run (%s)", peer_id, stage)
+        kept = {}
+        for peer_id, last in seen.items():
+            if peer_id in present:
+                continue
+            if peer_id in leaving or now - last > grace:
+                why = "announced it" if peer_id in leaving else f"no record for {now - last:.0f} s"
+                logger.info("peer %s left the run (%s)", peer_id, why)
+            else:
+                kept[peer_id] = last
+        return kept | dict.fromkeys(present, now)
+
+    def _heartbeat(self, peers: list[PeerInfo]) -> str:
+        servers = [s for s in (self.server, self.second_server) if s is not None]
+        mine = {self.stage, self.second}
+        stage_peers = {
+            p.peer_id
+            for p in peers
+            if p.state is not PeerState.LEAVING and ({p.stage, p.second_stage} & mine) - {None}
+        } | {self.peer_id}
+        run_peers = {p.peer_id for p in peers if p.state is not PeerState.LEAVING}
+        return (
+            f"heartbeat: stage={self.stage} "
+            f"second_stage={'-' if self.second_server is None else self.second} "
+            f"served={self.micro_batches_served()} "
+            f"steps={sum(s.counters.steps for s in servers)} "
+            f"stage_peers={len(stage_peers)} run_peers={len(run_peers | {self.peer_id})}"
+        )
 
     async def _announce_loop(self) -> None:
         while True:

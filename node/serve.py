@@ -90,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="new run only: compression of activations and gradients",
     )
     p.add_argument("--throughput", type=float, help="declare samples/s instead of measuring")
+    p.add_argument("--remeasure", action="store_true", help="measure throughput again (not cached)")
     p.add_argument("--bandwidth-mbps", type=float, help="declare up/down bandwidth in Mbit/s")
     p.add_argument(
         "--update-period",
@@ -127,6 +128,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         n_stages=args.stages,
         compression=args.compression,
         throughput=args.throughput,
+        remeasure=args.remeasure,
         bandwidth_mbps=args.bandwidth_mbps,
         update_period_s=args.update_period,
         train=not args.no_train,
