@@ -1,16 +1,17 @@
 """``swarmtrain status``: the swarm's view of a run, as a table or JSON, once or every few
 seconds (``--watch``).
 
-A call costs the DHT's start (a second or so, most of it importing torch and starting
-``p2pd``) and three lookups (milliseconds each when every peer answers; a dead peer still
-in the DHT's tables costs up to hivemind's request timeout, 3 s, per lookup that asks it).
-``--watch`` keeps one DHT open, so each refresh after the first costs only the lookups.
+A call costs importing hivemind (and with it torch: seconds on a loaded machine), the
+DHT's start (``p2pd``, about a second) and three lookups, run at once (milliseconds when
+every peer answers; a dead peer still in the DHT's tables costs hivemind's request
+timeout, 3 s). ``--watch`` keeps one DHT open: each refresh costs only the lookups.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from hivemind.utils import get_dht_time
 
 from node.daemon import find_spec
 from node.dht import SwarmDHT
+from protocol.membership import MembershipError, Revocations
 from protocol.ownership import check_run_id
 from protocol.records import PeerInfo, PeerState
 from protocol.routing import candidates_by_stage
@@ -193,25 +195,52 @@ def _duration(seconds: float) -> str:
 
 
 async def fetch(dht: SwarmDHT, n_stages: int | None = None) -> dict:
-    """The run's view as ``summarize`` returns it. With ``n_stages`` (the spec already
-    read, ``dht.use_spec`` called) only the revocations and the peers are read."""
+    """The run's view as ``summarize`` returns it. Its lookups (the spec, unless
+    ``n_stages`` is given and ``dht.use_spec`` was called; the revocations; the peers) run
+    at once: each may wait on a dead peer still in the DHT's tables."""
     if n_stages is None:
-        signed = await dht.spec()
-        if signed is not None:  # a private run's non-members are not listed
+        signed, revocations, peers = await asyncio.gather(
+            dht.spec(), dht.revocations(), dht.peers()
+        )
+        if signed is not None:
             dht.use_spec(signed.spec)
-        n_stages = signed.spec.n_stages if signed else None
-    await dht.refresh_revocations()
-    return summarize(await dht.peers(), n_stages, get_dht_time())
+            n_stages = signed.spec.n_stages
+    else:
+        revocations, peers = await asyncio.gather(dht.revocations(), dht.peers())
+    return summarize(_members(dht, peers, revocations), n_stages, get_dht_time())
+
+
+def _members(
+    dht: SwarmDHT, peers: list[PeerInfo], revocations: tuple[Revocations, bytes] | None
+) -> list[PeerInfo]:
+    """``peers`` that ``dht.policy``, updated with ``revocations``, takes for members (a
+    read that ran before the policy was known let everyone through)."""
+    if dht.policy is None:
+        return peers
+    current = dht.policy.revocations
+    if revocations is not None and (current is None or revocations[0].issued > current.issued):
+        dht.policy = dataclasses.replace(dht.policy, revocations=revocations[0])
+    now, kept = get_dht_time(), []
+    for p in peers:
+        try:
+            dht.policy.check(p.peer_id, p.membership, now)
+        except MembershipError:
+            continue
+        kept.append(p)
+    return kept
 
 
 async def _status(dht: SwarmDHT, args: argparse.Namespace) -> int:
     """Print the view once, or every ``--watch`` seconds. ``NodeError`` (exit 2) if the
     run has no spec there (``node.daemon.find_spec``)."""
-    signed = await find_spec(dht, SPEC_TIMEOUT_S, SPEC_GRACE_S)
+    signed, revocations, peers = await asyncio.gather(
+        find_spec(dht, SPEC_TIMEOUT_S, SPEC_GRACE_S), dht.revocations(), dht.peers()
+    )
     dht.use_spec(signed.spec)
+    n_stages = signed.spec.n_stages
+    view = summarize(_members(dht, peers, revocations), n_stages, get_dht_time())
     tty = sys.stdout.isatty()
     while True:
-        view = await fetch(dht, signed.spec.n_stages)
         if args.json:
             print(json.dumps(view, indent=None if args.watch is not None else 1), flush=True)
         else:
@@ -223,6 +252,7 @@ async def _status(dht: SwarmDHT, args: argparse.Namespace) -> int:
         if args.watch is None:
             return 0
         await asyncio.sleep(max(args.watch, 0.1))
+        view = await fetch(dht, n_stages)
 
 
 def run(args: argparse.Namespace) -> int:
