@@ -114,22 +114,49 @@ def stage_kind(spec: RunSpec, stage: int) -> tuple[bool, int, bool]:
     return r.start == 0, len(r), r.end == spec.model.n_blocks
 
 
-def stage_throughputs(spec: RunSpec, device: Device, cache_dir: Path | None) -> list[float]:
+# A cached throughput is checked against a quick measurement of one stage at every start;
+# this far off (a factor, either way), the machine is not what it was when the figure was
+# measured (measured under load, or a new driver, or now under load) and every stage is
+# measured again.
+FAR_FACTOR = 3.0
+QUICK_CHECK_S = 0.1
+
+
+def stage_throughputs(
+    spec: RunSpec, device: Device, cache_dir: Path | None, *, remeasure: bool = False
+) -> list[float]:
     """Throughput of every stage of ``spec`` on ``device``, from the cache when measured before.
 
     Each kind of stage is measured once and its figure given to every stage of that kind:
     separate measurements of the same work differ by a few percent of noise, which the
     stage prices would take for a real difference and place peers by.
+
+    A cached figure is used only if a quick measurement of one stage (a few passes,
+    ``quick_check``) is within ``FAR_FACTOR`` of it; else, or with ``remeasure``, every
+    kind is measured again and the cache updated.
     """
     key = hashlib.sha256(
         json.dumps([device.description, spec.arch, spec.boundaries, spec.optimizer]).encode()
     ).hexdigest()[:16]
     cache = cache_dir / "throughput.json" if cache_dir else None
-    cached = json.loads(cache.read_text()) if cache and cache.exists() else {}
-    if key in cached:
-        return cached[key]
+    try:
+        cached = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    except (OSError, ValueError):  # unreadable: measured again and rewritten
+        cached = {}
     kinds = [stage_kind(spec, s) for s in range(spec.n_stages)]
     first = {k: kinds.index(k) for k in kinds}
+    if key in cached and not remeasure:
+        figures = cached[key]
+        quick = quick_check(spec, device)
+        if _within(figures[0], quick):
+            return figures
+        logger.info(
+            "the cached throughput of stage 0 (%.1f samples/s) is more than %gx off a quick "
+            "check (%.1f samples/s): measuring again",
+            figures[0],
+            FAR_FACTOR,
+            quick,
+        )
     logger.info(
         "measuring compute throughput of %d stages (%d kinds) on %s",
         spec.n_stages,
@@ -142,3 +169,15 @@ def stage_throughputs(spec: RunSpec, device: Device, cache_dir: Path | None) -> 
         cached[key] = result
         write_atomic(cache, json.dumps(cached, indent=1).encode())
     return result
+
+
+def quick_check(spec: RunSpec, device: Device) -> float:
+    """Samples/s of stage 0, from a warm-up and a few passes (a fraction of a second on
+    the presets): rough, but enough to tell a figure that is several times off."""
+    return measure_stage(spec, 0, device, min_time_s=QUICK_CHECK_S)
+
+
+def _within(cached: float, quick: float) -> bool:
+    if not (cached > 0 and quick > 0):
+        return False
+    return 1 / FAR_FACTOR <= quick / cached <= FAR_FACTOR

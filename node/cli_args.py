@@ -208,6 +208,12 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         help="declare samples/s instead of measuring",
     )
     p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure throughput again instead of using the cached figure (it is measured "
+        "again anyway when a quick check finds it more than 3x off)",
+    )
+    p.add_argument(
         "--bandwidth-mbps",
         type=positive_float,
         metavar="MBPS",

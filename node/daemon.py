@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import time
@@ -52,6 +53,11 @@ SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
 OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
+# Once a peer is reached, how long a run's spec may stay unfound before the run is taken
+# not to exist (lookups that find nothing while peers answer are definitive).
+SPEC_GRACE_S = 5.0
+HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
+MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
 
 
 class NodeError(RuntimeError):
@@ -83,6 +89,7 @@ class NodeSettings:
     compression: str = "none"
     update_period_s: float = 5.0  # records expire after 3 periods without a refresh
     throughput: float | None = None  # declared samples/s for every stage (skips measuring)
+    remeasure: bool = False  # measure throughput again instead of using the cached figures
     bandwidth_mbps: float | None = None  # declared up and down
     cache_dir: Path | None = field(default_factory=lambda: Path("~/.cache/swarmtrain").expanduser())
     spec_timeout_s: float = 30.0
@@ -91,6 +98,7 @@ class NodeSettings:
     # id), and how often; 0: never (a clean stop still writes one).
     checkpoint_dir: Path | None = None
     checkpoint_every_s: float = 300.0
+    heartbeat_s: float = HEARTBEAT_S
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
 
     @property
@@ -109,6 +117,50 @@ class NodeSettings:
 
     def owner_key_path(self) -> Path:
         return (self.owner_key or Path("~/.swarmtrain/owner.key")).expanduser()
+
+
+def no_such_run(run: str) -> str:
+    """What ``node``, ``train`` and ``status`` say when the peers they reached know no
+    spec for ``run``: one wording for one situation."""
+    return (
+        f"no run {run!r} found: the run's peers that were reached know no spec for it. Is "
+        "the run id right (NAME@FINGERPRINT, as the owner's node prints it), and do "
+        "--initial-peers name a node of that run?"
+    )
+
+
+def no_peer_reached(run: str, timeout_s: float) -> str:
+    """What they say when no DHT peer could be reached to look ``run`` up."""
+    return (
+        f"no peer reached to look up run {run!r} within {timeout_s:.0f} s: give "
+        "--initial-peers of a node of that run"
+    )
+
+
+async def find_spec(
+    dht: SwarmDHT, timeout_s: float = 30.0, grace_s: float = SPEC_GRACE_S
+) -> SignedSpec:
+    """The run's signed spec from the DHT, else ``NodeError`` (one message for every
+    command: ``no_such_run`` or ``no_peer_reached``).
+
+    While the DHT knows no peer, lookups are retried for up to ``timeout_s``. Once it knows
+    one (a DHT started with ``initial_peers`` has pinged at least one), a lookup that finds
+    nothing is an answer: the run does not exist there. It is retried for ``grace_s`` only
+    (a store in flight, a peer slow to answer), so a wrong run id fails within seconds."""
+    loop = asyncio.get_running_loop()
+    deadline, definitive = loop.time() + timeout_s, math.inf
+    while True:
+        signed = await dht.spec()
+        if signed is not None:
+            return signed
+        now = loop.time()
+        if definitive == math.inf and await dht.known_peers() > 0:
+            definitive = now + grace_s
+        if now >= definitive:
+            raise NodeError(no_such_run(dht.run))
+        if now >= deadline:
+            raise NodeError(no_peer_reached(dht.run, timeout_s))
+        await asyncio.sleep(0.5)
 
 
 def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
@@ -182,6 +234,8 @@ class Node:
         self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
         self.checkpoints: Path | None = None  # where the held stages are checkpointed
+        self.started = get_dht_time()  # for the uptime in our record
+        self._served_before = 0  # micro-batches served by stage servers since unloaded
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -226,14 +280,7 @@ class Node:
                 "publishing the spec of run %s: %d stages%s", spec.run, spec.n_stages, private
             )
         else:
-            self.signed_spec = await self.dht.wait_for_spec(s.spec_timeout_s)
-            if self.signed_spec is None:
-                raise NodeError(
-                    f"no valid spec for run {s.run!r} found through "
-                    f"{', '.join(s.initial_peers) or 'the DHT'} within "
-                    f"{s.spec_timeout_s:.0f} s: is the run id right, and is a node of that "
-                    "run reachable?"
-                )
+            self.signed_spec = await find_spec(self.dht, s.spec_timeout_s)
         self.spec = spec = self.signed_spec.spec
         self.dht.use_spec(spec)
         self.checkpoints = s.checkpoint_root(self.peer_id)
@@ -276,7 +323,9 @@ class Node:
             self.throughput = (float(self.settings.throughput),) * self.spec.n_stages
         else:
             cache = self.settings.cache_dir
-            self.throughput = tuple(stage_throughputs(self.spec, self.device, cache))
+            self.throughput = tuple(
+                stage_throughputs(self.spec, self.device, cache, remeasure=self.settings.remeasure)
+            )
         logger.info("throughput per stage (samples/s): %s", self.throughput)
 
     def info(self, state: PeerState | None = None) -> PeerInfo:
@@ -306,7 +355,14 @@ class Node:
             membership=self.membership,
             second_stage=self.second if self.stage is not None else None,
             second_serving=self.second_server is not None,
+            samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
+            started=self.started,
         )
+
+    def micro_batches_served(self) -> int:
+        """Forward passes (train and validation) our stage servers computed, since start."""
+        servers = (self.server, self.second_server)
+        return self._served_before + sum(s.counters.forward for s in servers if s is not None)
 
     def set_state(self, state: PeerState) -> None:
         """Change state and re-announce at once."""
@@ -343,6 +399,7 @@ class Node:
                 tasks.create_task(self._revocations_loop(), name="revocations"),
                 tasks.create_task(self.placement.follow(), name="gossip"),
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
+                tasks.create_task(self._watch_loop(), name="watch"),
             ]
             if not await until_stopped(stop, self._join()):
                 for task in background:
@@ -444,6 +501,7 @@ class Node:
         server, self.server = self.server, None
         if server is not None:
             await server.shutdown()
+            self._served_before += server.counters.forward
         averager, self.averager = self.averager, None
         if averager is not None:
             await averager.shutdown()
@@ -572,6 +630,76 @@ class Node:
             except Exception:
                 logger.exception("the trainer failed; trying again in %.0f s", TRAIN_PAUSE_S)
                 await asyncio.sleep(TRAIN_PAUSE_S)
+
+    async def _watch_loop(self) -> None:
+        """Log who joins and leaves the run, as this node's reads of the run's peers see
+        it (a peer leaves when it announces so, or when its record has been missing for
+        longer than a record lives), and, every ``heartbeat_s``, a line that says the node
+        is alive: ``heartbeat: stage=S second_stage=S|- served=N steps=N stage_peers=N
+        run_peers=N`` (micro-batches served, optimizer steps of its stage(s), peers serving
+        or loading its stage, this node included, and peers in the run)."""
+        loop = asyncio.get_running_loop()
+        grace = self.settings.record_ttl_s + MEMBERS_CHECK_S
+        seen: dict[str, float] | None = None  # other peers present -> when last read
+        peers: list[PeerInfo] = []
+        next_beat = loop.time() + self.settings.heartbeat_s
+        while True:
+            try:
+                peers = await self.dht.peers()
+            except Exception as e:  # a DHT hiccup: the next check retries
+                logger.debug("reading the run's peers failed: %s", e)
+            else:
+                seen = self._log_members(peers, seen, loop.time(), grace)
+            if loop.time() >= next_beat and self.state is PeerState.SERVING:
+                next_beat = loop.time() + self.settings.heartbeat_s
+                logger.info("%s", self._heartbeat(peers))
+            await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
+
+    def _log_members(
+        self, peers: list[PeerInfo], seen: dict[str, float] | None, now: float, grace: float
+    ) -> dict[str, float]:
+        """Log the joins and departures since the last read; the new ``seen``."""
+        present = {
+            p.peer_id: p
+            for p in peers
+            if p.peer_id != self.peer_id and p.state is not PeerState.LEAVING
+        }
+        leaving = {p.peer_id for p in peers if p.state is PeerState.LEAVING}
+        if seen is None:  # the first read: who was there before us
+            if present:
+                logger.info("%d other peers in the run", len(present))
+            return dict.fromkeys(present, now)
+        for peer_id, p in sorted(present.items()):
+            if peer_id not in seen:
+                stage = "no stage yet" if p.stage is None else f"stage {p.stage}"
+                logger.info("peer %s joined the run (%s)", peer_id, stage)
+        kept = {}
+        for peer_id, last in seen.items():
+            if peer_id in present:
+                continue
+            if peer_id in leaving or now - last > grace:
+                why = "announced it" if peer_id in leaving else f"no record for {now - last:.0f} s"
+                logger.info("peer %s left the run (%s)", peer_id, why)
+            else:
+                kept[peer_id] = last
+        return kept | dict.fromkeys(present, now)
+
+    def _heartbeat(self, peers: list[PeerInfo]) -> str:
+        servers = [s for s in (self.server, self.second_server) if s is not None]
+        mine = {self.stage, self.second}
+        stage_peers = {
+            p.peer_id
+            for p in peers
+            if p.state is not PeerState.LEAVING and ({p.stage, p.second_stage} & mine) - {None}
+        } | {self.peer_id}
+        run_peers = {p.peer_id for p in peers if p.state is not PeerState.LEAVING}
+        return (
+            f"heartbeat: stage={self.stage} "
+            f"second_stage={'-' if self.second_server is None else self.second} "
+            f"served={self.micro_batches_served()} "
+            f"steps={sum(s.counters.steps for s in servers)} "
+            f"stage_peers={len(stage_peers)} run_peers={len(run_peers | {self.peer_id})}"
+        )
 
     async def _announce_loop(self) -> None:
         while True:

@@ -4,21 +4,23 @@ It starts ``stages x peers`` node processes on 127.0.0.1, trains through them fr
 process with a progress line, SIGKILLs one peer part way through and starts a
 replacement later, then prints a per-stage table and writes the loss curve (CSV and
 PNG). Exit status 0 only if the validation loss fell and the peers of each stage held
-equal copies at every epoch they shared (their averagers log a digest per epoch). Every
-process it started is stopped on the way out, also on Ctrl-C.
+equal copies at every epoch they shared (their averagers log a digest per epoch, at
+INFO in the demo's nodes). Every process it started is stopped on the way out, also on
+Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import time
 import uuid
 
 from node.dht import SwarmDHT
 from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
-from node.stage_averaging import compare_copies
+from node.stage_averaging import DIGESTS_ENV, compare_copies
 from node.train import Curve, open_trainer, train_with_progress
 from node.trainer import MicroBatchResult, Trainer, TrainerSettings
 
@@ -36,6 +38,8 @@ class Demo:
 
     def start_swarm(self) -> None:
         a = self.args
+        # Its nodes log their parameter digests at INFO: ``copies`` reads them from the logs.
+        os.environ[DIGESTS_ENV] = "1"
         print(f"starting {a.stages} stages x {a.peers} peers on 127.0.0.1 (run {self.run})")
         for i in range(a.stages * a.peers):
             stage = i % a.stages

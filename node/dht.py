@@ -447,6 +447,11 @@ class SwarmDHT:
             await asyncio.sleep(0.5)
         return spec
 
+    async def known_peers(self) -> int:
+        """How many DHT peers this node's routing table holds: 0 until it has reached one
+        (so a lookup that finds nothing may just have asked nobody)."""
+        return await self.dht.run_coroutine(_routing_table_size, return_future=True)
+
     def use_spec(self, spec) -> None:
         """From now on, read records as members of ``spec``'s run see them."""
         self.policy = spec.membership
@@ -559,3 +564,8 @@ def _stop_process(dht: hivemind.DHT) -> None:
     if dht.is_alive():
         dht.terminate()
     dht.join(5)
+
+
+async def _routing_table_size(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+    """Run in the DHT process (``DHT.run_coroutine``): the size of its routing table."""
+    return len(node.protocol.routing_table.uid_to_peer_id)

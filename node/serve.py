@@ -45,6 +45,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         n_stages=args.stages,
         compression=args.compression,
         throughput=args.throughput,
+        remeasure=args.remeasure,
         bandwidth_mbps=args.bandwidth_mbps,
         update_period_s=args.update_period,
         train=not args.no_train,

@@ -26,6 +26,8 @@ Evidence. After every epoch a peer logs a digest of the stage's parameters (dilo
 anchor, the parameters the outer step set), e.g. ``stage 1 (a1b2c3): epoch 12 params
 3f9a2c1b ...``; ``compare_copies`` reads those lines from several peers' logs and says
 whether their copies were equal at the epochs they share (``swarmtrain demo`` prints it).
+They are DEBUG lines (most of a serving node's log otherwise), INFO in a process whose
+environment sets ``SWARMTRAIN_LOG_DIGESTS`` (the demo's nodes).
 
 Faults. The averaged tensors are a copy, and a result is applied only if it is finite
 and completely averaged (``node.averaging_process``). A failed attempt is retried until
@@ -40,6 +42,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -96,6 +99,10 @@ def process_settings(settings: AveragingSpec) -> dict[str, object]:
         "next_chunk_timeout": settings.chunk_timeout_s,
         "compression": NoCompression(),  # float16 is in the buffers' dtype (see ``create``)
     }
+
+
+# Set (to anything non-empty) in a node's environment: digests are logged at INFO.
+DIGESTS_ENV = "SWARMTRAIN_LOG_DIGESTS"
 
 
 class AveragerStartError(RuntimeError):
@@ -713,7 +720,8 @@ class StageAverager:
         task changes them (gradient mode: the parameters; diloco: the anchor)."""
         tensors = self._anchor if self._anchor is not None else self._params
         digest = await asyncio.to_thread(ParamDigest.of, tensors)
-        logger.info("%s: epoch %d params %s", self._name, self._epoch, digest)
+        level = logging.INFO if os.environ.get(DIGESTS_ENV) else logging.DEBUG
+        logger.log(level, "%s: epoch %d params %s", self._name, self._epoch, digest)
 
     def _alone_and_due(self) -> bool:
         """Gradient mode, the target batch reached, no round in flight, and no other peer

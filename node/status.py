@@ -1,17 +1,36 @@
-"""``swarmtrain status``: the swarm's view of a run, as a table or JSON."""
+"""``swarmtrain status``: the swarm's view of a run, as a table or JSON, once or every few
+seconds (``--watch``).
+
+A call costs importing hivemind (and with it torch: seconds on a loaded machine), the
+DHT's start (``p2pd``, about a second) and three lookups, run at once (milliseconds when
+every peer answers; a dead peer still in the DHT's tables costs hivemind's request
+timeout, 3 s). ``--watch`` keeps one DHT open: each refresh costs only the lookups.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import sys
+from collections.abc import Sequence
 
 from hivemind.utils import get_dht_time
 
+from node.daemon import find_spec
 from node.dht import SwarmDHT
-from protocol.assignment import stage_throughput
+from protocol.membership import MembershipError, Revocations
 from protocol.ownership import check_run_id
 from protocol.records import PeerInfo, PeerState
+from protocol.routing import candidates_by_stage
+
+# A run that exists answers at once; one the reached peers do not know is given this long.
+SPEC_GRACE_S = 2.0
+SPEC_TIMEOUT_S = 15.0  # while no peer is reached at all
+# Peer ids all start with "12D3KooW" (an Ed25519 key's multihash): show at least that and
+# 8 characters more, and more where two listed peers share a longer prefix.
+MIN_PEER_PREFIX = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,35 +49,96 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MADDR",
         help="where to listen",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output (with --watch: one JSON object per line)",
+    )
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=5.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 5) until Ctrl-C",
+    )
+
+
+def short_peer_ids(peer_ids: Sequence[str], min_len: int = MIN_PEER_PREFIX) -> dict[str, str]:
+    """Each id's shortest prefix of at least ``min_len`` characters that no other id of
+    ``peer_ids`` starts with (the whole id if another one starts with all of it):
+    what a person can pass back, e.g. to ``swarmtrain run revoke --peer``."""
+    ids = sorted(set(peer_ids))
+    result = {}
+    for i, pid in enumerate(ids):
+        neighbours = ids[max(0, i - 1) : i] + ids[i + 1 : i + 2]  # sorted: the nearest share most
+        shared = max((_common_prefix(pid, o) for o in neighbours), default=0)
+        result[pid] = pid[: max(min_len, shared + 1)]
+    return result
+
+
+def resolve_peer_prefix(prefix: str, peer_ids: Sequence[str]) -> str:
+    """The one id of ``peer_ids`` that starts with ``prefix`` (an id itself matches
+    exactly); ``ValueError`` saying why if none does or several do."""
+    if not prefix:
+        raise ValueError("an empty peer id prefix matches every peer")
+    ids = set(peer_ids)
+    if prefix in ids:
+        return prefix
+    matches = sorted(p for p in ids if p.startswith(prefix))
+    if not matches:
+        raise ValueError(f"no known peer id starts with {prefix!r}")
+    if len(matches) > 1:
+        shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
+        raise ValueError(
+            f"{len(matches)} peer ids start with {prefix!r} ({shown}): give more of the id"
+        )
+    return matches[0]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
-    """Peers (all but those leaving) and per-stage totals; the bottleneck is the stage with
-    the least throughput, the pace of the whole pipeline."""
+    """Peers (all but those leaving) and per-stage totals.
+
+    A stage's ``serving`` counts the peers that serve it, as their first stage or (the
+    number is also in ``also_served_by``) their second; its ``throughput`` is what
+    routing offers on it: one-stage peers' full throughput, and each two-stage peer's at
+    the share of its time routing gives that stage (``protocol.routing.candidates_by_stage``).
+    The bottleneck is the stage with the least throughput, the pace of the whole pipeline."""
     present = sorted(
         (p for p in peers if p.state is not PeerState.LEAVING),
         key=lambda p: (p.stage if p.stage is not None else -1, p.peer_id),
     )
     n = n_stages or max((len(p.throughput) for p in present), default=0)
-    serving = [p for p in present if p.state is PeerState.SERVING]
-    totals = stage_throughput(serving, n)
+    offered = candidates_by_stage(present, n)
+    totals = [sum(c.throughput for c in stage) for stage in offered]
+    routable = [p for p in present if p.routable and p.stage < n]
     stages = [
         {
             "stage": s,
             "peers": sum(1 for p in present if p.stage == s),
-            "serving": sum(1 for p in serving if p.stage == s),
+            "serving": len(offered[s]),
             # peers that serve it as their second stage (their time goes where it is needed)
-            "also_served_by": sum(1 for p in serving if p.second_serving and p.second_stage == s),
+            "also_served_by": sum(1 for p in routable if p.second_serving and p.second_stage == s),
             "throughput": round(totals[s], 3),
         }
         for s in range(n)
     ]
     bottleneck = min(range(n), key=lambda s: totals[s]) if n else None
+    short = short_peer_ids([p.peer_id for p in present])
     return {
         "peers": [
             {
                 "peer_id": p.peer_id,
+                "short_id": short[p.peer_id],
                 "stage": p.stage,
                 "second_stage": p.second_stage,
                 "second_serving": p.second_serving,
@@ -70,6 +150,8 @@ def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
                 "bandwidth_down_mbps": p.bandwidth_down_mbps,
                 "bandwidth_source": p.bandwidth_source,
                 "load": p.load,
+                "samples_served": p.samples_served,
+                "uptime_s": None if p.started is None else round(max(0.0, now - p.started), 1),
                 "age_s": round(max(0.0, now - p.timestamp), 1),
             }
             for p in present
@@ -80,9 +162,10 @@ def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
 
 
 def render(view: dict) -> str:
+    width = max([len(p["short_id"]) for p in view["peers"]] + [4])
     lines = [
-        f"{'peer':<14} {'stage':>5} {'state':<8} {'device':<18} {'samples/s':>10} "
-        f"{'up/down Mbit/s':>16} {'age s':>6}"
+        f"{'peer':<{width}} {'stage':>5} {'state':<8} {'device':<18} {'samples/s':>10} "
+        f"{'up/down Mbit/s':>16} {'served':>9} {'uptime':>8} {'age s':>6}"
     ]
     for p in view["peers"]:
         stage = "-" if p["stage"] is None else str(p["stage"])
@@ -94,29 +177,88 @@ def render(view: dict) -> str:
             if p["bandwidth_source"] != "unknown"
             else "?"
         )
+        up = "?" if p["uptime_s"] is None else _duration(p["uptime_s"])
         lines.append(
-            f"{'…' + p['peer_id'][-12:]:<14} {stage:>5} {p['state']:<8} "
-            f"{p['device'][:18]:<18} {tput:>10} {bw:>16} {p['age_s']:>6.1f}"
+            f"{p['short_id']:<{width}} {stage:>5} {p['state']:<8} "
+            f"{p['device'][:18]:<18} {tput:>10} {bw:>16} {p['samples_served']:>9} {up:>8} "
+            f"{p['age_s']:>6.1f}"
         )
     lines.append("")
     for s in view["stages"]:
         mark = "  <- bottleneck" if s["stage"] == view["bottleneck_stage"] else ""
-        also = f" (and {s['also_served_by']} as a second stage)" if s["also_served_by"] else ""
+        also = f" ({s['also_served_by']} of them as a second stage)" if s["also_served_by"] else ""
         lines.append(
-            f"stage {s['stage']}: {s['serving']} serving of {s['peers']} peers{also}, "
+            f"stage {s['stage']}: {s['serving']} serving{also}, {s['peers']} holding it first, "
             f"{s['throughput']:.1f} samples/s{mark}"
         )
     return "\n".join(lines)
 
 
-async def fetch(dht: SwarmDHT) -> dict:
-    """The run's view as ``summarize`` returns it."""
-    signed = await dht.spec()
-    if signed is not None:  # a private run's non-members are not listed
-        dht.use_spec(signed.spec)
-        await dht.refresh_revocations()
-    n_stages = signed.spec.n_stages if signed else None
-    return summarize(await dht.peers(), n_stages, get_dht_time())
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+async def fetch(dht: SwarmDHT, n_stages: int | None = None) -> dict:
+    """The run's view as ``summarize`` returns it. Its lookups (the spec, unless
+    ``n_stages`` is given and ``dht.use_spec`` was called; the revocations; the peers) run
+    at once: each may wait on a dead peer still in the DHT's tables."""
+    if n_stages is None:
+        signed, revocations, peers = await asyncio.gather(
+            dht.spec(), dht.revocations(), dht.peers()
+        )
+        if signed is not None:
+            dht.use_spec(signed.spec)
+            n_stages = signed.spec.n_stages
+    else:
+        revocations, peers = await asyncio.gather(dht.revocations(), dht.peers())
+    return summarize(_members(dht, peers, revocations), n_stages, get_dht_time())
+
+
+def _members(
+    dht: SwarmDHT, peers: list[PeerInfo], revocations: tuple[Revocations, bytes] | None
+) -> list[PeerInfo]:
+    """``peers`` that ``dht.policy``, updated with ``revocations``, takes for members (a
+    read that ran before the policy was known let everyone through)."""
+    if dht.policy is None:
+        return peers
+    current = dht.policy.revocations
+    if revocations is not None and (current is None or revocations[0].issued > current.issued):
+        dht.policy = dataclasses.replace(dht.policy, revocations=revocations[0])
+    now, kept = get_dht_time(), []
+    for p in peers:
+        try:
+            dht.policy.check(p.peer_id, p.membership, now)
+        except MembershipError:
+            continue
+        kept.append(p)
+    return kept
+
+
+async def _status(dht: SwarmDHT, args: argparse.Namespace) -> int:
+    """Print the view once, or every ``--watch`` seconds. ``NodeError`` (exit 2) if the
+    run has no spec there (``node.daemon.find_spec``)."""
+    signed, revocations, peers = await asyncio.gather(
+        find_spec(dht, SPEC_TIMEOUT_S, SPEC_GRACE_S), dht.revocations(), dht.peers()
+    )
+    dht.use_spec(signed.spec)
+    n_stages = signed.spec.n_stages
+    view = summarize(_members(dht, peers, revocations), n_stages, get_dht_time())
+    tty = sys.stdout.isatty()
+    while True:
+        if args.json:
+            print(json.dumps(view, indent=None if args.watch is not None else 1), flush=True)
+        else:
+            if args.watch is not None and tty:
+                print("\x1b[H\x1b[2J", end="")  # clear the screen: one table at a time
+            print(render(view), flush=True)
+            if args.watch is not None and not tty:
+                print(flush=True)
+        if args.watch is None:
+            return 0
+        await asyncio.sleep(max(args.watch, 0.1))
+        view = await fetch(dht, n_stages)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,8 +269,10 @@ def run(args: argparse.Namespace) -> int:
         client_mode=True,
     )
     try:
-        view = asyncio.run(fetch(dht))
+        return asyncio.run(_status(dht, args))
+    except KeyboardInterrupt:
+        if args.watch is None:
+            raise
+        return 0  # how one stops watching
     finally:
         dht.shutdown()
-    print(json.dumps(view, indent=1) if args.json else render(view))
-    return 0

@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.data import load_corpus
-from node.daemon import NodeError
+from node.daemon import find_spec
 from node.dht import SwarmDHT
 from node.files import load_or_create_key, write_atomic
 from node.membership import prove_membership, read_invite
 from node.progress import Progress
-from node.trainer import MicroBatchResult, Trainer, TrainerSettings
+from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from protocol.ownership import check_run_id
 
 
@@ -65,22 +67,61 @@ class Curve:
         write_atomic(path, ("\n".join(lines) + "\n").encode())
 
 
+class CsvLog:
+    """The loss curve as a CSV file written as training goes (``samples,train_loss,
+    val_loss``): each row is one ``write`` of a whole line on an append-only descriptor,
+    so an interrupted run (Ctrl-C, kill) leaves every row written so far and never half a
+    row. The file is replaced when opened."""
+
+    HEADER = "samples,train_loss,val_loss"
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        self._line(self.HEADER)
+
+    def train(self, samples: int, loss: float) -> None:
+        self._line(f"{samples},{loss:.6f},")
+
+    def val(self, samples: int, loss: float) -> None:
+        self._line(f"{samples},,{loss:.6f}")
+
+    def _line(self, text: str) -> None:
+        data = (text + "\n").encode()
+        if os.write(self._fd, data) != len(data):  # a regular file takes it whole
+            raise OSError(f"short write to {self.path}")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def say(message: str) -> None:
+    """A line on stderr about what the command is doing (the progress line's stream)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 async def open_trainer(
     dht: SwarmDHT,
     settings: TrainerSettings,
     spec_timeout_s: float = 60,
     invite: str | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> Trainer:
     """A ``Trainer`` for the run ``dht`` is in, once its spec is found (and, in a private
-    run, once ``invite`` proved us a member)."""
-    signed = await dht.wait_for_spec(spec_timeout_s)
-    if signed is None:
-        raise NodeError(f"no spec for run {dht.run!r} found within {spec_timeout_s:.0f} s")
-    spec = signed.spec
+    run, once ``invite`` proved us a member). ``NodeError`` if the run has no spec there
+    (``node.daemon.find_spec``: within seconds when peers answer). ``on_step`` hears what
+    it is doing (reading the spec, loading data)."""
+    step = on_step or (lambda _: None)
+    step(f"reading the spec of run {dht.run}")
+    spec = (await find_spec(dht, spec_timeout_s)).spec
     dht.use_spec(spec)
     await dht.refresh_revocations()
     membership = prove_membership(dht.policy, dht.peer_id, invite)
     await dht.claim_invite(dht.peer_id, membership)  # a bearer invite: ours now
+    step(f"loading the training data ({spec.data})")
     corpus = await asyncio.to_thread(load_corpus, spec.data)
     p2p = await dht.replicate_p2p()
     return Trainer(dht, p2p, spec, corpus, settings, membership=membership)
@@ -90,10 +131,17 @@ async def train_with_progress(
     trainer: Trainer,
     n_micro_batches: int,
     on_result: Callable[[MicroBatchResult], None] | None = None,
+    csv: CsvLog | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> Curve:
-    """Validate, train with a progress line (loss and samples/s), validate again."""
+    """Validate, train with a progress line (loss, samples/s, ETA), validate again; each
+    point of the curve also goes to ``csv`` as soon as it is known."""
     curve = Curve()
+    if on_step:
+        on_step("measuring the validation loss before training")
     curve.val.append((0, await trainer.evaluate()))
+    if csv:
+        csv.val(0, curve.val[-1][1])
     progress = Progress("training", n_micro_batches)
     started, ema = time.perf_counter(), math.nan
 
@@ -102,32 +150,51 @@ async def train_with_progress(
         ema = r.loss if math.isnan(ema) else 0.95 * ema + 0.05 * r.loss
         samples = trainer.stats.samples
         curve.train.append((samples, r.loss))
+        if csv:
+            csv.train(samples, r.loss)
         rate = samples / (time.perf_counter() - started)
         progress.update(trainer.stats.micro_batches, loss=ema, **{"samples/s": rate})
         if on_result:
             on_result(r)
 
-    await trainer.train(n_micro_batches, record)
-    progress.close()
+    try:
+        await trainer.train(n_micro_batches, record)
+    finally:
+        progress.close()
+    if on_step:
+        on_step("measuring the validation loss after training")
     curve.val.append((trainer.stats.samples, await trainer.evaluate()))
+    if csv:
+        csv.val(*curve.val[-1])
     return curve
 
 
 async def _train(dht: SwarmDHT, args: argparse.Namespace) -> int:
+    """Train ``--micro-batches``; 0 once they are all done, whatever the loss did (a
+    contributor's few steps need not lower it), 1 if training could not go on."""
     settings = TrainerSettings(in_flight=args.in_flight, stream=args.stream)
-    trainer = await open_trainer(dht, settings, invite=read_invite(args.invite))
+    trainer = await open_trainer(dht, settings, invite=read_invite(args.invite), on_step=say)
+    csv = CsvLog(args.csv) if args.csv else None
+    stopped: TrainerError | None = None
     try:
         started = time.perf_counter()
-        curve = await train_with_progress(trainer, args.micro_batches)
+        curve = await train_with_progress(trainer, args.micro_batches, csv=csv, on_step=say)
         rate = trainer.stats.samples / (time.perf_counter() - started)
+    except* TrainerError as group:  # raised inside the trainer's task group
+        stopped = group.exceptions[0]
     finally:
+        if csv:
+            csv.close()
         await trainer.p2p.shutdown()
+    if stopped is not None:
+        say(f"swarmtrain train: training stopped after {trainer.stats.micro_batches} "
+            f"micro-batches: {stopped}")  # fmt: skip
+        return 1
     (_, before), (_, after) = curve.val[0], curve.val[-1]
-    print(f"val loss {before:.3f} -> {after:.3f}  {rate:.0f} samples/s  "
+    print(f"trained {trainer.stats.micro_batches} micro-batches ({trainer.stats.samples} "
+          f"samples, {rate:.0f} samples/s); val loss {before:.3f} -> {after:.3f}; "
           f"rerouted calls: {sum(trainer.stats.rerouted.values())}")  # fmt: skip
-    if args.csv:
-        curve.write_csv(args.csv)
-    return 0 if after < before else 1
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.identity is not None:
         load_or_create_key(args.identity)
+    say(f"connecting to the peers of run {args.run}")
     dht = SwarmDHT.start(
         check_run_id(args.run),
         initial_peers=args.initial_peers,

@@ -88,6 +88,10 @@ class PeerInfo(BaseModel):
     # yet: routing lends it calls there, the assignment rule plans without its time there.
     second_stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)] | None = None
     second_serving: bool = False
+    # What status shows: samples the peer's stage servers computed a forward for (train
+    # and validation calls, over both its stages), and when the peer started (DHT time).
+    samples_served: Annotated[int, Field(ge=0, le=2**62)] = 0
+    started: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
     def model_post_init(self, _context) -> None:
         n = len(self.throughput)
@@ -102,6 +106,8 @@ class PeerInfo(BaseModel):
             )
         if self.second_serving and self.second_stage is None:
             raise ValueError("second_serving without a second stage")
+        if self.started is not None and self.started > self.timestamp:
+            raise ValueError("started after the record's timestamp")
 
     @property
     def routable(self) -> bool:

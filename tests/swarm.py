@@ -7,10 +7,34 @@ import json
 import os
 import subprocess
 import sys
+from subprocess import Popen
 
 from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
 
-__all__ = ["LOCAL", "NodeProcess", "launch_node", "status", "stop_all", "wait_until"]
+__all__ = [
+    "LOCAL",
+    "NodeProcess",
+    "launch_node",
+    "status",
+    "stop_all",
+    "swarmtrain",
+    "wait_until",
+]
+
+
+def swarmtrain(*args: str, home: str | None = None) -> Popen:
+    """``swarmtrain ARGS`` started in its own process, stdout and stderr piped (text);
+    ``home``: its HOME (default keys and caches go there)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if home is not None:
+        env["HOME"] = home
+    return Popen(
+        [sys.executable, "-m", "node.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def status(run: str, maddr: str, timeout: float = 60) -> dict:

@@ -1,0 +1,145 @@
+"""What a person running the tools sees, without a network: the progress line's ETA,
+``status``'s table of a run (stage totals with two-stage peers, peer ids that can be
+passed back), the peer record's served samples and uptime, and when a cached throughput
+is measured again."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.utils import get_dht_time
+
+from node import capacity
+from node.capacity import pick_device, stage_throughputs
+from node.cli import build_parser
+from node.progress import Progress, format_duration
+from node.serve import settings_from
+from node.status import render, resolve_peer_prefix, short_peer_ids, summarize
+from node.train import CsvLog
+from protocol.identity import peer_id_of
+from protocol.ownership import make_run_id
+from protocol.records import PeerInfo, decode_peer_info, encode_peer_info
+from protocol.run_spec import make_run_spec
+from tests.records import peer_info
+
+KEYS = [Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32) for i in range(1, 5)]
+IDS = [peer_id_of(k.public_key()) for k in KEYS]
+RUN = make_run_id("ops", IDS[0])
+
+
+def test_progress_line_shows_an_eta():
+    stream = io.StringIO()
+    p = Progress("training", 100, stream=stream, every_s=0)
+    p.update(0)
+    assert "eta=?" in stream.getvalue().splitlines()[-1]
+    p._started -= 10.0  # 10 s for the first 20 items: 40 s for the other 80
+    p.update(20, loss=1.0)
+    assert "eta=0:40" in stream.getvalue().splitlines()[-1]
+    p.update(100)
+    assert "eta" not in stream.getvalue().splitlines()[-1]  # done: nothing left to wait for
+    assert format_duration(3725) == "1:02:05" and format_duration(59.6) == "1:00"
+
+
+def test_csv_log_has_a_whole_line_per_row(tmp_path):
+    path = tmp_path / "sub" / "loss.csv"
+    log = CsvLog(path)
+    log.val(0, 5.5)
+    log.train(8, 5.25)
+    # Nothing buffered: another reader sees every row before the file is closed.
+    assert path.read_text() == "samples,train_loss,val_loss\n0,,5.500000\n8,5.250000,\n"
+    log.close()
+    CsvLog(path).close()  # a new run replaces the file
+    assert path.read_text() == "samples,train_loss,val_loss\n"
+
+
+def test_short_peer_ids_are_unique_prefixes_that_resolve():
+    ids = [*IDS, IDS[0][:20] + "x" * (len(IDS[0]) - 20)]  # one sharing 20 characters
+    short = short_peer_ids(ids)
+    assert all(len(s) >= 16 and pid.startswith(s) for pid, s in short.items())
+    assert len(short[IDS[0]]) == 21  # one more than the prefix it shares
+    for pid, s in short.items():
+        assert resolve_peer_prefix(s, ids) == pid
+        assert resolve_peer_prefix(pid, ids) == pid
+    with pytest.raises(ValueError, match="start with"):
+        resolve_peer_prefix(IDS[0][:20], ids)  # both
+    with pytest.raises(ValueError, match="no known peer"):
+        resolve_peer_prefix("12D3KooWnobody", ids)
+    with pytest.raises(ValueError):
+        resolve_peer_prefix("", ids)
+
+
+def test_status_counts_a_stage_served_only_as_a_second_stage():
+    """One peer holds stage 1 first and serves stage 0 as its second: stage 0 is served,
+    at the share of the peer's time routing gives it, and the table says so."""
+    now = get_dht_time()
+    both = peer_info(RUN, IDS[0], stage=1, second_stage=0, second_serving=True, timestamp=now)
+    view = summarize([both], 2, now)
+    s0, s1 = view["stages"]
+    assert (s0["serving"], s0["also_served_by"], s0["peers"]) == (1, 1, 0)
+    assert s1["serving"] == 1
+    assert s0["throughput"] > 0 and s1["throughput"] > 0
+    assert s0["throughput"] + s1["throughput"] == pytest.approx(50.0)  # its time, divided
+    assert "stage 0: 0 serving" not in render(view)
+    # A fast peer joins stage 1: the two-stage peer gives stage 0 all its time, and stage
+    # 0 is still the one the pipeline waits on.
+    other = peer_info(RUN, IDS[1], stage=1, throughput=(50.0, 200.0), timestamp=now)
+    view = summarize([both, other], 2, now)
+    assert [s["throughput"] for s in view["stages"]] == pytest.approx([50.0, 200.0])
+    assert view["bottleneck_stage"] == 0
+
+
+def test_status_shows_samples_served_and_uptime():
+    now = get_dht_time()
+    p = peer_info(RUN, IDS[0], samples_served=1234, started=now - 90, timestamp=now)
+    # the fields travel in the signed record
+    raw = encode_peer_info(p, KEYS[0])
+    assert decode_peer_info(raw, subkey=IDS[0], run=RUN, now=now, max_age_s=60) == p
+    row = summarize([p], 2, now)["peers"][0]
+    assert row["samples_served"] == 1234 and row["uptime_s"] == pytest.approx(90, abs=1)
+    assert row["short_id"] in render(summarize([p], 2, now))
+    old = peer_info(RUN, IDS[1], timestamp=now)  # a record without them
+    assert summarize([old], 2, now)["peers"][0]["uptime_s"] is None
+    with pytest.raises(ValueError):
+        peer_info(RUN, IDS[0], samples_served=-1)
+    with pytest.raises(ValueError):
+        peer_info(RUN, IDS[0], started=now + 60, timestamp=now)
+    assert PeerInfo.model_fields["samples_served"].default == 0
+
+
+def test_a_cached_throughput_far_off_a_quick_check_is_measured_again(tmp_path, monkeypatch):
+    spec = make_run_spec("capacity", "tiny", 2, owner=IDS[0])
+    device = pick_device("cpu")
+    measured = stage_throughputs(spec, device, tmp_path)
+    cache = tmp_path / "throughput.json"
+    key = next(iter(json.loads(cache.read_text())))
+
+    def plant(figures: list[float]) -> None:
+        cache.write_text(json.dumps({key: figures}))
+
+    calls = []
+    real = capacity.measure_stage
+    monkeypatch.setattr(
+        capacity, "measure_stage", lambda *a, **k: calls.append(a[1]) or real(*a, **k)
+    )
+    monkeypatch.setattr(capacity, "quick_check", lambda spec, device: measured[0])
+    # Measured under load: 100x too low. A quick check tells, and every stage is measured.
+    plant([measured[0] / 100, measured[1] / 100])
+    again = stage_throughputs(spec, device, tmp_path)
+    assert again[0] > measured[0] / 10 and calls == [0, 1]
+    assert json.loads(cache.read_text())[key] == again  # and cached for the next start
+    # Within 3x of the quick check: the cache is kept as it is, nothing measured.
+    calls.clear()
+    plant([measured[0] * 2, 7.0])
+    assert stage_throughputs(spec, device, tmp_path) == [measured[0] * 2, 7.0] and not calls
+    # ... unless asked to measure again.
+    assert stage_throughputs(spec, device, tmp_path, remeasure=True) != [measured[0] * 2, 7.0]
+    assert calls == [0, 1]
+
+
+def test_node_takes_remeasure():
+    args = build_parser().parse_args(["node", "--run", "r", "--remeasure"])
+    assert settings_from(args).remeasure
+    assert not settings_from(build_parser().parse_args(["node", "--run", "r"])).remeasure
