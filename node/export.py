@@ -12,7 +12,7 @@ from models.stages import Stage
 from models.training import StageOptimizer
 from node import checkpoint, stage_state
 from node.checkpoint import Checkpoint, CheckpointError
-from node.daemon import NodeError
+from node.daemon import NodeError, find_spec
 from node.dht import SwarmDHT
 from node.stage_averaging import StageAverager
 from protocol.ownership import check_run_id
@@ -87,10 +87,7 @@ def whole_state(signed, chosen: list[Checkpoint]) -> dict:
 async def from_swarm(dht: SwarmDHT, timeout_s: float) -> tuple[RunSpec, dict, list[str]]:
     """The run's spec, its whole model's state downloaded stage by stage from live peers
     (as a joiner downloads it), and one line per stage saying where it came from."""
-    signed = await dht.wait_for_spec(timeout_s)
-    if signed is None:
-        raise NodeError(f"no spec for run {dht.run!r} found within {timeout_s:.0f} s")
-    spec = signed.spec
+    spec = (await find_spec(dht, timeout_s)).spec
     if spec.private:
         raise NodeError(
             f"run {spec.run!r} is private: export it from its nodes' checkpoints "

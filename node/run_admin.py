@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 
 from node.dht import SwarmDHT
 from node.files import load_or_create_key, write_atomic
-from protocol.identity import decode_private_key, peer_id_of
+from protocol.identity import decode_private_key, peer_id_of, resolve_peer_prefix
 from protocol.membership import Revocations, issue_invite, parse_invite_token, sign_revocations
 from protocol.ownership import check_owner
 from protocol.records import RecordError, check_peer_id
@@ -121,7 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     revoke = actions.add_parser("revoke", help="revoke peers or invites of a private run")
     revoke.add_argument("--run", required=True, help="the run's id")
-    revoke.add_argument("--peer", nargs="*", default=[], metavar="PEER_ID")
+    revoke.add_argument(
+        "--peer",
+        nargs="*",
+        default=[],
+        metavar="PEER_ID",
+        help="peer ids to revoke, or unique prefixes of them (as swarmtrain status shows them)",
+    )
     revoke.add_argument("--invite-id", nargs="*", default=[], metavar="ID")
     revoke.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
     revoke.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"])
@@ -214,13 +220,29 @@ def _revoke(args: argparse.Namespace) -> int:
         dht.shutdown()
 
 
+async def _full_peer_ids(dht: SwarmDHT, given: list[str]) -> list[str]:
+    """``--peer`` values as whole peer ids: a unique prefix (as ``status`` shows ids) is
+    completed from the run's peers in the DHT; ``ValueError`` if none or several match."""
+    result, known = [], None
+    for peer in given:
+        try:
+            check_peer_id(peer)
+        except ValueError:  # RecordError, IdentityError: not a whole peer id
+            if known is None:
+                known = [p.peer_id for p in await dht.peers()]
+            peer = resolve_peer_prefix(peer, known)
+        result.append(peer)
+    return result
+
+
 async def _publish_revocations(dht: SwarmDHT, key, args: argparse.Namespace) -> int:
     found = await dht.revocations()
     old = found[0] if found else None
+    peers = await _full_peer_ids(dht, args.peer)
     revocations = Revocations(
         run=args.run,
         owner=peer_id_of(key.public_key()),
-        peers=tuple(sorted({*(old.peers if old else ()), *args.peer})),
+        peers=tuple(sorted({*(old.peers if old else ()), *peers})),
         invites=tuple(sorted({*(old.invites if old else ()), *args.invite_id})),
         issued=max(get_dht_time(), old.issued + 1e-3 if old else 0.0),
     )

@@ -14,12 +14,12 @@ import asyncio
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
 
 from hivemind.utils import get_dht_time
 
 from node.daemon import find_spec
 from node.dht import SwarmDHT
+from protocol.identity import short_peer_ids
 from protocol.membership import MembershipError, Revocations
 from protocol.ownership import check_run_id
 from protocol.records import PeerInfo, PeerState
@@ -28,9 +28,6 @@ from protocol.routing import candidates_by_stage
 # A run that exists answers at once; one the reached peers do not know is given this long.
 SPEC_GRACE_S = 2.0
 SPEC_TIMEOUT_S = 15.0  # while no peer is reached at all
-# Peer ids all start with "12D3KooW" (an Ed25519 key's multihash): show at least that and
-# 8 characters more, and more where two listed peers share a longer prefix.
-MIN_PEER_PREFIX = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,47 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="refresh every SECONDS (default 5) until Ctrl-C",
     )
-
-
-def short_peer_ids(peer_ids: Sequence[str], min_len: int = MIN_PEER_PREFIX) -> dict[str, str]:
-    """Each id's shortest prefix of at least ``min_len`` characters that no other id of
-    ``peer_ids`` starts with (the whole id if another one starts with all of it):
-    what a person can pass back, e.g. to ``swarmtrain run revoke --peer``."""
-    ids = sorted(set(peer_ids))
-    result = {}
-    for i, pid in enumerate(ids):
-        neighbours = ids[max(0, i - 1) : i] + ids[i + 1 : i + 2]  # sorted: the nearest share most
-        shared = max((_common_prefix(pid, o) for o in neighbours), default=0)
-        result[pid] = pid[: max(min_len, shared + 1)]
-    return result
-
-
-def resolve_peer_prefix(prefix: str, peer_ids: Sequence[str]) -> str:
-    """The one id of ``peer_ids`` that starts with ``prefix`` (an id itself matches
-    exactly); ``ValueError`` saying why if none does or several do."""
-    if not prefix:
-        raise ValueError("an empty peer id prefix matches every peer")
-    ids = set(peer_ids)
-    if prefix in ids:
-        return prefix
-    matches = sorted(p for p in ids if p.startswith(prefix))
-    if not matches:
-        raise ValueError(f"no known peer id starts with {prefix!r}")
-    if len(matches) > 1:
-        shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
-        raise ValueError(
-            f"{len(matches)} peer ids start with {prefix!r} ({shown}): give more of the id"
-        )
-    return matches[0]
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:

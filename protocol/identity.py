@@ -8,6 +8,8 @@ key exchange.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import base58
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -81,3 +83,49 @@ def verify(peer_id: str, domain: bytes, payload: bytes, signature: bytes) -> boo
     except (InvalidSignature, IdentityError, ValueError):
         return False
     return True
+
+
+# Peer ids all start with "12D3KooW" (an Ed25519 key's multihash): show at least that and
+# 8 characters more, and more where two listed peers share a longer prefix.
+MIN_PEER_PREFIX = 16
+
+
+def short_peer_ids(peer_ids: Sequence[str], min_len: int = MIN_PEER_PREFIX) -> dict[str, str]:
+    """Each id's shortest prefix of at least ``min_len`` characters that no other id of
+    ``peer_ids`` starts with (the whole id if another one starts with all of it):
+    what a person can pass back, e.g. to ``swarmtrain run revoke --peer``."""
+    ids = sorted(set(peer_ids))
+    result = {}
+    for i, pid in enumerate(ids):
+        neighbours = ids[max(0, i - 1) : i] + ids[i + 1 : i + 2]  # sorted: the nearest share most
+        shared = max((_common_prefix(pid, o) for o in neighbours), default=0)
+        result[pid] = pid[: max(min_len, shared + 1)]
+    return result
+
+
+def resolve_peer_prefix(prefix: str, peer_ids: Sequence[str]) -> str:
+    """The one id of ``peer_ids`` that starts with ``prefix`` (an id itself matches
+    exactly); ``ValueError`` saying why if none does or several do."""
+    if not prefix:
+        raise ValueError("an empty peer id prefix matches every peer")
+    ids = set(peer_ids)
+    if prefix in ids:
+        return prefix
+    matches = sorted(p for p in ids if p.startswith(prefix))
+    if not matches:
+        raise ValueError(f"no known peer id starts with {prefix!r}")
+    if len(matches) > 1:
+        shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
+        raise ValueError(
+            f"{len(matches)} peer ids start with {prefix!r} ({shown}): give more of the id"
+        )
+    return matches[0]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -17,9 +17,9 @@ from node.capacity import pick_device, stage_throughputs
 from node.cli import build_parser
 from node.progress import Progress, format_duration
 from node.serve import settings_from
-from node.status import render, resolve_peer_prefix, short_peer_ids, summarize
+from node.status import render, summarize
 from node.train import CsvLog
-from protocol.identity import peer_id_of
+from protocol.identity import peer_id_of, resolve_peer_prefix, short_peer_ids
 from protocol.ownership import make_run_id
 from protocol.records import PeerInfo, decode_peer_info, encode_peer_info
 from protocol.run_spec import make_run_spec
@@ -143,3 +143,26 @@ def test_node_takes_remeasure():
     args = build_parser().parse_args(["node", "--run", "r", "--remeasure"])
     assert settings_from(args).remeasure
     assert not settings_from(build_parser().parse_args(["node", "--run", "r"])).remeasure
+
+
+def test_revoke_takes_a_unique_prefix_as_status_shows_it():
+    """``run revoke --peer`` completes a prefix from the run's peers; a whole id needs no
+    lookup (a revoked peer may be offline), and an ambiguous prefix is refused."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from node.run_admin import _full_peer_ids
+
+    class Peers:  # the run's records in the DHT, as ``SwarmDHT.peers`` returns them
+        reads = 0
+
+        async def peers(self):
+            Peers.reads += 1
+            return [SimpleNamespace(peer_id=p) for p in IDS]
+
+    short = short_peer_ids(IDS)
+    assert asyncio.run(_full_peer_ids(Peers(), [IDS[0]])) == [IDS[0]]
+    assert Peers.reads == 0
+    assert asyncio.run(_full_peer_ids(Peers(), [short[IDS[1]]])) == [IDS[1]]
+    with pytest.raises(ValueError, match="give more of the id"):
+        asyncio.run(_full_peer_ids(Peers(), ["12D3KooW"]))

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from node.stage_averaging import ParamDigest
-from node.status import resolve_peer_prefix
+from protocol.identity import resolve_peer_prefix
 from tests.swarm import launch_node, stop_all, swarmtrain, wait_until
 
 # What each command prints on stderr before its one-line error (cli.main).
