@@ -37,25 +37,25 @@ COMMANDS = {
     ),
     "run": Command(
         "create a run; invite machines to a private run, or revoke them",
-        "node.run_admin:add_arguments",
+        "node.cli_args:run_arguments",
         "node.run_admin:run",
     ),
     "status": Command(
-        "show the peers and stages of a run", "node.status:add_arguments", "node.status:run"
+        "show the peers and stages of a run", "node.cli_args:status_arguments", "node.status:run"
     ),
     "train": Command(
         "train through a run's swarm without serving a stage",
-        "node.train:add_arguments",
+        "node.cli_args:train_arguments",
         "node.train:run",
     ),
     "export": Command(
         "write a run's model in the Hugging Face format, from checkpoints or a live run",
-        "node.export:add_arguments",
+        "node.cli_args:export_arguments",
         "node.export:run",
     ),
     "generate": Command(
         "sample text from an exported model",
-        "node.generate:add_arguments",
+        "node.cli_args:generate_arguments",
         "node.generate:run",
     ),
     "demo": Command(

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 STDLIB = "stdlib"  # models.data.STDLIB: Python's standard library as a corpus
+DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")  # node.run_admin reads it from here
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -295,3 +296,137 @@ def version() -> str:
         return installed("swarmtrain")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
+    )
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="where to listen",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output (with --watch: one JSON object per line)",
+    )
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=5.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 5) until Ctrl-C",
+    )
+
+
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
+    )
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="where to listen",
+    )
+    p.add_argument("--micro-batches", type=int, default=1000, help="micro-batches to train")
+    p.add_argument("--in-flight", type=int, default=4, help="micro-batches in flight at once")
+    p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
+    p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
+    p.add_argument(
+        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
+    )
+    p.add_argument(
+        "--identity", type=Path, help="key file, for an invite bound to a peer id (default: new)"
+    )
+
+
+def run_arguments(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="write a new run's signed spec")
+    create.add_argument("name", help="the run's name; its id adds the owner's fingerprint")
+    create.add_argument("--preset", default="tiny", help="model preset (tiny, small, base)")
+    create.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    create.add_argument("--private", action="store_true", help="only invited peers may join")
+    create.add_argument("--compression", default="none", choices=["none", "float16", "uint8"])
+    create.add_argument("--averaging", default="gradient", choices=["gradient", "diloco"])
+    create.add_argument("--inner-steps", type=int, default=50, help="diloco: local steps")
+    create.add_argument("--out", type=Path, help="spec file (default NAME.spec.json)")
+    _owner_key(create)
+
+    invite = actions.add_parser("invite", help="print an invite token for a private run")
+    invite.add_argument("--run", required=True, help="the run's id")
+    invite.add_argument("--peer", help="bind the invite to this peer id (default: bearer)")
+    invite.add_argument(
+        "--expires", default="7d", help="valid for, with a unit: 90s, 30m, 12h, 7d (default 7d)"
+    )
+    invite.add_argument("--out", type=Path, help="also write the token to this file (0600)")
+    _owner_key(invite)
+
+    revoke = actions.add_parser("revoke", help="revoke peers or invites of a private run")
+    revoke.add_argument("--run", required=True, help="the run's id")
+    revoke.add_argument(
+        "--peer",
+        nargs="*",
+        default=[],
+        metavar="PEER_ID",
+        help="peer ids to revoke, or unique prefixes of them (as swarmtrain status shows them)",
+    )
+    revoke.add_argument("--invite-id", nargs="*", default=[], metavar="ID")
+    revoke.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    revoke.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"])
+    _owner_key(revoke)
+
+
+def _owner_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--owner-key",
+        type=Path,
+        default=DEFAULT_OWNER_KEY,
+        help=f"the owner's key file (default {DEFAULT_OWNER_KEY}; `create` makes it if missing)",
+    )
+
+
+def export_arguments(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="a live public run's id: download its stages from peers")
+    p.add_argument(
+        "--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --run: its nodes"
+    )
+    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each stage")
+    source.add_argument(
+        "--checkpoint",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="nodes' checkpoint directories (each holds spec.json and stage<S>/), or folders "
+        "above them (e.g. ~/.swarmtrain/RUN/checkpoints): the newest checkpoint of each stage "
+        "among them is used",
+    )
+    p.add_argument("--out", required=True, type=Path, help="the directory to write")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+
+def generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path, help="a directory `export` wrote")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely byte")
+    p.add_argument("--seed", type=int, default=0, help="of the draws (temperature > 0)")

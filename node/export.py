@@ -19,27 +19,6 @@ from protocol.ownership import check_run_id
 from protocol.run_spec import RunSpec
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="a live public run's id: download its stages from peers")
-    p.add_argument(
-        "--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --run: its nodes"
-    )
-    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each stage")
-    source.add_argument(
-        "--checkpoint",
-        nargs="+",
-        type=Path,
-        metavar="DIR",
-        help="nodes' checkpoint directories (each holds spec.json and stage<S>/), or folders "
-        "above them (e.g. ~/.swarmtrain/RUN/checkpoints): the newest checkpoint of each stage "
-        "among them is used",
-    )
-    p.add_argument("--out", required=True, type=Path, help="the directory to write")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-
-
 def _roots(paths: list[Path]) -> list[Path]:
     roots = []
     for path in paths:

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from models.generate import sample
 from models.hf_export import load_gpt2
 from models.stages import Stage
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path, help="a directory `export` wrote")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely byte")
-    p.add_argument("--seed", type=int, default=0, help="of the draws (temperature > 0)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
+from node.cli_args import DEFAULT_OWNER_KEY
 from node.dht import SwarmDHT
 from node.files import load_or_create_key, write_atomic
 from protocol.identity import decode_private_key, peer_id_of, resolve_peer_prefix
@@ -36,7 +37,6 @@ from protocol.run_spec import (
     spec_file_text,
 )
 
-DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -95,52 +95,6 @@ def load_owner_key(path: Path, action: str) -> Ed25519PrivateKey:
         return decode_private_key(raw)
     except ValueError as e:
         raise ValueError(f"the owner key {path} is not a valid key: {e}") from None
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    actions = p.add_subparsers(dest="action", required=True)
-    create = actions.add_parser("create", help="write a new run's signed spec")
-    create.add_argument("name", help="the run's name; its id adds the owner's fingerprint")
-    create.add_argument("--preset", default="tiny", help="model preset (tiny, small, base)")
-    create.add_argument("--stages", type=int, default=2, help="pipeline stages")
-    create.add_argument("--private", action="store_true", help="only invited peers may join")
-    create.add_argument("--compression", default="none", choices=["none", "float16", "uint8"])
-    create.add_argument("--averaging", default="gradient", choices=["gradient", "diloco"])
-    create.add_argument("--inner-steps", type=int, default=50, help="diloco: local steps")
-    create.add_argument("--out", type=Path, help="spec file (default NAME.spec.json)")
-    _owner_key(create)
-
-    invite = actions.add_parser("invite", help="print an invite token for a private run")
-    invite.add_argument("--run", required=True, help="the run's id")
-    invite.add_argument("--peer", help="bind the invite to this peer id (default: bearer)")
-    invite.add_argument(
-        "--expires", default="7d", help="valid for, with a unit: 90s, 30m, 12h, 7d (default 7d)"
-    )
-    invite.add_argument("--out", type=Path, help="also write the token to this file (0600)")
-    _owner_key(invite)
-
-    revoke = actions.add_parser("revoke", help="revoke peers or invites of a private run")
-    revoke.add_argument("--run", required=True, help="the run's id")
-    revoke.add_argument(
-        "--peer",
-        nargs="*",
-        default=[],
-        metavar="PEER_ID",
-        help="peer ids to revoke, or unique prefixes of them (as swarmtrain status shows them)",
-    )
-    revoke.add_argument("--invite-id", nargs="*", default=[], metavar="ID")
-    revoke.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
-    revoke.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"])
-    _owner_key(revoke)
-
-
-def _owner_key(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--owner-key",
-        type=Path,
-        default=DEFAULT_OWNER_KEY,
-        help=f"the owner's key file (default {DEFAULT_OWNER_KEY}; `create` makes it if missing)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:

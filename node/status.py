@@ -30,37 +30,6 @@ SPEC_GRACE_S = 2.0
 SPEC_TIMEOUT_S = 15.0  # while no peer is reached at all
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
-    )
-    p.add_argument(
-        "--host-maddrs",
-        nargs="*",
-        default=["/ip4/0.0.0.0/tcp/0"],
-        metavar="MADDR",
-        help="where to listen",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="machine-readable output (with --watch: one JSON object per line)",
-    )
-    p.add_argument(
-        "--watch",
-        nargs="?",
-        type=float,
-        const=5.0,
-        metavar="SECONDS",
-        help="refresh every SECONDS (default 5) until Ctrl-C",
-    )
-
-
 def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
     """Peers (all but those leaving) and per-stage totals.
 

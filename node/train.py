@@ -23,34 +23,6 @@ from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSetting
 from protocol.ownership import check_run_id
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
-    )
-    p.add_argument(
-        "--host-maddrs",
-        nargs="*",
-        default=["/ip4/0.0.0.0/tcp/0"],
-        metavar="MADDR",
-        help="where to listen",
-    )
-    p.add_argument("--micro-batches", type=int, default=1000, help="micro-batches to train")
-    p.add_argument("--in-flight", type=int, default=4, help="micro-batches in flight at once")
-    p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
-    p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
-    p.add_argument(
-        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
-    )
-    p.add_argument(
-        "--identity", type=Path, help="key file, for an invite bound to a peer id (default: new)"
-    )
-
-
 @dataclass
 class Curve:
     """Training loss per micro-batch and validation loss at a few points, by samples seen."""

@@ -81,7 +81,13 @@ def _wall_time(*args: str) -> float:
     return time.perf_counter() - started
 
 
-@pytest.mark.parametrize("args", [["--help"], ["node", "--help"]], ids=" ".join)
+COMMANDS = ["baseline", "node", "run", "status", "train", "export", "generate", "demo", "id"]
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], *([c, "--help"] for c in COMMANDS), ["run", "invite", "--help"]],
+    ids=" ".join,
+)  # fmt: skip
 def test_help_takes_under_a_second(args):
     """No torch, no hivemind: the parser comes from a light module (best of 3, for a busy
     machine)."""
