@@ -298,12 +298,14 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def status_arguments(p: argparse.ArgumentParser) -> None:
+def run_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """The run to reach and how: for the commands that join a run without serving."""
     p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
     p.add_argument(
         "--initial-peers",
         nargs="+",
         required=True,
+        type=peer_maddr,
         metavar="MADDR",
         help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
     )
@@ -311,9 +313,14 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
         "--host-maddrs",
         nargs="*",
         default=["/ip4/0.0.0.0/tcp/0"],
+        type=listen_maddr,
         metavar="MADDR",
         help="where to listen",
     )
+
+
+def status_arguments(p: argparse.ArgumentParser) -> None:
+    run_peer_arguments(p)
     p.add_argument(
         "--json",
         action="store_true",
@@ -330,23 +337,13 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
+    run_peer_arguments(p)
     p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
+        "--micro-batches", type=positive_int, default=1000, help="micro-batches to train"
     )
     p.add_argument(
-        "--host-maddrs",
-        nargs="*",
-        default=["/ip4/0.0.0.0/tcp/0"],
-        metavar="MADDR",
-        help="where to listen",
+        "--in-flight", type=positive_int, default=4, help="micro-batches in flight at once"
     )
-    p.add_argument("--micro-batches", type=int, default=1000, help="micro-batches to train")
-    p.add_argument("--in-flight", type=int, default=4, help="micro-batches in flight at once")
     p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
     p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
     p.add_argument(
