@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -13,7 +14,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -72,13 +72,16 @@ def _free_port() -> int:
 # 12: CLI basics
 
 
-def _wall_time(*args: str) -> float:
-    started = time.perf_counter()
+def _cpu_time(*args: str) -> float:
+    """The CPU time a command takes: what its wall time is on an idle machine (the
+    wall time of a test run next to live swarms says more about them than about it)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(
         [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    return time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 COMMANDS = ["baseline", "node", "run", "status", "train", "export", "generate", "demo", "id"]
@@ -89,9 +92,9 @@ COMMANDS = ["baseline", "node", "run", "status", "train", "export", "generate", 
     ids=" ".join,
 )  # fmt: skip
 def test_help_takes_under_a_second(args):
-    """No torch, no hivemind: the parser comes from a light module (best of 3, for a busy
-    machine)."""
-    assert min(_wall_time(*args) for _ in range(3)) < 1.0
+    """No torch, no hivemind: the parser comes from a light module (0.05 s of CPU; torch's
+    import alone takes seconds)."""
+    assert min(_cpu_time(*args) for _ in range(3)) < 0.5
 
 
 def test_version_defaults_and_help_of_every_option(home):
@@ -113,7 +116,7 @@ def test_version_defaults_and_help_of_every_option(home):
         ["-v", "node", "--run", "r"],
         ["node", "-v", "--run", "r"],
         ["node", "--run", "r", "--verbose"],
-        ["status", "--run", "r", "--initial-peers", "m", "-v"],
+        ["status", "--run", "r", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", "-v"],
         ["run", "invite", "--run", "r", "-v"],
     ],
     ids=" ".join,
