@@ -229,6 +229,13 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-train", action="store_true", help="serve only; run no trainer loop")
     p.add_argument(
+        "--heartbeat",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="log a line saying the node is alive, and what it did, this often",
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=non_negative_float,
         default=300.0,

@@ -49,6 +49,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         bandwidth_mbps=args.bandwidth_mbps,
         update_period_s=args.update_period,
         train=not args.no_train,
+        heartbeat_s=args.heartbeat,
         checkpoint_every_s=args.checkpoint_every,
         checkpoint_dir=args.checkpoint_dir,
     )

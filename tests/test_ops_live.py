@@ -176,8 +176,9 @@ def test_status_of_a_two_stage_node_and_watch(tmp_path):
 
 def test_a_node_logs_joins_departures_and_a_heartbeat_but_no_digests(tmp_path):
     """The owner's node logs a member joining and leaving (by peer id), and a heartbeat
-    every minute; the per-epoch parameter digests are not in its log (DEBUG)."""
-    owner = launch_node(tmp_path, "owner", "logged", train=True, extra=["--stage", "0"])
+    every --heartbeat seconds; the per-epoch parameter digests are not in its log (DEBUG)."""
+    extra = ["--stage", "0", "--heartbeat", "5"]  # 60 s by default
+    owner = launch_node(tmp_path, "owner", "logged", train=True, extra=extra)
     nodes = [owner]
     try:
         owner.wait_serving()
@@ -195,7 +196,7 @@ def test_a_node_logs_joins_departures_and_a_heartbeat_but_no_digests(tmp_path):
             m = re.search(r"heartbeat: (.*)", owner.output())
             return m and dict(kv.split("=") for kv in m[1].split())
 
-        beat = wait_until(heartbeat, 90, "a heartbeat", every=1)
+        beat = wait_until(heartbeat, 30, "a heartbeat", every=1)
         assert beat["stage"] == "0" and int(beat["run_peers"]) >= 1
         assert int(beat["served"]) >= 0 and int(beat["steps"]) >= 0
         assert not ParamDigest.PATTERN.search(owner.output() + member.output())
