@@ -106,6 +106,7 @@ def launch_node(
     args = [
         sys.executable, "-m", "node.cli", "node", "--run", run, "--host-maddrs", host_maddr,
         "--identity", str(workdir / f"{name}.key"), "--maddrs-file", str(maddrs),
+        "--checkpoint-dir", str(workdir / f"{name}.checkpoints"),
         "--update-period", str(update_period), "--throughput", "100",
     ]  # fmt: skip
     if initial_peers:
