@@ -22,6 +22,16 @@ averager itself is a child process. Gradients are moved out of ``.grad`` under t
 when a round starts, so micro-batches served during the round accumulate for the next
 epoch; the round's result is applied under the lock, in a worker thread.
 
+Staleness (``OptimizerConfig.max_staleness`` 0, the default). A round takes the gradients
+of every micro-batch this peer admitted at the epoch (it waits, at most ``DRAIN_S``, for the
+open ones' backwards), and the server admits no new training micro-batch while the
+stage's samples at the epoch, its peers' included (``epoch_full``), make up the target batch
+or a round is in flight. So every step averages gradients of exactly the parameters it
+updates, from about ``target_batch_size`` samples (overshoot: what the peers admit before
+they read each other's progress; each publishes as it admits). With ``max_staleness`` 1,
+micro-batches served during a round go into the next epoch, computed on the parameters
+before the round's step, and the next round takes all of them, however many.
+
 Evidence. After every epoch a peer logs a digest of the stage's parameters (diloco: of the
 anchor, the parameters the outer step set), e.g. ``stage 1 (a1b2c3): epoch 12 params
 3f9a2c1b ...``; ``compare_copies`` reads those lines from several peers' logs and says
@@ -84,6 +94,9 @@ SKETCH_DIMS = 4  # random directions of the projection
 # Copies closer than this (relative distance) are equal up to float rounding: averaged
 # without compression they differ by ~1e-7; one step apart, by ~1e-3 or more.
 EQUAL_DISTANCE = 1e-5
+# The longest a step waits for the backwards of the micro-batches its peer admitted (a lost
+# micro-batch must not hold the stage): those that come later go into the next step.
+DRAIN_S = 2.0
 
 
 def process_settings(settings: AveragingSpec) -> dict[str, object]:
@@ -290,6 +303,7 @@ class StageAverager:
         self._wake: asyncio.Event | None = None
         self._publish_now: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
+        self.server: StageServer | None = None  # set by the server that serves this stage
         if self.mode == "diloco":
             self._anchor = [p.detach().clone() for p in self._params]
             self._outer = torch.optim.SGD(
@@ -387,6 +401,42 @@ class StageAverager:
     def busy(self) -> bool:
         """A step (a round, a step alone, a catch-up) is in progress."""
         return self._busy
+
+    # -- the server's admission -----------------------------------------------------------
+
+    def epoch_full(self) -> bool:
+        """Whether the server holds new training micro-batches: the samples committed to
+        this epoch at the stage (accumulated or open, ours and our peers') make up its
+        batch, or a step is in progress. On the event loop."""
+        if self.mode == "diloco":  # inner steps are this peer's own batches
+            return self._outer_busy or self._samples() - self._inner_samples >= self._batch
+        if self._busy:
+            return True
+        target = self._target()
+        same = [p for p in self._view() if p.epoch == self._epoch]
+        return min(self._samples(), target) + sum(min(p.samples, target) for p in same) >= target
+
+    async def read_progress(self) -> None:
+        """Read our peers' progress now: the server is about to admit a micro-batch, and
+        what they admitted since the last read may fill the epoch."""
+        if self.mode == "gradient" and self._view():  # alone or diloco: ours decides
+            self._records = await self._read_progress()
+
+    def progress_changed(self) -> None:
+        """The server admitted a micro-batch: publish our progress now (on the event loop),
+        so that our peers count it before they admit more."""
+        if self._publish_now is not None:
+            self._publish_now.set()
+
+    def _gate_changed(self) -> None:
+        if self.server is not None:
+            self.server.gate_changed()
+
+    async def _drain(self) -> None:
+        """Wait (at most ``DRAIN_S``) for the backwards of the micro-batches admitted at this
+        epoch, so that the step takes their gradients (gradient mode)."""
+        if self.server is not None and self.server.gated:
+            await self.server.wait_drained(DRAIN_S)
 
     # -- the compute thread's hook ------------------------------------------------------
 
@@ -509,9 +559,11 @@ class StageAverager:
 
     def _samples(self) -> int:
         """Samples toward our next round (the round in flight included)."""
-        if self.mode == "diloco":
-            return self._inner_samples + self.optimizer.samples
-        return self._round_samples + self.optimizer.samples
+        done = self._inner_samples if self.mode == "diloco" else self._round_samples
+        server = self.server
+        if server is not None and server.gated:
+            return done + server.committed_samples()
+        return done + self.optimizer.samples
 
     def _target(self) -> int:
         return self._batch * (self.settings.inner_steps if self.mode == "diloco" else 1)
@@ -530,6 +582,7 @@ class StageAverager:
             self._records = await self._read_progress()
             self._view()  # refreshes what .peers counts
             self._wake.set()
+            self._gate_changed()  # our peers' progress decides whether the server admits
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._publish_now.wait(), self.settings.report_period_s)
 
@@ -639,6 +692,7 @@ class StageAverager:
                     await self._average(group_size=decision.peers + 1)
             finally:
                 self._busy = False
+                self._gate_changed()
 
     async def _catch_up(self) -> None:
         self._catch_up_after = time.monotonic() + self.settings.round_timeout_s
@@ -699,6 +753,7 @@ class StageAverager:
             await asyncio.to_thread(self._finish, contribution.tensors, contribution)
             self.stats.alone += 1
         else:
+            await self._drain()
 
             def step() -> None:
                 with self.lock:
@@ -722,7 +777,11 @@ class StageAverager:
         assert self._process is not None
         started = time.monotonic()
         deadline = started + self.settings.round_timeout_s
-        begin = self._begin_outer if self.mode == "diloco" else self._take_gradients
+        if self.mode == "diloco":
+            begin = self._begin_outer
+        else:
+            begin = self._take_gradients
+            await self._drain()
         contribution = await asyncio.to_thread(begin)
         if not _in_range(contribution.tensors):
             # The server checks every micro-batch, so this is a bug or broken hardware: drop
@@ -902,8 +961,8 @@ class StageAverager:
             sums = [p.grad for p in self._params]
             for p in self._params:
                 p.grad = None
+            self._round_samples = n  # before samples go to 0: a reader never sees them gone
             self.optimizer.samples = 0
-            self._round_samples = n
         means = [
             torch.zeros(p.shape) if g is None or n == 0 else (g / n).float().cpu()
             for p, g in zip(self._params, sums, strict=True)
@@ -1050,6 +1109,16 @@ class AveragedStageServer(StageServer):
             raise ValueError("the averager must average this server's stage and optimizer")
         self.averager = averager
         self.lock = averager.lock
+        averager.server = self
 
     def on_accumulated(self) -> None:
         self.averager.on_accumulated()
+
+    def _full(self) -> bool:
+        return self.averager.epoch_full()
+
+    async def before_admit(self) -> None:
+        await self.averager.read_progress()
+
+    def on_admitted(self) -> None:
+        self.averager.progress_changed()

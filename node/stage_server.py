@@ -28,6 +28,17 @@ recomputes, so a kept graph changes the speed, never the result. Each served bac
 its parameter gradients, summed over samples, into the stage's ``.grad``; the server steps
 (``on_accumulated``) once its optimizer has seen ``target_batch_size`` samples.
 
+Admission (``OptimizerConfig.max_staleness`` 0). A training micro-batch enters the stage at
+its forward (the last stage: its one train call) and leaves it when its gradients are in
+``.grad`` (the backward); in between it is *open*. Once the samples accumulated and open
+at this stage make up the next step's batch (``_full``; an averaging stage counts its
+peers' too), new training micro-batches wait, on the event loop and before any compute,
+until that step is applied: every step then averages gradients of exactly the parameters
+it updates, and the kept graphs stay valid. The wait is bounded (``HOLD_S``): past it the
+micro-batch is admitted anyway, and its gradient may be one step stale. Backward requests
+and evaluation forwards never wait. Without this, a pipeline with micro-batches in flight
+(and a stage averaging in rounds) trains on stale gradients: ``scripts/bench_parity.py``.
+
 Every request is checked (``protocol.stage_messages``) before it touches any state, and
 gradients are computed into fresh tensors and checked finite before they are added, so a
 bad request leaves parameters, gradients and counters as they were (but ``rejected``).
@@ -40,6 +51,7 @@ caller is admitted (it presented its invite after a restart of either side).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -88,6 +100,15 @@ from protocol.stage_messages import (
 
 logger = logging.getLogger(__name__)
 
+# A held training micro-batch is admitted after this long even if the step it waits for has
+# not come (a round that falls back to its timeout, a lost peer): below a trainer's
+# shortest call timeout (``TrainerSettings.min_call_timeout_s``), so a held call is late,
+# never failed and rerouted.
+HOLD_S = 3.0
+# An open micro-batch whose backward has not come after this long is forgotten (its trainer
+# died, or sent the backward to another peer of the stage): it no longer holds a step back.
+OPEN_S = 10.0
+
 
 @dataclass(frozen=True)
 class StageCounters:
@@ -97,6 +118,8 @@ class StageCounters:
     steps: int  # optimizer steps taken
     samples: int  # samples accumulated since the last step
     reused: int = 0  # backward passes served from a forward's kept graph (no recompute)
+    held: int = 0  # training micro-batches that waited for a step before they were admitted
+    overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
 
 
 @dataclass(frozen=True)
@@ -160,6 +183,15 @@ class StageServer(NodeServicer):
         self._kept: OrderedDict[tuple[str, int], _Kept] = OrderedDict()  # compute thread only
         self._load = 0
         self._forward = self._backward = self._rejected = self._reused = 0
+        # Admission (see the module docstring): open micro-batches, (caller, micro-batch)
+        # -> (samples, when admitted), under ``_gate_lock`` (the event loop admits, the
+        # compute thread releases); ``_gate_changed`` is replaced by a new event each time
+        # the gate may have opened, so that every waiter wakes.
+        self._gate_lock = threading.Lock()
+        self._open: dict[tuple[str, int], tuple[int, float]] = {}
+        self._gate_changed: asyncio.Event | None = None
+        self._gate_loop: asyncio.AbstractEventLoop | None = None
+        self._held = self._overdue = 0
 
     @classmethod
     async def create(
@@ -197,6 +229,8 @@ class StageServer(NodeServicer):
             steps=self.optimizer.step_count,
             samples=self.optimizer.samples,
             reused=self._reused,
+            held=self._held,
+            overdue=self._overdue,
         )
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
@@ -209,6 +243,94 @@ class StageServer(NodeServicer):
         averaging among the stage's peers replaces this."""
         if self.optimizer.samples >= self.optimizer.config.target_batch_size:
             self.optimizer.step()
+
+    # -- admission ------------------------------------------------------------------------
+
+    @property
+    def gated(self) -> bool:
+        """Whether training micro-batches wait for a pending step (``max_staleness`` 0)."""
+        return self.optimizer.config.max_staleness == 0
+
+    def open_samples(self) -> int:
+        """Samples admitted whose gradients are not in ``.grad`` yet (any thread)."""
+        cutoff = time.monotonic() - OPEN_S
+        with self._gate_lock:
+            for key in [k for k, (_, at) in self._open.items() if at < cutoff]:
+                del self._open[key]
+            return sum(n for n, _ in self._open.values())
+
+    def committed_samples(self) -> int:
+        """Samples accumulated in ``.grad`` plus those open, read together (any thread): a
+        micro-batch moves from one to the other at once."""
+        with self._gate_lock:
+            accumulated = self.optimizer.samples
+            return accumulated + sum(n for n, _ in self._open.values())
+
+    def _full(self) -> bool:
+        """Whether the samples committed to the next step make up its batch: new training
+        micro-batches wait. On the event loop."""
+        self.open_samples()  # forgets the expired
+        return self.committed_samples() >= self.optimizer.config.target_batch_size
+
+    async def _admit(self, key: tuple[str, int], samples: int) -> None:
+        """Wait until the stage takes a new training micro-batch (at most ``HOLD_S``), then
+        count it open. On the event loop: nothing else admits between the check and the
+        count."""
+        if not self.gated:
+            return
+        if self._gate_changed is None:
+            self._gate_loop, self._gate_changed = asyncio.get_running_loop(), asyncio.Event()
+        deadline = time.monotonic() + HOLD_S
+        await self.before_admit()
+        held = False
+        while self._full():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._overdue += 1
+                logger.info("admitted micro-batch %s after %.0f s without the step", key, HOLD_S)
+                break
+            held = True
+            changed = self._gate_changed
+            # The timeout also catches what no notification announces (the clock of OPEN_S).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+        self._held += held
+        with self._gate_lock:
+            self._open[key] = (samples, time.monotonic())
+        self.on_admitted()
+
+    async def before_admit(self) -> None:
+        """Bring what ``_full`` reads up to date (an averaging stage reads its peers'
+        progress)."""
+
+    def on_admitted(self) -> None:
+        """A training micro-batch was admitted (on the event loop)."""
+
+    def gate_changed(self) -> None:
+        """The gate may have opened: wake the micro-batches waiting on it (any thread)."""
+        loop = self._gate_loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: we are shutting down
+            loop.call_soon_threadsafe(self._wake_gate)
+
+    def _wake_gate(self) -> None:
+        changed, self._gate_changed = self._gate_changed, asyncio.Event()
+        if changed is not None:
+            changed.set()
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """Wait until no admitted micro-batch is open (at most ``timeout`` seconds), so that
+        a step takes the gradients of all of them. True if none is."""
+        deadline = time.monotonic() + timeout
+        while self.open_samples():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._gate_changed is None:
+                return False
+            changed = self._gate_changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+        return True
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -247,6 +369,9 @@ class StageServer(NodeServicer):
                         raise StageRequestError(refusal)
                     self.callers.forgive(caller, MEMBERSHIP)
                 meta, serialized = await self._receive(kind, requests)
+            if kind == FORWARD and meta.train and serialized:
+                caller = context.remote_id.to_base58()
+                await self._admit((caller, meta.micro_batch), int(serialized[0].size[0]))
             loop = asyncio.get_running_loop()
             caller = context.remote_id.to_base58()
             outputs = await loop.run_in_executor(
@@ -389,7 +514,8 @@ class StageServer(NodeServicer):
         if wrt_inputs:
             x.requires_grad_()
         loss = self._finite(self.stage(x, request.targets), "loss")
-        grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x))
+        key = (caller, request.meta.micro_batch)
+        grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x), key)
         self._forward += 1
         self._backward += 1
         loss_out = [self._send(loss)]  # the loss itself travels exact
@@ -410,7 +536,9 @@ class StageServer(NodeServicer):
             if wrt_inputs:
                 x.requires_grad_()
             out = self.stage(x)
-        grad_x = self._accumulate(out, request.grad_outputs, x if wrt_inputs else None, len(x))
+        key = (caller, request.meta.micro_batch)
+        inputs = x if wrt_inputs else None
+        grad_x = self._accumulate(out, request.grad_outputs, inputs, len(x), key)
         self._backward += 1
         return [self._send(grad_x, self.compression)] if wrt_inputs else []
 
@@ -438,10 +566,11 @@ class StageServer(NodeServicer):
         grad_outputs: torch.Tensor | None,
         inputs: torch.Tensor | None,
         batch_size: int,
+        key: tuple[str, int] | None = None,
     ) -> torch.Tensor | None:
         """Back-propagate into fresh tensors, check them, then add the parameters' share
-        to ``.grad`` and count ``batch_size`` samples. Returns the gradient w.r.t.
-        ``inputs``."""
+        to ``.grad`` and count ``batch_size`` samples, no longer open (``key``). Returns
+        the gradient w.r.t. ``inputs``."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
         wrt = params + ([inputs] if inputs is not None else [])
         if grad_outputs is not None:
@@ -457,6 +586,9 @@ class StageServer(NodeServicer):
                 p.grad = g.contiguous()
             else:
                 p.grad.add_(g)
-        self.optimizer.accumulated(batch_size)
+        with self._gate_lock:  # open to accumulated at once: the gate never sees a dip
+            self._open.pop(key, None)
+            self.optimizer.accumulated(batch_size)
         self.on_accumulated()
+        self.gate_changed()
         return grads[-1] if inputs is not None else None
