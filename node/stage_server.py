@@ -119,6 +119,7 @@ class StageCounters:
     samples: int  # samples accumulated since the last step
     reused: int = 0  # backward passes served from a forward's kept graph (no recompute)
     held: int = 0  # training micro-batches that waited for a step before they were admitted
+    waiting: int = 0  # of those, still waiting
     overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
 
 
@@ -191,7 +192,7 @@ class StageServer(NodeServicer):
         self._open: dict[tuple[str, int], tuple[int, float]] = {}
         self._gate_changed: asyncio.Event | None = None
         self._gate_loop: asyncio.AbstractEventLoop | None = None
-        self._held = self._overdue = 0
+        self._held = self._overdue = self._waiting = 0
 
     @classmethod
     async def create(
@@ -230,6 +231,7 @@ class StageServer(NodeServicer):
             samples=self.optimizer.samples,
             reused=self._reused,
             held=self._held,
+            waiting=self._waiting,
             overdue=self._overdue,
         )
 
@@ -282,19 +284,23 @@ class StageServer(NodeServicer):
             self._gate_loop, self._gate_changed = asyncio.get_running_loop(), asyncio.Event()
         deadline = time.monotonic() + HOLD_S
         await self.before_admit()
-        held = False
-        while self._full():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._overdue += 1
-                logger.info("admitted micro-batch %s after %.0f s without the step", key, HOLD_S)
-                break
-            held = True
-            changed = self._gate_changed
-            # The timeout also catches what no notification announces (the clock of OPEN_S).
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
-        self._held += held
+        if self._full():
+            self._held += 1
+            self._waiting += 1
+            try:
+                while self._full():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._overdue += 1
+                        logger.info("admitted micro-batch %s after %.0f s without the step",
+                                    key, HOLD_S)  # fmt: skip
+                        break
+                    changed = self._gate_changed
+                    # The timeout also catches what nothing announces (the clock of OPEN_S).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+            finally:
+                self._waiting -= 1
         with self._gate_lock:
             self._open[key] = (samples, time.monotonic())
         self.on_admitted()

@@ -234,9 +234,13 @@ def emulate(
     return losses
 
 
-def _fmt(values: list[float]) -> str:
-    med = statistics.median(values)
-    return f"{med:.3f} [{min(values):.3f}-{max(values):.3f}]" if len(values) > 1 else f"{med:.3f}"
+def _fmt(values: list[float], digits: int = 3) -> str:
+    med, lo, hi = statistics.median(values), min(values), max(values)
+    return (
+        f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+        if len(values) > 1
+        else f"{med:.{digits}f}"
+    )
 
 
 def main() -> int:
@@ -277,19 +281,23 @@ def main() -> int:
                 print(json.dumps(r) if args.json else
                       f"{c.name} run {i}: {r['val']} epochs {r['epochs']} "
                       f"{r['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
-    header = ["configuration"] + [f"val @ {s}" for s in checkpoints] + ["ratio @ last", "samples/s"]
-    rows = [header, ["baseline"] + [f"{base[s]:.3f}" for s in checkpoints] + ["1.000", ""]]
+    print()
+    header = ["configuration", *(f"val @ {s}" for s in checkpoints), f"ratio @ {checkpoints[-1]}",
+              "samples/s", f"s to {checkpoints[-1]}"]  # fmt: skip
+    rows = [header, ["baseline"] + [f"{base[s]:.3f}" for s in checkpoints] + ["1.000", "", ""]]
     last = checkpoints[-1]
     for name, runs in results.items():
         rows.append(
             [name]
             + [_fmt([r["val"][s] for r in runs]) for s in checkpoints]
             + [_fmt([r["val"][last] / base[last] for r in runs])]
-            + [_fmt([r["samples_per_s"] for r in runs]).replace(".000", "")]
+            + [_fmt([r["samples_per_s"] for r in runs], digits=0)]
+            + [_fmt([last / r["samples_per_s"] for r in runs], digits=0)]
         )
-    print()
-    for row in rows:
+    for i, row in enumerate(rows):
         print("| " + " | ".join(row) + " |")
+        if i == 0:
+            print("|" + "---|" * len(row))
     return 0
 
 
