@@ -25,10 +25,12 @@ epoch; the round's result is applied under the lock, in a worker thread.
 Staleness (``OptimizerConfig.max_staleness`` 0, the default). A round takes the gradients
 of every micro-batch this peer admitted at the epoch (it waits, at most ``DRAIN_S``, for the
 open ones' backwards), and the server admits no new training micro-batch while the
-stage's samples at the epoch, its peers' included (``epoch_full``), make up the target batch
+stage's samples at the epoch, its peers' included (``admission``), make up the target batch
 or a round is in flight. So every step averages gradients of exactly the parameters it
-updates, from about ``target_batch_size`` samples (overshoot: what the peers admit before
-they read each other's progress; each publishes as it admits). With ``max_staleness`` 1,
+updates, from about ``target_batch_size`` samples. Each peer publishes as it admits and
+reads its peers' progress before it admits; one that has admitted its share of the batch
+waits ``SHARE_WAIT_S`` for them to admit theirs before it takes more, so that two peers
+rarely take the last micro-batch at once (overshoot). With ``max_staleness`` 1,
 micro-batches served during a round go into the next epoch, computed on the parameters
 before the round's step, and the next round takes all of them, however many.
 
@@ -69,7 +71,7 @@ from models.training import StageOptimizer
 from node import stage_state
 from node.averaging_process import StageAveragerProcess
 from node.dht import SwarmDHT
-from node.stage_server import StageServer
+from node.stage_server import Admission, StageServer
 from node.stage_state import StageState, StateError
 from protocol.averaging import (
     MAX_ABS_CONTRIBUTION,
@@ -404,17 +406,23 @@ class StageAverager:
 
     # -- the server's admission -----------------------------------------------------------
 
-    def epoch_full(self) -> bool:
-        """Whether the server holds new training micro-batches: the samples committed to
-        this epoch at the stage (accumulated or open, ours and our peers') make up its
-        batch, or a step is in progress. On the event loop."""
+    def admission(self) -> Admission:
+        """Whether the server takes a new training micro-batch: not while the samples
+        committed to this epoch at the stage (accumulated or open, ours and our peers')
+        make up its batch, or a step is in progress (FULL); only after a short wait once
+        ours make up our share of it (SHARE). On the event loop."""
         if self.mode == "diloco":  # inner steps are this peer's own batches
-            return self._outer_busy or self._samples() - self._inner_samples >= self._batch
+            full = self._outer_busy or self._samples() - self._inner_samples >= self._batch
+            return Admission.FULL if full else Admission.OPEN
         if self._busy:
-            return True
-        target = self._target()
+            return Admission.FULL
+        target, mine = self._target(), self._samples()
         same = [p for p in self._view() if p.epoch == self._epoch]
-        return min(self._samples(), target) + sum(min(p.samples, target) for p in same) >= target
+        if min(mine, target) + sum(min(p.samples, target) for p in same) >= target:
+            return Admission.FULL
+        if same and mine >= math.ceil(target / (1 + len(same))):
+            return Admission.SHARE
+        return Admission.OPEN
 
     async def read_progress(self) -> None:
         """Read our peers' progress now: the server is about to admit a micro-batch, and
@@ -1114,8 +1122,8 @@ class AveragedStageServer(StageServer):
     def on_accumulated(self) -> None:
         self.averager.on_accumulated()
 
-    def _full(self) -> bool:
-        return self.averager.epoch_full()
+    def _admission(self) -> Admission:
+        return self.averager.admission()
 
     async def before_admit(self) -> None:
         await self.averager.read_progress()

@@ -31,7 +31,7 @@ its parameter gradients, summed over samples, into the stage's ``.grad``; the se
 Admission (``OptimizerConfig.max_staleness`` 0). A training micro-batch enters the stage at
 its forward (the last stage: its one train call) and leaves it when its gradients are in
 ``.grad`` (the backward); in between it is *open*. Once the samples accumulated and open
-at this stage make up the next step's batch (``_full``; an averaging stage counts its
+at this stage make up the next step's batch (``_admission``; an averaging stage counts its
 peers' too), new training micro-batches wait, on the event loop and before any compute,
 until that step is applied: every step then averages gradients of exactly the parameters
 it updates, and the kept graphs stay valid. The wait is bounded (``HOLD_S``): past it the
@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import threading
 import time
@@ -105,9 +106,21 @@ logger = logging.getLogger(__name__)
 # shortest call timeout (``TrainerSettings.min_call_timeout_s``), so a held call is late,
 # never failed and rerouted.
 HOLD_S = 3.0
+# A peer that has admitted its share of the step's batch (the target over the stage's peers
+# at the epoch) waits this long for its peers to admit theirs before it takes more: two
+# peers that admit at once, each before it reads the other's progress, overshoot the batch.
+SHARE_WAIT_S = 0.5
 # An open micro-batch whose backward has not come after this long is forgotten (its trainer
 # died, or sent the backward to another peer of the stage): it no longer holds a step back.
 OPEN_S = 10.0
+
+
+class Admission(enum.Enum):
+    """Whether a stage takes a new training micro-batch now."""
+
+    OPEN = "open"
+    FULL = "full"  # the step's batch is committed: wait for the step
+    SHARE = "share"  # this peer admitted its share: wait a little for its peers to admit theirs
 
 
 @dataclass(frozen=True)
@@ -268,11 +281,12 @@ class StageServer(NodeServicer):
             accumulated = self.optimizer.samples
             return accumulated + sum(n for n, _ in self._open.values())
 
-    def _full(self) -> bool:
-        """Whether the samples committed to the next step make up its batch: new training
-        micro-batches wait. On the event loop."""
+    def _admission(self) -> Admission:
+        """Whether a new training micro-batch may enter now. On the event loop."""
         self.open_samples()  # forgets the expired
-        return self.committed_samples() >= self.optimizer.config.target_batch_size
+        if self.committed_samples() >= self.optimizer.config.target_batch_size:
+            return Admission.FULL
+        return Admission.OPEN
 
     async def _admit(self, key: tuple[str, int], samples: int) -> None:
         """Wait until the stage takes a new training micro-batch (at most ``HOLD_S``), then
@@ -282,23 +296,31 @@ class StageServer(NodeServicer):
             return
         if self._gate_changed is None:
             self._gate_loop, self._gate_changed = asyncio.get_running_loop(), asyncio.Event()
-        deadline = time.monotonic() + HOLD_S
+        now = time.monotonic()
+        deadline, share_deadline = now + HOLD_S, now + SHARE_WAIT_S
         await self.before_admit()
-        if self._full():
+        state = self._admission()
+        if state is not Admission.OPEN:
             self._held += 1
             self._waiting += 1
             try:
-                while self._full():
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                while state is not Admission.OPEN:
+                    now = time.monotonic()
+                    if state is Admission.SHARE and now >= share_deadline:
+                        break  # the others did not fill theirs: take part of it
+                    if now >= deadline:
                         self._overdue += 1
                         logger.info("admitted micro-batch %s after %.0f s without the step",
                                     key, HOLD_S)  # fmt: skip
                         break
                     changed = self._gate_changed
-                    # The timeout also catches what nothing announces (the clock of OPEN_S).
+                    # The timeout also catches what nothing announces (the clock of OPEN_S),
+                    # and a peer's share is read again.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+                        await asyncio.wait_for(changed.wait(), min(deadline - now, 0.1))
+                    if state is Admission.SHARE:
+                        await self.before_admit()
+                    state = self._admission()
             finally:
                 self._waiting -= 1
         with self._gate_lock:
@@ -306,7 +328,7 @@ class StageServer(NodeServicer):
         self.on_admitted()
 
     async def before_admit(self) -> None:
-        """Bring what ``_full`` reads up to date (an averaging stage reads its peers'
+        """Bring what ``_admission`` reads up to date (an averaging stage reads its peers'
         progress)."""
 
     def on_admitted(self) -> None:
