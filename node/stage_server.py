@@ -334,6 +334,11 @@ class StageServer(NodeServicer):
     def on_admitted(self) -> None:
         """A training micro-batch was admitted (on the event loop)."""
 
+    def _release(self, key: tuple[str, int]) -> None:
+        with self._gate_lock:
+            self._open.pop(key, None)
+        self.gate_changed()
+
     def gate_changed(self) -> None:
         """The gate may have opened: wake the micro-batches waiting on it (any thread)."""
         loop = self._gate_loop
@@ -387,6 +392,7 @@ class StageServer(NodeServicer):
     ) -> list[runtime_pb2.ExpertResponse]:
         self._load += 1
         cause = ""  # of a refusal, for the caller's ban count
+        admitted: tuple[str, int] | None = None  # stays open only if it was served
         try:
             async with asyncio.timeout(self.receive_timeout):
                 if self.admission:
@@ -397,14 +403,15 @@ class StageServer(NodeServicer):
                         raise StageRequestError(refusal)
                     self.callers.forgive(caller, MEMBERSHIP)
                 meta, serialized = await self._receive(kind, requests)
-            if kind == FORWARD and meta.train and serialized:
-                caller = context.remote_id.to_base58()
-                await self._admit((caller, meta.micro_batch), int(serialized[0].size[0]))
-            loop = asyncio.get_running_loop()
             caller = context.remote_id.to_base58()
+            if kind == FORWARD and meta.train and serialized:
+                admitted = (caller, meta.micro_batch)
+                await self._admit(admitted, int(serialized[0].size[0]))  # size: checked
+            loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(
                 self._executor, self._compute, meta, serialized, caller
             )
+            admitted = None
         except (StageRequestError, TimeoutError) as e:
             reason = (
                 str(e)
@@ -418,6 +425,8 @@ class StageServer(NodeServicer):
             raise RuntimeError(f"{FAILED}{type(e).__name__}: {e}") from None
         finally:
             self._load -= 1
+            if admitted is not None:  # refused, failed or cancelled: holds no step back
+                self._release(admitted)
         meta = encode_response_meta(len(outputs))
         return list(split_message(runtime_pb2.ExpertResponse, meta, outputs))
 
