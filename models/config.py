@@ -53,6 +53,14 @@ class OptimizerConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     micro_batch_size: int = 8  # samples per forward/backward through the pipeline
     target_batch_size: int = 32  # samples per optimizer step (swarm-wide for a stage)
+    # Steps a gradient may lag behind the parameters it updates. 0: a stage admits no new
+    # micro-batch once its step's samples are committed, until that step is applied, so
+    # every step averages gradients of exactly the parameters it updates (as one process
+    # would), at the cost of a pipeline flush per step. 1: stages never hold micro-batches;
+    # those computed while a step's round runs go into the next step, one step stale, and
+    # a step takes whatever arrived during the round (more than the target). BENCHMARKS.md
+    # ("Loss per sample") measures both.
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -64,6 +72,8 @@ class OptimizerConfig:
                 f"target_batch_size ({self.target_batch_size}) must be >= "
                 f"micro_batch_size ({self.micro_batch_size})"
             )
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness must be 0 or 1, got {self.max_staleness}")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("warmup_steps, grad_clip and weight_decay must be >= 0")
 

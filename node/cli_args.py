@@ -278,6 +278,11 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--replace-at", type=float, default=0.45, help="fraction: start a replacement")
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="logs, CSV and PNG go here")
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also train the single-process baseline on the same samples and compare",
+    )
 
 
 def id_arguments(p: argparse.ArgumentParser) -> None:

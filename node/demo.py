@@ -5,24 +5,29 @@ process with a progress line, SIGKILLs one peer part way through and starts a
 replacement later, then prints a per-stage table and writes the loss curve (CSV and
 PNG). Exit status 0 only if the validation loss fell and the peers of each stage held
 equal copies at every epoch they shared (their averagers log a digest per epoch, at
-INFO in the demo's nodes). Every process it started is stopped on the way out, also on
-Ctrl-C.
+INFO in the demo's nodes). With ``--baseline`` it also trains the single-process
+baseline on the same samples and prints the ratio of the two validation losses. Every
+process it started is stopped on the way out, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
 import time
 import uuid
 
+from models.data import load_corpus
+from models.training import train_baseline
 from node.dht import SwarmDHT
 from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.stage_averaging import DIGESTS_ENV, compare_copies
 from node.train import Curve, open_trainer, train_with_progress
 from node.trainer import MicroBatchResult, Trainer, TrainerSettings
+from protocol.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +147,21 @@ async def _train(demo: Demo, dht: SwarmDHT) -> int:
     (_, before), (_, after) = curve.val[0], curve.val[-1]
     print(f"validation loss {before:.3f} -> {after:.3f} in {trainer.stats.samples} samples, "
           f"{trainer.stats.samples / elapsed:.0f} samples/s")  # fmt: skip
+    if a.baseline:
+        base = await asyncio.to_thread(baseline_loss, trainer.spec, trainer.stats.samples)
+        print(f"baseline (one process, the same {trainer.stats.samples} samples in the same "
+              f"order): {base:.3f}; swarm / baseline: {after / base:.3f}")  # fmt: skip
     return 0 if after < before and equal else 1
+
+
+def baseline_loss(spec: RunSpec, samples: int) -> float:
+    """What ``swarmtrain baseline`` reaches on the run's data stream 0 (the demo trainer's)
+    after ``samples`` samples, in steps of the target batch."""
+    optim = spec.optim
+    result = train_baseline(spec.model, optim, load_corpus(spec.data),
+                            steps=samples // optim.target_batch_size, seed=spec.seed,
+                            eval_every=10**9)  # fmt: skip
+    return result.steps[-1].val_loss
 
 
 def run(args: argparse.Namespace) -> int:

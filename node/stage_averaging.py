@@ -22,6 +22,18 @@ averager itself is a child process. Gradients are moved out of ``.grad`` under t
 when a round starts, so micro-batches served during the round accumulate for the next
 epoch; the round's result is applied under the lock, in a worker thread.
 
+Staleness (``OptimizerConfig.max_staleness`` 0, the default). A round takes the gradients
+of every micro-batch this peer admitted at the epoch (it waits, at most ``DRAIN_S``, for the
+open ones' backwards), and the server admits no new training micro-batch while the
+stage's samples at the epoch, its peers' included (``admission``), make up the target batch
+or a round is in flight. So every step averages gradients of exactly the parameters it
+updates, from about ``target_batch_size`` samples. Each peer publishes as it admits and
+reads its peers' progress before it admits; one that has admitted its share of the batch
+waits ``SHARE_WAIT_S`` for them to admit theirs before it takes more, so that two peers
+rarely take the last micro-batch at once (overshoot). With ``max_staleness`` 1,
+micro-batches served during a round go into the next epoch, computed on the parameters
+before the round's step, and the next round takes all of them, however many.
+
 Evidence. After every epoch a peer logs a digest of the stage's parameters (diloco: of the
 anchor, the parameters the outer step set), e.g. ``stage 1 (a1b2c3): epoch 12 params
 3f9a2c1b ...``; ``compare_copies`` reads those lines from several peers' logs and says
@@ -62,7 +74,7 @@ from models.training import StageOptimizer
 from node import stage_state
 from node.averaging_process import StageAveragerProcess
 from node.dht import SwarmDHT
-from node.stage_server import StageServer
+from node.stage_server import Admission, StageServer
 from node.stage_state import StageState, StateError
 from protocol.averaging import (
     MAX_ABS_CONTRIBUTION,
@@ -87,6 +99,9 @@ SKETCH_DIMS = 4  # random directions of the projection
 # Copies closer than this (relative distance) are equal up to float rounding: averaged
 # without compression they differ by ~1e-7; one step apart, by ~1e-3 or more.
 EQUAL_DISTANCE = 1e-5
+# The longest a step waits for the backwards of the micro-batches its peer admitted (a lost
+# micro-batch must not hold the stage): those that come later go into the next step.
+DRAIN_S = 2.0
 
 
 def process_settings(settings: AveragingSpec) -> dict[str, object]:
@@ -297,6 +312,7 @@ class StageAverager:
         self._wake: asyncio.Event | None = None
         self._publish_now: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
+        self.server: StageServer | None = None  # set by the server that serves this stage
         if self.mode == "diloco":
             self._anchor = [p.detach().clone() for p in self._params]
             self._outer = torch.optim.SGD(
@@ -394,6 +410,48 @@ class StageAverager:
     def busy(self) -> bool:
         """A step (a round, a step alone, a catch-up) is in progress."""
         return self._busy
+
+    # -- the server's admission -----------------------------------------------------------
+
+    def admission(self) -> Admission:
+        """Whether the server takes a new training micro-batch: not while the samples
+        committed to this epoch at the stage (accumulated or open, ours and our peers')
+        make up its batch, or a step is in progress (FULL); only after a short wait once
+        ours make up our share of it (SHARE). On the event loop."""
+        if self.mode == "diloco":  # inner steps are this peer's own batches
+            full = self._outer_busy or self._samples() - self._inner_samples >= self._batch
+            return Admission.FULL if full else Admission.OPEN
+        if self._busy:
+            return Admission.FULL
+        target, mine = self._target(), self._samples()
+        same = [p for p in self._view() if p.epoch == self._epoch]
+        if min(mine, target) + sum(min(p.samples, target) for p in same) >= target:
+            return Admission.FULL
+        if same and mine >= math.ceil(target / (1 + len(same))):
+            return Admission.SHARE
+        return Admission.OPEN
+
+    async def read_progress(self) -> None:
+        """Read our peers' progress now: the server is about to admit a micro-batch, and
+        what they admitted since the last read may fill the epoch."""
+        if self.mode == "gradient" and self._view():  # alone or diloco: ours decides
+            self._records = await self._read_progress()
+
+    def progress_changed(self) -> None:
+        """The server admitted a micro-batch: publish our progress now (on the event loop),
+        so that our peers count it before they admit more."""
+        if self._publish_now is not None:
+            self._publish_now.set()
+
+    def _gate_changed(self) -> None:
+        if self.server is not None:
+            self.server.gate_changed()
+
+    async def _drain(self) -> None:
+        """Wait (at most ``DRAIN_S``) for the backwards of the micro-batches admitted at this
+        epoch, so that the step takes their gradients (gradient mode)."""
+        if self.server is not None and self.server.gated:
+            await self.server.wait_drained(DRAIN_S)
 
     # -- the compute thread's hook ------------------------------------------------------
 
@@ -558,9 +616,11 @@ class StageAverager:
 
     def _samples(self) -> int:
         """Samples toward our next round (the round in flight included)."""
-        if self.mode == "diloco":
-            return self._inner_samples + self.optimizer.samples
-        return self._round_samples + self.optimizer.samples
+        done = self._inner_samples if self.mode == "diloco" else self._round_samples
+        server = self.server
+        if server is not None and server.gated:
+            return done + server.committed_samples()
+        return done + self.optimizer.samples
 
     def _target(self) -> int:
         return self._batch * (self.settings.inner_steps if self.mode == "diloco" else 1)
@@ -579,6 +639,7 @@ class StageAverager:
             self._records = await self._read_progress()
             self._view()  # refreshes what .peers counts
             self._wake.set()
+            self._gate_changed()  # our peers' progress decides whether the server admits
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._publish_now.wait(), self.settings.report_period_s)
 
@@ -688,6 +749,7 @@ class StageAverager:
                     await self._average(group_size=decision.peers + 1)
             finally:
                 self._busy = False
+                self._gate_changed()
 
     async def _catch_up(self) -> None:
         self._catch_up_after = time.monotonic() + self.settings.round_timeout_s
@@ -749,6 +811,7 @@ class StageAverager:
             await asyncio.to_thread(self._finish, contribution.tensors, contribution)
             self.stats.alone += 1
         else:
+            await self._drain()
 
             def step() -> None:
                 with self.lock:
@@ -772,7 +835,11 @@ class StageAverager:
         assert self._process is not None
         started = time.monotonic()
         deadline = started + self.settings.round_timeout_s
-        begin = self._begin_outer if self.mode == "diloco" else self._take_gradients
+        if self.mode == "diloco":
+            begin = self._begin_outer
+        else:
+            begin = self._take_gradients
+            await self._drain()
         contribution = await asyncio.to_thread(begin)
         if not _in_range(contribution.tensors):
             # The server checks every micro-batch, so this is a bug or broken hardware: drop
@@ -952,8 +1019,8 @@ class StageAverager:
             sums = [p.grad for p in self._params]
             for p in self._params:
                 p.grad = None
+            self._round_samples = n  # before samples go to 0: a reader never sees them gone
             self.optimizer.samples = 0
-            self._round_samples = n
         means = [
             torch.zeros(p.shape) if g is None or n == 0 else (g / n).float().cpu()
             for p, g in zip(self._params, sums, strict=True)
@@ -1100,6 +1167,16 @@ class AveragedStageServer(StageServer):
             raise ValueError("the averager must average this server's stage and optimizer")
         self.averager = averager
         self.lock = averager.lock
+        averager.server = self
 
     def on_accumulated(self) -> None:
         self.averager.on_accumulated()
+
+    def _admission(self) -> Admission:
+        return self.averager.admission()
+
+    async def before_admit(self) -> None:
+        await self.averager.read_progress()
+
+    def on_admitted(self) -> None:
+        self.averager.progress_changed()

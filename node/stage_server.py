@@ -28,6 +28,17 @@ recomputes, so a kept graph changes the speed, never the result. Each served bac
 its parameter gradients, summed over samples, into the stage's ``.grad``; the server steps
 (``on_accumulated``) once its optimizer has seen ``target_batch_size`` samples.
 
+Admission (``OptimizerConfig.max_staleness`` 0). A training micro-batch enters the stage at
+its forward (the last stage: its one train call) and leaves it when its gradients are in
+``.grad`` (the backward); in between it is *open*. Once the samples accumulated and open
+at this stage make up the next step's batch (``_admission``; an averaging stage counts its
+peers' too), new training micro-batches wait, on the event loop and before any compute,
+until that step is applied: every step then averages gradients of exactly the parameters
+it updates, and the kept graphs stay valid. The wait is bounded (``HOLD_S``): past it the
+micro-batch is admitted anyway, and its gradient may be one step stale. Backward requests
+and evaluation forwards never wait. Without this, a pipeline with micro-batches in flight
+(and a stage averaging in rounds) trains on stale gradients: ``scripts/bench_parity.py``.
+
 Every request is checked (``protocol.stage_messages``) before it touches any state, and
 gradients are computed into fresh tensors and checked finite before they are added, so a
 bad request leaves parameters, gradients and counters as they were (but ``rejected``).
@@ -40,7 +51,9 @@ caller is admitted (it presented its invite after a restart of either side).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import enum
 import logging
 import threading
 import time
@@ -88,6 +101,27 @@ from protocol.stage_messages import (
 
 logger = logging.getLogger(__name__)
 
+# A held training micro-batch is admitted after this long even if the step it waits for has
+# not come (a round that falls back to its timeout, a lost peer): below a trainer's
+# shortest call timeout (``TrainerSettings.min_call_timeout_s``), so a held call is late,
+# never failed and rerouted.
+HOLD_S = 3.0
+# A peer that has admitted its share of the step's batch (the target over the stage's peers
+# at the epoch) waits this long for its peers to admit theirs before it takes more: two
+# peers that admit at once, each before it reads the other's progress, overshoot the batch.
+SHARE_WAIT_S = 0.5
+# An open micro-batch whose backward has not come after this long is forgotten (its trainer
+# died, or sent the backward to another peer of the stage): it no longer holds a step back.
+OPEN_S = 10.0
+
+
+class Admission(enum.Enum):
+    """Whether a stage takes a new training micro-batch now."""
+
+    OPEN = "open"
+    FULL = "full"  # the step's batch is committed: wait for the step
+    SHARE = "share"  # this peer admitted its share: wait a little for its peers to admit theirs
+
 
 @dataclass(frozen=True)
 class StageCounters:
@@ -97,6 +131,9 @@ class StageCounters:
     steps: int  # optimizer steps taken
     samples: int  # samples accumulated since the last step
     reused: int = 0  # backward passes served from a forward's kept graph (no recompute)
+    held: int = 0  # training micro-batches that waited for a step before they were admitted
+    waiting: int = 0  # of those, still waiting
+    overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
 
 
 @dataclass(frozen=True)
@@ -160,6 +197,15 @@ class StageServer(NodeServicer):
         self._kept: OrderedDict[tuple[str, int], _Kept] = OrderedDict()  # compute thread only
         self._load = 0
         self._forward = self._backward = self._rejected = self._reused = 0
+        # Admission (see the module docstring): open micro-batches, (caller, micro-batch)
+        # -> (samples, when admitted), under ``_gate_lock`` (the event loop admits, the
+        # compute thread releases); ``_gate_changed`` is replaced by a new event each time
+        # the gate may have opened, so that every waiter wakes.
+        self._gate_lock = threading.Lock()
+        self._open: dict[tuple[str, int], tuple[int, float]] = {}
+        self._gate_changed: asyncio.Event | None = None
+        self._gate_loop: asyncio.AbstractEventLoop | None = None
+        self._held = self._overdue = self._waiting = 0
 
     @classmethod
     async def create(
@@ -197,6 +243,9 @@ class StageServer(NodeServicer):
             steps=self.optimizer.step_count,
             samples=self.optimizer.samples,
             reused=self._reused,
+            held=self._held,
+            waiting=self._waiting,
+            overdue=self._overdue,
         )
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
@@ -209,6 +258,112 @@ class StageServer(NodeServicer):
         averaging among the stage's peers replaces this."""
         if self.optimizer.samples >= self.optimizer.config.target_batch_size:
             self.optimizer.step()
+
+    # -- admission ------------------------------------------------------------------------
+
+    @property
+    def gated(self) -> bool:
+        """Whether training micro-batches wait for a pending step (``max_staleness`` 0)."""
+        return self.optimizer.config.max_staleness == 0
+
+    def open_samples(self) -> int:
+        """Samples admitted whose gradients are not in ``.grad`` yet (any thread)."""
+        cutoff = time.monotonic() - OPEN_S
+        with self._gate_lock:
+            for key in [k for k, (_, at) in self._open.items() if at < cutoff]:
+                del self._open[key]
+            return sum(n for n, _ in self._open.values())
+
+    def committed_samples(self) -> int:
+        """Samples accumulated in ``.grad`` plus those open, read together (any thread): a
+        micro-batch moves from one to the other at once."""
+        with self._gate_lock:
+            accumulated = self.optimizer.samples
+            return accumulated + sum(n for n, _ in self._open.values())
+
+    def _admission(self) -> Admission:
+        """Whether a new training micro-batch may enter now. On the event loop."""
+        self.open_samples()  # forgets the expired
+        if self.committed_samples() >= self.optimizer.config.target_batch_size:
+            return Admission.FULL
+        return Admission.OPEN
+
+    async def _admit(self, key: tuple[str, int], samples: int) -> None:
+        """Wait until the stage takes a new training micro-batch (at most ``HOLD_S``), then
+        count it open. On the event loop: nothing else admits between the check and the
+        count."""
+        if not self.gated:
+            return
+        if self._gate_changed is None:
+            self._gate_loop, self._gate_changed = asyncio.get_running_loop(), asyncio.Event()
+        now = time.monotonic()
+        deadline, share_deadline = now + HOLD_S, now + SHARE_WAIT_S
+        await self.before_admit()
+        state = self._admission()
+        if state is not Admission.OPEN:
+            self._held += 1
+            self._waiting += 1
+            try:
+                while state is not Admission.OPEN:
+                    now = time.monotonic()
+                    if state is Admission.SHARE and now >= share_deadline:
+                        break  # the others did not fill theirs: take part of it
+                    if now >= deadline:
+                        self._overdue += 1
+                        logger.info("admitted micro-batch %s after %.0f s without the step",
+                                    key, HOLD_S)  # fmt: skip
+                        break
+                    changed = self._gate_changed
+                    # The timeout also catches what nothing announces (the clock of OPEN_S),
+                    # and a peer's share is read again.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), min(deadline - now, 0.1))
+                    if state is Admission.SHARE:
+                        await self.before_admit()
+                    state = self._admission()
+            finally:
+                self._waiting -= 1
+        with self._gate_lock:
+            self._open[key] = (samples, time.monotonic())
+        self.on_admitted()
+
+    async def before_admit(self) -> None:
+        """Bring what ``_admission`` reads up to date (an averaging stage reads its peers'
+        progress)."""
+
+    def on_admitted(self) -> None:
+        """A training micro-batch was admitted (on the event loop)."""
+
+    def _release(self, key: tuple[str, int]) -> None:
+        with self._gate_lock:
+            self._open.pop(key, None)
+        self.gate_changed()
+
+    def gate_changed(self) -> None:
+        """The gate may have opened: wake the micro-batches waiting on it (any thread)."""
+        loop = self._gate_loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: we are shutting down
+            loop.call_soon_threadsafe(self._wake_gate)
+
+    def _wake_gate(self) -> None:
+        changed, self._gate_changed = self._gate_changed, asyncio.Event()
+        if changed is not None:
+            changed.set()
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """Wait until no admitted micro-batch is open (at most ``timeout`` seconds), so that
+        a step takes the gradients of all of them. True if none is."""
+        deadline = time.monotonic() + timeout
+        while self.open_samples():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._gate_changed is None:
+                return False
+            changed = self._gate_changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+        return True
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -238,16 +393,24 @@ class StageServer(NodeServicer):
         if kind not in (FORWARD, BACKWARD):
             raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
         self._load += 1
+        admitted: tuple[str, int] | None = None  # stays open only if it was served
         try:
             meta = StageMeta.decode(metadata)
             check_meta(self.contract, meta, run_id=self.run_id, kind=kind)
+            if kind == FORWARD and meta.train and tensors and tensors[0].size:
+                admitted = (caller, meta.micro_batch)
+                await self._admit(admitted, int(tensors[0].size[0]))  # as a remote caller's
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._compute, meta, tensors, caller)
+            out = await loop.run_in_executor(self._executor, self._compute, meta, tensors, caller)
+            admitted = None
+            return out
         except StageRequestError:
             self._rejected += 1
             raise
         finally:
             self._load -= 1
+            if admitted is not None:  # refused, failed or cancelled: holds no step back
+                self._release(admitted)
 
     async def _linger(self) -> None:
         # Keep the stream open until the caller, holding the whole response, closes it
@@ -259,6 +422,7 @@ class StageServer(NodeServicer):
     ) -> list[runtime_pb2.ExpertResponse]:
         self._load += 1
         cause = ""  # of a refusal, for the caller's ban count
+        admitted: tuple[str, int] | None = None  # stays open only if it was served
         try:
             async with asyncio.timeout(self.receive_timeout):
                 if self.admission:
@@ -269,11 +433,15 @@ class StageServer(NodeServicer):
                         raise StageRequestError(refusal)
                     self.callers.forgive(caller, MEMBERSHIP)
                 meta, serialized = await self._receive(kind, requests)
-            loop = asyncio.get_running_loop()
             caller = context.remote_id.to_base58()
+            if kind == FORWARD and meta.train and serialized:
+                admitted = (caller, meta.micro_batch)
+                await self._admit(admitted, int(serialized[0].size[0]))  # size: checked
+            loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(
                 self._executor, self._compute, meta, serialized, caller
             )
+            admitted = None
         except (StageRequestError, TimeoutError) as e:
             reason = (
                 str(e)
@@ -287,6 +455,8 @@ class StageServer(NodeServicer):
             raise RuntimeError(f"{FAILED}{type(e).__name__}: {e}") from None
         finally:
             self._load -= 1
+            if admitted is not None:  # refused, failed or cancelled: holds no step back
+                self._release(admitted)
         meta = encode_response_meta(len(outputs))
         return list(split_message(runtime_pb2.ExpertResponse, meta, outputs))
 
@@ -411,7 +581,8 @@ class StageServer(NodeServicer):
         if wrt_inputs:
             x.requires_grad_()
         loss = self._finite(self.stage(x, request.targets), "loss")
-        grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x))
+        key = (caller, request.meta.micro_batch)
+        grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x), key)
         self._forward += 1
         self._backward += 1
         loss_out = [self._send(loss)]  # the loss itself travels exact
@@ -432,7 +603,9 @@ class StageServer(NodeServicer):
             if wrt_inputs:
                 x.requires_grad_()
             out = self.stage(x)
-        grad_x = self._accumulate(out, request.grad_outputs, x if wrt_inputs else None, len(x))
+        key = (caller, request.meta.micro_batch)
+        inputs = x if wrt_inputs else None
+        grad_x = self._accumulate(out, request.grad_outputs, inputs, len(x), key)
         self._backward += 1
         return [self._send(grad_x, self.compression)] if wrt_inputs else []
 
@@ -460,10 +633,11 @@ class StageServer(NodeServicer):
         grad_outputs: torch.Tensor | None,
         inputs: torch.Tensor | None,
         batch_size: int,
+        key: tuple[str, int] | None = None,
     ) -> torch.Tensor | None:
         """Back-propagate into fresh tensors, check them, then add the parameters' share
-        to ``.grad`` and count ``batch_size`` samples. Returns the gradient w.r.t.
-        ``inputs``."""
+        to ``.grad`` and count ``batch_size`` samples, no longer open (``key``). Returns
+        the gradient w.r.t. ``inputs``."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
         wrt = params + ([inputs] if inputs is not None else [])
         if grad_outputs is not None:
@@ -479,6 +653,9 @@ class StageServer(NodeServicer):
                 p.grad = g.contiguous()
             else:
                 p.grad.add_(g)
-        self.optimizer.accumulated(batch_size)
+        with self._gate_lock:  # open to accumulated at once: the gate never sees a dip
+            self._open.pop(key, None)
+            self.optimizer.accumulated(batch_size)
         self.on_accumulated()
+        self.gate_changed()
         return grads[-1] if inputs is not None else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -227,12 +228,75 @@ def test_a_peer_calls_its_own_stages_in_process():
             await stage_client.backward(own, me, x, g, stage=0, local=s0, **kw)
             assert (s0.counters.forward, s0.counters.backward, s0.counters.reused) == (1, 1, 1)
             assert s0.optimizer.samples == s1.optimizer.samples == B
+            # Admission as for a remote caller: with the step's batch committed (B
+            # accumulated, B open), a further training forward waits for the step.
+            await stage_client.forward(
+                own, me, x, stage=0, train=True, local=s0, run_id=RUN, micro_batch=4
+            )
+            held = asyncio.ensure_future(
+                stage_client.forward(
+                    own, me, x, stage=0, train=True, local=s0, run_id=RUN, micro_batch=5
+                )
+            )
+            while s0.counters.waiting == 0:
+                await asyncio.wait({held}, timeout=0.02)
+                assert not held.done()
+            await stage_client.backward(own, me, x, g, stage=0, local=s0, run_id=RUN, micro_batch=4)
+            await held
+            assert s0.counters.steps == 1 and s0.counters.held == 1
+            assert s0.counters.overdue == 0
+            await stage_client.backward(own, me, x, g, stage=0, local=s0, run_id=RUN, micro_batch=5)
+            assert s0.optimizer.samples == B
             with pytest.raises(StageRefused):  # token ids out of the vocabulary
                 await stage_client.forward(own, me, x + CFG.vocab_size, stage=0, local=s0, **kw)
             assert s0.counters.rejected == 1 and s0.optimizer.samples == B
             await s0.shutdown()
             with pytest.raises(StageUnavailable):  # shut down (a move): try another peer
                 await stage_client.forward(own, me, x, stage=0, local=s0, **kw)
+
+    _run(body())
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_training_forward_waits_while_its_stage_has_a_step_pending(max_staleness):
+    """Two training micro-batches make up stage 0's batch (8 samples): with
+    ``max_staleness`` 0 a third one waits until their backwards came and the stage stepped,
+    so that it runs on the stepped parameters (and the two kept their graphs); with 1 it
+    runs at once, on the parameters before the step, and its gradient goes into the next."""
+    x, _ = _batch()
+    g = torch.randn(B, CFG.block_size, CFG.n_embd, generator=torch.Generator().manual_seed(1))
+    opt = dataclasses.replace(OPT, max_staleness=max_staleness)
+
+    class Server(StageServer):
+        def __init__(self, stage, optimizer, *args, **kw):
+            super().__init__(stage, StageOptimizer(stage, opt), *args, **kw)
+
+    async def body():
+        async with _swarm(TWO, [0], server_cls=Server) as (client, (server,)):
+            kw = {"run_id": RUN, "stage": 0}
+            peer = _peer(server)
+            before = _params(server.stage)
+            for k in (1, 2):
+                await stage_client.forward(client, peer, x, micro_batch=k, train=True, **kw)
+            third = asyncio.ensure_future(
+                stage_client.forward(client, peer, x, micro_batch=3, train=True, **kw)
+            )
+            if max_staleness == 0:
+                while server.counters.waiting == 0:  # received, and held
+                    await asyncio.wait({third}, timeout=0.02)
+                    assert not third.done()
+            else:
+                await third
+            for k in (1, 2):
+                await stage_client.backward(client, peer, x, g, micro_batch=k, **kw)
+            out = await third
+            assert server.counters.steps == 1 and server.counters.reused == 2
+            local = _local(TWO)[0]
+            local.load_state_dict(before if max_staleness else _params(server.stage))
+            with torch.no_grad():
+                assert torch.equal(out, local(x))
+            assert server.counters.held == (1 if max_staleness == 0 else 0)
+            assert server.counters.overdue == 0
 
     _run(body())
 

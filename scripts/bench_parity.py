@@ -1,0 +1,305 @@
+"""Loss per sample: the swarm against the single-process baseline, on the same samples.
+
+    PYTHONPATH=. python scripts/bench_parity.py --runs 3
+
+The baseline (``models.training.train_baseline``, what ``swarmtrain baseline`` runs) and
+every swarm configuration read the run's data stream 0 in the same order, with the same
+preset; the swarm is a real local one (node processes with p2pd, hivemind averaging, one
+trainer in this process). Validation loss (the run's fixed validation windows) is taken
+at fixed sample counts: the swarm's trainer stops there, waits until no stage has a step
+pending (every peer's progress record shows the same epoch, below a round's samples), and
+evaluates through the swarm. Configurations (``--configs``), by name:
+
+    PxF-MODE-sS  P peers per stage, F micro-batches in flight, averaging MODE (gradient,
+                 diloco), ``OptimizerConfig.max_staleness`` S (0: stages hold micro-batches
+                 while a step is pending; 1: they never hold, as before)
+
+It prints one line per run (JSON with ``--json``) and a table of medians [min-max] over
+``--runs`` runs, each loss also as a ratio to the baseline's at the same samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import dataclasses
+import json
+import math
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from models.config import preset
+from models.data import eval_batches, load_corpus, sample_batches, stream_seed
+from models.stages import Stage, even_boundaries
+from models.training import StageOptimizer, evaluate, pipeline_loss, train_baseline
+from node.dht import SwarmDHT
+from node.files import load_or_create_key, write_atomic
+from node.local_swarm import LOCAL, launch_node, stop_all
+from node.train import open_trainer
+from node.trainer import Trainer, TrainerSettings
+from protocol.averaging import decode_progress, progress_key
+from protocol.identity import peer_id_of
+from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
+
+DEFAULT_CONFIGS = ("2x4-gradient-s0", "2x4-gradient-s1", "2x1-gradient-s0", "1x4-gradient-s0")
+CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SwarmConfig:
+    peers: int  # per stage
+    in_flight: int
+    mode: str = "gradient"
+    max_staleness: int = 0
+    stages: int = 2
+    inner_steps: int = 10  # diloco
+
+    @classmethod
+    def parse(cls, name: str) -> SwarmConfig:
+        m = CONFIG.match(name)
+        if m is None:
+            raise ValueError(f"configuration {name!r}: write e.g. 2x4-gradient-s0")
+        return cls(int(m[1]), int(m[2]), m[3], int(m[4]))
+
+    @property
+    def name(self) -> str:
+        return f"{self.peers}x{self.in_flight}-{self.mode}-s{self.max_staleness}"
+
+
+def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[str, Path]:
+    """A public run's signed spec for ``config`` (tiny preset): its id and its file."""
+    key = load_or_create_key(workdir / "owner.key")
+    spec = make_run_spec(
+        name,
+        "tiny",
+        config.stages,
+        owner=peer_id_of(key.public_key()),
+        averaging=AveragingSpec(mode=config.mode, inner_steps=config.inner_steps),
+        # Named only when it is not the default, so that this runs on code without it.
+        **({"max_staleness": config.max_staleness} if config.max_staleness else {}),
+        **optim,
+    )
+    path = workdir / f"{name}.spec.json"
+    write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
+    return spec.run, path
+
+
+async def settled(dht: SwarmDHT, trainer: Trainer, timeout: float = 30.0) -> list[int]:
+    """Wait until no stage has a step pending: all of a stage's peers publish the same
+    epoch, and their samples at it are below what starts a round. Returns each stage's
+    epoch."""
+    spec = trainer.spec
+    peers = [len(v) for v in trainer._view]
+    target = spec.optim.target_batch_size
+    if spec.averaging.mode == "diloco":
+        target *= spec.averaging.inner_steps
+    deadline = time.monotonic() + timeout
+    while True:
+        epochs = []
+        for s in range(spec.n_stages):
+            found = await dht.dht.get(progress_key(spec.run, s), latest=True, return_future=True)
+            records = [] if found is None else [
+                decode_progress(k, v.value) for k, v in found.value.items()
+            ]  # fmt: skip
+            stage_target = target * (len(records) if spec.averaging.mode == "diloco" else 1)
+            if (
+                len(records) == peers[s]
+                and len({r.epoch for r in records}) == 1
+                and sum(r.samples for r in records) < stage_target
+            ):
+                epochs.append(records[0].epoch)
+        if len(epochs) == spec.n_stages:
+            return epochs
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the stages did not settle within {timeout:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+def run_swarm(
+    config: SwarmConfig,
+    checkpoints: list[int],
+    workdir: Path,
+    *,
+    optim: dict | None = None,
+    timeout_s: float = 900.0,
+) -> dict:
+    """Train a local swarm of ``config`` to each of ``checkpoints`` (samples, ascending);
+    returns validation losses by samples, the stages' epochs there, and samples/s."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    name = f"parity-{config.name}-{int(time.time() * 1000) % 10**8}"
+    run, spec_path = write_spec(workdir, name, config, **(optim or {}))
+    nodes, dht = [], None
+    try:
+        for i in range(config.stages * config.peers):
+            peers = [nodes[0].maddr] if nodes else []
+            extra = ["--spec", str(spec_path), "--stage", str(i % config.stages)]
+            nodes.append(launch_node(workdir, f"p{i}", run, initial_peers=peers, extra=extra))
+        for n in nodes:
+            n.wait_serving()
+        dht = SwarmDHT.start(run, initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
+                             client_mode=True)  # fmt: skip
+        return asyncio.run(asyncio.wait_for(_train(dht, config, checkpoints), timeout_s)) | {
+            "logs": [str(n.log) for n in nodes]
+        }
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        stop_all(nodes)
+
+
+async def _train(dht: SwarmDHT, config: SwarmConfig, checkpoints: list[int]) -> dict:
+    trainer = await open_trainer(dht, TrainerSettings(in_flight=config.in_flight,
+                                                      call_timeout_s=10))  # fmt: skip
+    try:
+
+        async def full_view() -> bool:
+            await trainer.refresh()
+            return [len(v) for v in trainer._view] == [config.peers] * config.stages
+
+        deadline = time.monotonic() + 60
+        while not await full_view():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the trainer did not see every peer within 60 s")
+            await asyncio.sleep(0.3)
+        micro = trainer.spec.optim.micro_batch_size
+        val, epochs, busy_s = {}, {}, 0.0
+        for samples in checkpoints:
+            started = time.perf_counter()
+            await trainer.train((samples - trainer.stats.samples) // micro)
+            busy_s += time.perf_counter() - started
+            epochs[samples] = await settled(dht, trainer)
+            val[samples] = await trainer.evaluate()
+        return {
+            "config": config.name,
+            "val": val,
+            "epochs": epochs,
+            "samples_per_s": trainer.stats.samples / busy_s,
+            "rerouted": sum(trainer.stats.rerouted.values()),
+        }
+    finally:
+        await trainer.p2p.shutdown()
+
+
+def baseline(checkpoints: list[int], optim: dict | None = None, n_stages: int = 1) -> dict:
+    """Validation loss of ``train_baseline`` at ``checkpoints`` (multiples of a step)."""
+    model, opt = preset("tiny")
+    opt = dataclasses.replace(opt, **(optim or {}))
+    step = opt.target_batch_size
+    every = math.gcd(*(c // step for c in checkpoints))
+    result = train_baseline(model, opt, load_corpus(), steps=max(checkpoints) // step,
+                            n_stages=n_stages, eval_every=every)  # fmt: skip
+    return {r.samples: r.val_loss for r in result.steps if r.samples in checkpoints}
+
+
+def emulate(
+    checkpoints: list[int], batch: int = 32, delay: int = 0, n_stages: int = 2
+) -> dict[int, float]:
+    """The swarm's arithmetic in one process, without the swarm: steps of ``batch`` samples
+    (a round that overshoots the target takes more), each on gradients computed on the
+    parameters of ``delay`` steps before (1: what micro-batches served during a round get).
+    Validation loss at ``checkpoints``, as ``baseline``."""
+    model, opt = preset("tiny")
+    opt = dataclasses.replace(opt, target_batch_size=batch)
+    corpus = load_corpus()
+    stages = [Stage(model, r) for r in even_boundaries(model, n_stages)]
+    optimizers = [StageOptimizer(s, opt) for s in stages]
+    data = sample_batches(corpus.train, model.block_size, opt.micro_batch_size, stream_seed(0, 0))
+    val = eval_batches(corpus.val, model.block_size, opt.micro_batch_size, 8)
+    past: list[list[dict]] = []  # the stages' parameters at the last delay + 1 steps
+    losses, seen = {}, 0
+    while seen < max(checkpoints):
+        past = [*past, [copy.deepcopy(s.state_dict()) for s in stages]][-(delay + 1) :]
+        computing = stages
+        if delay:
+            computing = [Stage(model, s.range) for s in stages]
+            for c, state in zip(computing, past[0], strict=True):
+                c.load_state_dict(state)
+        for _ in range(batch // opt.micro_batch_size):
+            x, y = next(data)
+            (pipeline_loss(computing, x, y) * len(x)).backward()
+            seen += len(x)
+        for c, s, o in zip(computing, stages, optimizers, strict=True):
+            for pc, ps in zip(c.parameters(), s.parameters(), strict=True):
+                ps.grad = pc.grad
+            o.accumulated(batch)
+            o.step()
+        for mark in checkpoints:
+            if seen >= mark and mark not in losses:
+                losses[mark] = evaluate(stages, val)
+    return losses
+
+
+def _fmt(values: list[float], digits: int = 3) -> str:
+    med, lo, hi = statistics.median(values), min(values), max(values)
+    return (
+        f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+        if len(values) > 1
+        else f"{med:.{digits}f}"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--checkpoints", type=int, nargs="+", default=[1600, 3200, 6400])
+    p.add_argument("--workdir", type=Path, help="node logs (default: a temporary directory)")
+    p.add_argument("--json", action="store_true", help="one JSON object per run")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="instead: the swarm's arithmetic in one process (step batch x gradient delay)",
+    )
+    args = p.parse_args()
+    configs = [SwarmConfig.parse(c) for c in args.configs]
+    checkpoints = sorted(args.checkpoints)
+    if args.emulate:
+        print("| stages | batch per step | gradient delay (steps) | "
+              + " | ".join(f"val @ {s}" for s in checkpoints) + " |")  # fmt: skip
+        print("|" + "---|" * (3 + len(checkpoints)))
+        for stages, batch, delay in [(1, 32, 0), (2, 32, 0), (2, 48, 0), (2, 64, 0),
+                                     (2, 32, 1), (2, 64, 1)]:  # fmt: skip
+            val = emulate(checkpoints, batch, delay, stages)
+            figures = " | ".join(f"{val[s]:.3f}" for s in checkpoints)
+            print(f"| {stages} | {batch} | {delay} | {figures} |", flush=True)
+        return 0
+    base = baseline(checkpoints)
+    print(json.dumps({"config": "baseline", "val": base}) if args.json else
+          f"baseline: {base}", flush=True)  # fmt: skip
+    results: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.workdir or Path(tmp)
+        for i in range(args.runs):
+            for c in configs:
+                r = run_swarm(c, checkpoints, root / f"{c.name}-{i}")
+                results.setdefault(c.name, []).append(r)
+                print(json.dumps(r) if args.json else
+                      f"{c.name} run {i}: {r['val']} epochs {r['epochs']} "
+                      f"{r['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
+    print()
+    header = ["configuration", *(f"val @ {s}" for s in checkpoints), f"ratio @ {checkpoints[-1]}",
+              "samples/s", f"s to {checkpoints[-1]}"]  # fmt: skip
+    rows = [header, ["baseline"] + [f"{base[s]:.3f}" for s in checkpoints] + ["1.000", "", ""]]
+    last = checkpoints[-1]
+    for name, runs in results.items():
+        rows.append(
+            [name]
+            + [_fmt([r["val"][s] for r in runs]) for s in checkpoints]
+            + [_fmt([r["val"][last] / base[last] for r in runs])]
+            + [_fmt([r["samples_per_s"] for r in runs], digits=0)]
+            + [_fmt([last / r["samples_per_s"] for r in runs], digits=0)]
+        )
+    for i, row in enumerate(rows):
+        print("| " + " | ".join(row) + " |")
+        if i == 0:
+            print("|" + "---|" * len(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
