@@ -112,6 +112,7 @@ def _create(args: argparse.Namespace) -> int:
         compression=args.compression,
         averaging=averaging,
         private=args.private,
+        max_staleness=args.max_staleness,
     )
     out = args.out or Path(f"{args.name}.spec.json")
     signed = owned_spec(args.owner_key, key, spec)
