@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/swarmtrain demo
+	$(BIN)/swarmtrain demo --baseline
 
 test: $(STAMP)
 	$(BIN)/ruff check .
