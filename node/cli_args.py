@@ -66,32 +66,22 @@ def _number(text: str, kind: type) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
+def _at_least(kind: type, low: float, *, equal_ok: bool, why: str):
+    """An argument type: a finite ``kind`` at least ``low`` (above it unless ``equal_ok``)."""
+
+    def parse(text: str):
+        value = _number(text, kind)
+        if value < low or (value == low and not equal_ok):
+            raise argparse.ArgumentTypeError(f"{why}, got {text}")
+        return value
+
+    return parse
 
 
-def non_negative_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
-    return value
-
-
-def stage_number(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"stages are numbered from 0, got {text}")
-    return value
+positive_float = _at_least(float, 0, equal_ok=False, why="must be more than 0")
+non_negative_float = _at_least(float, 0, equal_ok=True, why="must be 0 or more")
+positive_int = _at_least(int, 1, equal_ok=True, why="must be 1 or more")
+stage_number = _at_least(int, 0, equal_ok=True, why="stages are numbered from 0")
 
 
 def _maddr(check: str, text: str) -> str:
