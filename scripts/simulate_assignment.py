@@ -100,7 +100,7 @@ class Config:
     peers: int = 1000
     stages: int = 4
     duration: float = 7200.0  # simulated seconds
-    churn: float = 1.0  # departures per peer per hour (mean session 1/churn hours)
+    churn: float = 1.0  # departures per peer per hour (mean stay: 1/churn hours)
     seed: int = 0
     dist: str = "lognormal"  # or "pareto"
     sigma: float = 1.0  # lognormal: std of log throughput (a 30x spread of devices)
