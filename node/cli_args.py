@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 STDLIB = "stdlib"  # models.data.STDLIB: Python's standard library as a corpus
-DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")  # node.run_admin reads it from here
+DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")  # the node and run_admin read it here
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -105,6 +105,18 @@ def announce_maddr(text: str) -> str:
     return _maddr("check_announce_maddr", text)
 
 
+def listen_argument(p: argparse.ArgumentParser, text: str) -> None:
+    """``--host-maddrs``: where this process's libp2p daemon listens."""
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        type=listen_maddr,
+        metavar="MADDR",
+        help=text,
+    )
+
+
 def node_arguments(p: argparse.ArgumentParser) -> None:
     """``swarmtrain node``."""
     p.add_argument(
@@ -132,14 +144,7 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID, as a node "
         "prints at start); none: start a new run",
     )
-    p.add_argument(
-        "--host-maddrs",
-        nargs="*",
-        default=["/ip4/0.0.0.0/tcp/0"],
-        type=listen_maddr,
-        metavar="MADDR",
-        help="where to listen (default: every interface, a free TCP port)",
-    )
+    listen_argument(p, "where to listen (default: every interface, a free TCP port)")
     p.add_argument(
         "--announce-maddrs",
         nargs="*",
@@ -311,14 +316,7 @@ def run_peer_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MADDR",
         help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
     )
-    p.add_argument(
-        "--host-maddrs",
-        nargs="*",
-        default=["/ip4/0.0.0.0/tcp/0"],
-        type=listen_maddr,
-        metavar="MADDR",
-        help="where to listen",
-    )
+    listen_argument(p, "where to listen")
 
 
 def status_arguments(p: argparse.ArgumentParser) -> None:
@@ -398,7 +396,7 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
     )
     revoke.add_argument("--invite-id", nargs="*", default=[], metavar="ID")
     revoke.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
-    revoke.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"])
+    listen_argument(revoke, "where to listen")
     _owner_key(revoke)
 
 
@@ -417,7 +415,7 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --run: its nodes"
     )
-    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR")
+    listen_argument(p, "with --run: where to listen")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each stage")
     source.add_argument(
         "--checkpoint",

@@ -28,8 +28,14 @@ from models.training import StageOptimizer
 from node import checkpoint
 from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
 from node.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
+from node.cli_args import DEFAULT_OWNER_KEY
 from node.dht import SwarmDHT
-from node.files import load_or_create_identity, load_or_create_key, write_atomic
+from node.files import (
+    default_identity_path,
+    load_or_create_identity,
+    load_or_create_key,
+    write_atomic,
+)
 from node.gossip import GossipUnavailable
 from node.membership import MembershipGate, prove_membership
 from node.placement import Placement
@@ -106,17 +112,16 @@ class NodeSettings:
         return 3 * self.update_period_s
 
     def identity_path(self) -> Path:
-        name = self.run.partition("@")[0]
-        return self.identity or Path(f"~/.swarmtrain/{name}/identity.key").expanduser()
+        return self.identity or default_identity_path(self.run)
 
     def checkpoint_root(self, peer_id: str) -> Path:
-        name = self.run.partition("@")[0]
-        return (
-            self.checkpoint_dir or Path(f"~/.swarmtrain/{name}/checkpoints/{peer_id}").expanduser()
-        )
+        """Beside the run's default identity, a folder per peer id (nodes that share a
+        home keep their checkpoints apart)."""
+        root = default_identity_path(self.run).parent / "checkpoints" / peer_id
+        return self.checkpoint_dir or root
 
     def owner_key_path(self) -> Path:
-        return (self.owner_key or Path("~/.swarmtrain/owner.key")).expanduser()
+        return (self.owner_key or DEFAULT_OWNER_KEY).expanduser()
 
 
 def no_such_run(run: str) -> str:
