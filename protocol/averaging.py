@@ -6,7 +6,7 @@ how many samples it has accumulated toward the stage's next step (``Progress``).
 peer reads all of them and applies the same pure rule (``decide``): when the samples of
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. No clock, no
-network here: ``node.stage_averaging`` does the I/O.
+network here: ``node.averaging.averager`` does the I/O.
 """
 
 from __future__ import annotations

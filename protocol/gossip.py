@@ -15,7 +15,7 @@ JSON and the signature, packed with msgpack, as DHT records are (``protocol.reco
 :class:`GossipView` keeps the latest message of each peer and ignores, with a typed
 reason, anything forged, replayed, stale, from another run or version, or relayed under
 another peer's name. Pure: bytes in, messages out; the caller owns the clock and the
-network (``node.gossip``). Imports nothing from hivemind, so that a py-libp2p process
+network (``node.rpc.gossip``). Imports nothing from hivemind, so that a py-libp2p process
 (``scripts/watch_gossip.py``) can use it.
 """
 

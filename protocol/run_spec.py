@@ -42,7 +42,7 @@ Seconds = Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
 
 
 class AveragingSpec(BaseModel):
-    """How the peers of a stage average (``node.stage_averaging``)."""
+    """How the peers of a stage average (``node.averaging.averager``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

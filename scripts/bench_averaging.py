@@ -1,6 +1,6 @@
-"""Averaging among the peers of a stage on loopback (``node.stage_averaging``).
+"""Averaging among the peers of a stage on loopback (``node.averaging.averager``).
 
-    python scripts/bench_averaging.py [--preset tiny] [--rounds 20] [--compression none]
+    python -m scripts.bench_averaging [--preset tiny] [--rounds 20] [--compression none]
         [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
 
 Three measurements in one run (a count of 0 skips one). Every peer is its own hivemind DHT
@@ -50,9 +50,9 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from models.data import Corpus, eval_batches, load_corpus, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
-from node.averaging_process import StageAveragerProcess
-from node.dht import SwarmDHT
-from node.stage_averaging import ParamDigest, StageAverager, process_settings
+from node.averaging.averager import ParamDigest, StageAverager, process_settings
+from node.averaging.process import StageAveragerProcess
+from node.rpc.dht import SwarmDHT
 from protocol.averaging import averaging_prefix
 from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, RunSpec, make_run_spec

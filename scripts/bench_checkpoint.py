@@ -3,7 +3,7 @@ bytes on disk, and the read back, for the first stage of a preset cut in two.
 
     python -m scripts.bench_checkpoint [--presets small base] [--runs 5]
 
-The copy (``StageAverager.snapshot``: ``node.stage_state.capture``) is all that stalls
+The copy (``StageAverager.snapshot``: ``node.averaging.state.capture``) is all that stalls
 serving; the write runs off the event loop. Each figure is the median of ``--runs`` with
 its range, and the copy is printed next to a plain ``clone`` of the parameters and AdamW
 moments (the least any in-memory copy can cost) as a ratio.
@@ -21,7 +21,8 @@ import torch
 
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import checkpoint, stage_state
+from node.averaging import state as stage_state
+from node.daemon import checkpoint
 from protocol.run_spec import make_run_spec
 
 OWNER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"

@@ -1,6 +1,6 @@
 """Loss per sample: the swarm against the single-process baseline, on the same samples.
 
-    PYTHONPATH=. python scripts/bench_parity.py --runs 3
+    PYTHONPATH=. python -m scripts.bench_parity --runs 3
 
 The baseline (``models.training.train_baseline``, what ``swarmtrain baseline`` runs) and
 every swarm configuration read the run's data stream 0 in the same order, with the same
@@ -37,11 +37,11 @@ from models.config import preset
 from models.data import eval_batches, load_corpus, sample_batches, stream_seed
 from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer, evaluate, pipeline_loss, train_baseline
-from node.dht import SwarmDHT
+from node.cli.train import open_trainer
 from node.files import load_or_create_key, write_atomic
-from node.local_swarm import LOCAL, launch_node, stop_all
-from node.train import open_trainer
-from node.trainer import Trainer, TrainerSettings
+from node.harness.local_swarm import LOCAL, launch_node, stop_all
+from node.pipeline.trainer import Trainer, TrainerSettings
+from node.rpc.dht import SwarmDHT
 from protocol.averaging import decode_progress, progress_key
 from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text

@@ -6,14 +6,13 @@ this process) on the same preset, and the bytes that crossed loopback per sample
 the activation bytes the stage boundaries require (one hidden state forward and one
 gradient back per boundary). Prints the ratios.
 
-    python scripts/bench_pipeline.py --preset small --micro-batches 120
+    python -m scripts.bench_pipeline --preset small --micro-batches 120
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,15 +20,13 @@ from pathlib import Path
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from models.config import preset  # noqa: E402
-from models.data import load_corpus  # noqa: E402
-from models.training import train_baseline  # noqa: E402
-from node.dht import SwarmDHT  # noqa: E402
-from node.local_swarm import LOCAL, launch_node, stop_all  # noqa: E402
-from node.train import open_trainer  # noqa: E402
-from node.trainer import TrainerSettings  # noqa: E402
+from models.config import preset
+from models.data import load_corpus
+from models.training import train_baseline
+from node.cli.train import open_trainer
+from node.harness.local_swarm import LOCAL, launch_node, stop_all
+from node.pipeline.trainer import TrainerSettings
+from node.rpc.dht import SwarmDHT
 
 
 def baseline_rate(preset_name: str, micro_batches: int, corpus) -> float:

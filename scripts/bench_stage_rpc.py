@@ -1,6 +1,6 @@
 """Round-trip latency on loopback: hivemind unary vs stream calls, and a stage forward.
 
-    python scripts/bench_stage_rpc.py [--calls 300] [--train-preset small --train-calls 12]
+    python -m scripts.bench_stage_rpc [--calls 300] [--train-preset small --train-calls 12]
 
 Prints medians measured side by side in one run: an echo of a 4 x 16 float32 tensor as a
 unary call and as a stream call (what ``StageServer`` uses), a ``StageServer`` forward of
@@ -30,8 +30,8 @@ from hivemind.proto import runtime_pb2
 from models.config import preset, tiny
 from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer
-from node import stage_client
-from node.stage_server import StageServer
+from node.pipeline import client as stage_client
+from node.pipeline.server import StageServer
 from protocol.stage_messages import StageContract
 
 

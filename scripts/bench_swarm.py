@@ -24,8 +24,8 @@ node in its own network namespace behind a shaped link and a latency relay
 (``scripts/netem``; root only). PNG plots of throughput over time (from the first run)
 go to ``--out``.
 
-    python scripts/bench_swarm.py --scenarios wiring churn straggler partition --runs 3
-    python scripts/bench_swarm.py --netem home --scenarios churn
+    python -m scripts.bench_swarm --scenarios wiring churn straggler partition --runs 3
+    python -m scripts.bench_swarm --netem home --scenarios churn
 """
 
 from __future__ import annotations
@@ -45,18 +45,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from node.plot import write_line_chart  # noqa: E402
-from scripts.netem.network import ROOT, NetemUnavailable, Network  # noqa: E402
-from scripts.netem.profiles import profile  # noqa: E402
-from scripts.swarm_bench.swarm import BenchSwarm  # noqa: E402
-from scripts.swarm_bench.throttle import (  # noqa: E402
+from node.cli.plot import write_line_chart
+from scripts.netem.network import ROOT, NetemUnavailable, Network
+from scripts.netem.profiles import profile
+from scripts.swarm_bench.swarm import BenchSwarm
+from scripts.swarm_bench.throttle import (
     CpuThrottle,
     ThrottleUnavailable,
     tree_cpu_seconds,
 )
-from scripts.swarm_bench.wire import loopback_bytes  # noqa: E402
+from scripts.swarm_bench.wire import loopback_bytes
 
 SLOWDOWN = 5.0
 SCENARIOS = ("wiring", "churn", "straggler", "partition")

@@ -17,7 +17,7 @@ the best division's rate (a linear programme over every peer's time: the simulat
 assumption), and the same swarm with one stage per peer, routed and at its optimum. The
 figures are routed / best for each way, and what the second stages add to the routed rate.
 
-    python scripts/bench_two_stage_routing.py --swarms 20 --calls 20000
+    python -m scripts.bench_two_stage_routing --swarms 20 --calls 20000
 """
 
 from __future__ import annotations
@@ -25,16 +25,12 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
-import sys
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import linprog
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from protocol.routing import Candidate, choose_peer, second_stage_shares  # noqa: E402
+from protocol.routing import Candidate, choose_peer, second_stage_shares
 
 
 class Peer:

@@ -47,8 +47,8 @@ that raises the least stage total most (``protocol.routing.second_stage_shares``
 simulator takes that division as delivered at each sample (``Sim.bridged``): the same
 idealisation as summing a stage's peers, which assumes routing within a stage is perfect.
 
-    python scripts/simulate_assignment.py --peers 1000
-    python scripts/simulate_assignment.py --peers 10000 --stages 4 --duration 7200 \\
+    python -m scripts.simulate_assignment --peers 1000
+    python -m scripts.simulate_assignment --peers 10000 --stages 4 --duration 7200 \\
         --churn 1.0 --seed 0 --seeds 2
 """
 
@@ -60,19 +60,15 @@ import heapq
 import math
 import multiprocessing
 import random
-import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import linprog
 from scipy.special import ndtr
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from protocol.assignment import (  # noqa: E402
+from protocol.assignment import (
     DEFAULT_PARAMS,
     Params,
     SwarmView,
@@ -82,11 +78,11 @@ from protocol.assignment import (  # noqa: E402
     second_stage,
     stage_prices,
 )
-from protocol.routing import second_stage_shares  # noqa: E402
+from protocol.routing import second_stage_shares
 
 RULES = ("ours", "petals")
 FACTORS = ("serving", "placement", "balance")
-ARRIVALS_S = 600.0  # ours: the window over which peers count arrivals (node.placement's)
+ARRIVALS_S = 600.0  # ours: the window over which peers count arrivals (node.placement.driver's)
 PETALS_QUALITY = 0.75  # Petals' default balance_quality
 
 # Event kinds, in the order they are handled when simultaneous.

@@ -6,7 +6,7 @@ prints every message it receives, decoded and checked with the same
 second, a join intent in a valid libp2p envelope (signed by its own libp2p key, which the
 nodes' routers check) whose swarmtrain signature is garbage: the nodes must ignore it.
 
-    python scripts/watch_gossip.py --run myrun --connect /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...
+    python -m scripts.watch_gossip --run myrun --connect /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...
 
 py-libp2p runs on trio and its protobuf descriptors collide with hivemind's (both register
 ``crypto.pb``), so this script imports neither hivemind nor ``node``: only ``protocol``.
@@ -22,7 +22,6 @@ import math
 import secrets
 import sys
 import time
-from pathlib import Path
 
 import msgpack
 import multiaddr
@@ -41,10 +40,8 @@ from libp2p.security.tls.transport import PROTOCOL_ID as TLS_PROTOCOL_ID
 from libp2p.security.tls.transport import TLSTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from protocol.gossip import GossipError, GossipView, JoinIntent, run_topic  # noqa: E402
-from protocol.records import PROTOCOL_VERSION  # noqa: E402
+from protocol.gossip import GossipError, GossipView, JoinIntent, run_topic
+from protocol.records import PROTOCOL_VERSION
 
 MESHSUB_1_1 = TProtocol("/meshsub/1.1.0")  # the version go-libp2p-pubsub in p2pd speaks too
 HEARTBEAT_S = 1  # py-libp2p's default is 120 s: the mesh would take minutes to form

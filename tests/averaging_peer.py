@@ -25,9 +25,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from models.config import ModelConfig, OptimizerConfig
 from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer
-from node.averaging_process import StageAveragerProcess
-from node.dht import SwarmDHT
-from node.stage_averaging import StageAverager
+from node.averaging.averager import StageAverager
+from node.averaging.process import StageAveragerProcess
+from node.rpc.dht import SwarmDHT
 from protocol.identity import peer_id_of
 from protocol.ownership import make_run_id
 from protocol.run_spec import AveragingSpec, RunSpec

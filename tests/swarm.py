@@ -1,4 +1,4 @@
-"""Helpers to run real local swarms in tests (node processes come from ``node.local_swarm``)
+"""Helpers to run real local swarms in tests (node processes come from ``node.harness.local_swarm``)
 and to read ``swarmtrain status`` as JSON."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from subprocess import Popen
 
-from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
+from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
 
 __all__ = [
     "LOCAL",

@@ -3,11 +3,8 @@ network, no clock. Ends with a short run of the simulator (scripts/simulate_assi
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,8 +36,6 @@ from protocol.assignment import (
 from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.routing import candidates_by_stage, second_stage_shares
-
-SIM_PATH = Path(__file__).resolve().parent.parent / "scripts" / "simulate_assignment.py"
 
 
 def _view(totals, counts=None, serving=None, prices=None) -> SwarmView:
@@ -512,11 +507,9 @@ def test_a_fast_joiner_takes_the_stage_it_is_next_best_at_while_the_reserve_is_s
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("simulate_assignment", SIM_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["simulate_assignment"] = module
-    spec.loader.exec_module(module)
-    return module
+    from scripts import simulate_assignment
+
+    return simulate_assignment
 
 
 def test_the_simulators_bound_is_the_linear_programmes_optimum(sim):

@@ -26,8 +26,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.files import load_or_create_key
-from node.local_swarm import NodeProcess
-from node.placement import ArrivalCount
+from node.harness.local_swarm import NodeProcess
+from node.placement.driver import ArrivalCount
 from protocol.gossip import GossipSigner, JoinIntent, run_topic
 from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION
@@ -52,7 +52,7 @@ def _moves(node: NodeProcess) -> list[tuple[int, int]]:
 
 def _moved_at(node: NodeProcess) -> float:
     """When (epoch seconds) the node's log says it finished its first move."""
-    m = re.search(r"^(\S+ \S+) INFO node.daemon: moved from stage", node.output(), re.M)
+    m = re.search(r"^(\S+ \S+) INFO node.daemon.node: moved from stage", node.output(), re.M)
     return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
@@ -63,12 +63,12 @@ def _ignored(node: NodeProcess) -> dict[str, int]:
 
 
 def test_gossip_overrides_records_only_when_newer():
-    """The view the node decides on (``node.placement.merge_gossip``), without a network:
+    """The view the node decides on (``node.placement.driver.merge_gossip``), without a network:
     gossip newer than a record wins; an older one does not; a peer without a record counts
     through its gossip only while that is younger than a record would live (a killed
     peer's last word must not keep its stage looking served); a newer ``leaving`` drops
     the peer."""
-    from node.placement import merge_gossip
+    from node.placement.driver import merge_gossip
     from protocol.assignment import Claim
     from protocol.gossip import GossipView
     from tests.records import peer_info
@@ -124,8 +124,8 @@ def _train_across_kills(dht, victims: list[NodeProcess], limit_s: float) -> dict
     until 8 more complete, within ``limit_s``. Returns when they were killed (epoch s),
     how long the 8 took from then, and how often the trainer paused (a route to a dead
     or moving peer)."""
-    from node.train import open_trainer
-    from node.trainer import TrainerError, TrainerSettings
+    from node.cli.train import open_trainer
+    from node.pipeline.trainer import TrainerError, TrainerSettings
 
     async def main() -> dict[str, float]:
         settings = TrainerSettings(in_flight=2, call_timeout_s=20, stage_wait_s=60)
@@ -209,7 +209,7 @@ def test_a_stage_whose_peers_are_all_killed_is_refilled_and_training_resumes(tmp
     SIGKILL. The emptied stage raises an alarm on a and b, which check at once: exactly
     one of them moves to stage 1 (the other may not: it would empty stage 0), downloads
     what it can, and the trainer's next micro-batches complete."""
-    from node.dht import SwarmDHT
+    from node.rpc.dht import SwarmDHT
 
     nodes: list[NodeProcess] = []
     dht = None
@@ -252,7 +252,7 @@ def test_a_two_stage_node_keeps_the_pipeline_going_when_the_other_stage_dies(tmp
     it serves it, takes stage 1 as a second stage (the swarm has no two-stage peer yet).
     A trainer runs; c gets SIGKILL. Stage 1 is still served, by b, without a move or a
     download: the trainer's next micro-batches complete at once."""
-    from node.dht import SwarmDHT
+    from node.rpc.dht import SwarmDHT
 
     nodes: list[NodeProcess] = []
     dht = None
@@ -295,8 +295,8 @@ def test_bad_gossip_is_ignored_by_the_nodes(tmp_path):
     Every node's log counts each kind as ignored."""
     from hivemind.utils import get_dht_time
 
-    from node.dht import SwarmDHT
-    from node.gossip import Gossip
+    from node.rpc.dht import SwarmDHT
+    from node.rpc.gossip import Gossip
 
     nodes: list[NodeProcess] = []
     dht = None

@@ -4,7 +4,7 @@ Peers are ``tests.averaging_peer.Peer``: a DHT, the last stage of a small model,
 optimizer and a ``StageAverager``, fed micro-batches the way a stage server feeds them
 (one test serves them through real ``AveragedStageServer``s instead). The kill test's
 victim is a subprocess. The last tests drive ``protocol.averaging.decide`` and
-``node.stage_state`` alone.
+``node.averaging.state`` alone.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ from hivemind.proto import averaging_pb2
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
-from node import stage_client, stage_state
-from node.averaging_process import StageAveragerProcess
-from node.dht import SwarmDHT
-from node.files import load_or_create_key
-from node.stage_averaging import (
+from node.averaging import state as stage_state
+from node.averaging.averager import (
     EQUAL_DISTANCE,
     AveragedStageServer,
     ParamDigest,
@@ -43,6 +40,10 @@ from node.stage_averaging import (
     averaging_prefix,
     compare_copies,
 )
+from node.averaging.process import StageAveragerProcess
+from node.files import load_or_create_key
+from node.pipeline import client as stage_client
+from node.rpc.dht import SwarmDHT
 from protocol.averaging import Action, Progress, decide, robust_mean
 from protocol.membership import issue_invite, parse_invite_token
 from protocol.run_spec import AveragingSpec, make_run_spec

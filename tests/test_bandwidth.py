@@ -13,7 +13,7 @@ import pytest
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from node.bandwidth import (
+from node.measure.bandwidth import (
     MAX_PROBE_BYTES,
     BandwidthError,
     BandwidthProbe,

@@ -5,7 +5,13 @@ import json
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from models.stages import Stage
-from node.capacity import free_memory, pick_device, stage_kind, stage_memory, stage_throughputs
+from node.measure.capacity import (
+    free_memory,
+    pick_device,
+    stage_kind,
+    stage_memory,
+    stage_throughputs,
+)
 from protocol.identity import peer_id_of
 from protocol.run_spec import make_run_spec
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import psutil
 
-from node.dht import SwarmDHT
-from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
-from node.train import open_trainer
-from node.trainer import MicroBatchResult, TrainerSettings
+from node.cli.train import open_trainer
+from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
+from node.pipeline.trainer import MicroBatchResult, TrainerSettings
+from node.rpc.dht import SwarmDHT
 from protocol.routing import candidates_by_stage
 
 SEED = 6  # first kills a stage-0 peer (a replacement joins), then a random one

@@ -9,8 +9,9 @@ import torch
 
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import checkpoint, stage_state
-from node.checkpoint import CheckpointError
+from node.averaging import state as stage_state
+from node.daemon import checkpoint
+from node.daemon.checkpoint import CheckpointError
 from protocol.run_spec import make_run_spec
 
 SPEC = make_run_spec(

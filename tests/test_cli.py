@@ -122,13 +122,13 @@ def test_version_defaults_and_help_of_every_option(home):
     ids=" ".join,
 )
 def test_verbose_before_or_after_the_subcommand(argv):
-    from node.cli import build_parser
+    from node.cli.main import build_parser
 
     assert build_parser(argv).parse_args(argv).verbose is True
 
 
 def test_not_verbose_by_default():
-    from node.cli import build_parser
+    from node.cli.main import build_parser
 
     argv = ["node", "--run", "r"]
     assert build_parser(argv).parse_args(argv).verbose is False
@@ -209,7 +209,7 @@ def test_status_with_a_bad_multiaddr(home):
 
 
 def test_maddr_checks():
-    from node.maddrs import check_can_listen, check_peer_maddr
+    from node.cli.maddrs import check_can_listen, check_peer_maddr
 
     assert check_peer_maddr(f"/ip4/10.0.0.1/tcp/5/p2p/{PEER}")
     assert check_peer_maddr(f"/dns4/example.org/tcp/5/p2p/{PEER}")
@@ -225,7 +225,7 @@ def test_maddr_checks():
 
 
 def test_daemon_errors_read_as_one_line():
-    from node.dht import _start_failure
+    from node.rpc.dht import _start_failure
 
     busy = RuntimeError(
         "Daemon failed to start: 2026/12/01 15:45:15 failed to listen on any addresses: "
@@ -239,7 +239,7 @@ def test_daemon_errors_read_as_one_line():
 
 def test_dht_sockets_are_removed_at_shutdown(monkeypatch):
     """A DHT's daemon sockets live in a private directory, gone after shutdown."""
-    from node.dht import SwarmDHT
+    from node.rpc.dht import SwarmDHT
 
     tmp = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -308,7 +308,7 @@ def test_a_corrupt_key_file_is_named(home, which):
 
 def test_light_module_knows_the_corpus_name():
     from models.data import STDLIB
-    from node.cli_args import STDLIB as light
+    from node.cli.args import STDLIB as light
 
     assert light == STDLIB
 

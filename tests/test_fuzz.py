@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import stage_client, stage_state
-from node.servicer import FrameError, read_frame
-from node.stage_client import StageCallError
-from node.stage_server import StageServer, stage_namespace
-from node.stage_wire import (
+from node.averaging import state as stage_state
+from node.pipeline import client as stage_client
+from node.pipeline.client import StageCallError
+from node.pipeline.server import StageServer, stage_namespace
+from node.pipeline.wire import (
     FAILED,
     MAX_CHUNK_BYTES,
     REFUSED,
@@ -46,6 +46,7 @@ from node.stage_wire import (
     serialize,
     split_message,
 )
+from node.rpc.service import FrameError, read_frame
 from protocol.averaging import MAX_EPOCH, Progress, decode_progress, encode_progress
 from protocol.identity import peer_id_of, sign
 from protocol.records import (

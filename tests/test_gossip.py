@@ -1,6 +1,6 @@
 """Gossip: the pure message filter (``protocol.gossip``), the daemon wrapper
-(``node.gossip``) on real ``p2pd`` daemons, and a third-party py-libp2p client
-(``scripts/watch_gossip.py``) following a swarm's topic.
+(``node.rpc.gossip``) on real ``p2pd`` daemons, and a third-party py-libp2p client
+(``python -m scripts.watch_gossip``) following a swarm's topic.
 
 The unit tests drive ``GossipView`` directly with no network and no clock. The live tests
 start hivemind DHT processes on 127.0.0.1 whose daemons run GossipSub, wait on conditions
@@ -43,7 +43,6 @@ from protocol.identity import encode_private_key, peer_id_of
 from protocol.records import MAX_CLOCK_SKEW_S, PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
-WATCH = ROOT / "scripts" / "watch_gossip.py"
 RUN = "gossip-test"
 NOW = 1_700_000_000.0
 
@@ -269,7 +268,7 @@ def test_messages_validate_when_built():
 
 
 def test_protocol_gossip_does_not_import_hivemind():
-    """``scripts/watch_gossip.py`` runs py-libp2p, which cannot share a process with
+    """``scripts.watch_gossip`` runs py-libp2p, which cannot share a process with
     hivemind (their protobuf descriptors collide)."""
     code = (
         "import sys, protocol.gossip; sys.exit(any(m.startswith('hivemind') for m in sys.modules))"
@@ -280,7 +279,7 @@ def test_protocol_gossip_does_not_import_hivemind():
 def test_daemon_pubsub_is_undone_on_exit():
     from hivemind.p2p import P2P
 
-    from node.gossip import PUBSUB_FLAGS, daemon_pubsub
+    from node.rpc.gossip import PUBSUB_FLAGS, daemon_pubsub
 
     before = P2P._make_process_args("p2pd", tls=True)
     with daemon_pubsub():
@@ -290,7 +289,7 @@ def test_daemon_pubsub_is_undone_on_exit():
         assert P2P._make_process_args("p2pd", tls=True) == before
 
 
-# ---- node.gossip on real daemons ----
+# ---- node.rpc.gossip on real daemons ----
 
 
 class _Node:
@@ -302,7 +301,7 @@ class _Node:
         assert self.peer_id == _pid(key)
 
     async def gossip(self):
-        from node.gossip import Gossip
+        from node.rpc.gossip import Gossip
 
         return await Gossip.create((await self.dht.replicate_p2p()).daemon_listen_maddr)
 
@@ -311,7 +310,7 @@ class _Node:
 def swarm(tmp_path_factory) -> list[_Node]:
     """Three nodes on 127.0.0.1 (DHT processes with real p2pd daemons), shared by the live
     tests of this module, each test on a run topic of its own."""
-    from node.dht import SwarmDHT
+    from node.rpc.dht import SwarmDHT
 
     nodes: list[_Node] = []
     try:
@@ -346,7 +345,7 @@ def test_a_daemon_without_pubsub_fails_the_self_test_naming_hivemind():
     import hivemind
     from hivemind.p2p import P2P
 
-    from node.gossip import Gossip, GossipUnavailable
+    from node.rpc.gossip import Gossip, GossipUnavailable
 
     async def main():
         p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -362,7 +361,7 @@ def test_a_daemon_without_pubsub_fails_the_self_test_naming_hivemind():
 
 def test_gossip_on_a_live_daemon(swarm):
     """Refuses what the daemon would drop silently; topics, topic peers and connect."""
-    from node.gossip import MAX_PUBLISH_BYTES, GossipUnavailable
+    from node.rpc.gossip import MAX_PUBLISH_BYTES, GossipUnavailable
 
     async def main():
         async with await swarm[0].gossip() as gossip, await swarm[1].gossip() as other:
@@ -407,7 +406,7 @@ def test_nodes_exchange_signed_messages_and_ignore_bad_ones(swarm):
     and b accept the valid messages and ignore each of the others, with its reason."""
     from hivemind.utils import get_dht_time
 
-    from node.gossip import receive_run
+    from node.rpc.gossip import receive_run
 
     run, lie = "gossip-live", 666.0
     topic = run_topic(run)
@@ -486,7 +485,7 @@ def test_nodes_exchange_signed_messages_and_ignore_bad_ones(swarm):
 
 @pytest.mark.parametrize("security", ["noise", "tls"])
 def test_a_py_libp2p_client_follows_the_gossip_and_its_forgeries_are_ignored(swarm, security):
-    """``scripts/watch_gossip.py`` (py-libp2p, another process: it cannot share one with
+    """``scripts.watch_gossip`` (py-libp2p, another process: it cannot share one with
     hivemind) dials node a over noise or TLS, then yamux, and joins the run's topic over
     /meshsub/1.1.0. It must receive the signed messages of a and of b (relayed by a), and
     the join intents it forges (valid libp2p envelope, garbage swarmtrain signature) must
@@ -506,7 +505,7 @@ def test_a_py_libp2p_client_follows_the_gossip_and_its_forgeries_are_ignored(swa
         verdicts: dict[str, list[tuple[str, str]]] = {n.peer_id: [] for n in (a, b)}
         watcher: dict = {"ready": None, "connected": None, "accepted": set(), "forged": 0}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(WATCH), "--run", run, "--json", "--forge",
+            sys.executable, "-m", "scripts.watch_gossip", "--run", run, "--json", "--forge",
             "--connect", a.dht.visible_maddrs()[0], "--duration", "120", "--security", security,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
             env=dict(os.environ, OMP_NUM_THREADS="1"),

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node.dht import SwarmDHT
+from node.rpc.dht import SwarmDHT
 from protocol.averaging import decode_progress, progress_key
 from tests.swarm import LOCAL, status, wait_until
 

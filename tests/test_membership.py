@@ -1,5 +1,5 @@
 """Invites, membership proofs, bearer claims and revocations (protocol.membership), and the
-RPC gate that applies them (node.membership): pure, no network."""
+RPC gate that applies them (node.rpc.membership): pure, no network."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.membership import MembershipGate
+from node.rpc.membership import MembershipGate
 from protocol.identity import peer_id_of
 from protocol.membership import (
     InviteClaimed,

@@ -19,7 +19,7 @@ from hivemind.utils import get_dht_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.dht import RunRecordValidator
+from node.rpc.dht import RunRecordValidator
 from protocol.identity import peer_id_of
 from protocol.keys import peers_key, spec_key
 from protocol.records import (
@@ -61,10 +61,10 @@ def test_validator_verdicts_do_not_change_as_records_age(monkeypatch):
     fresh_for_its_age = _record(peers_key(run), peer_id, value, t + MAX_RECORD_AGE_S)
     outlives_its_age = _record(peers_key(run), peer_id, value, t + MAX_RECORD_AGE_S + 1)
     for now in (t, t + MAX_RECORD_AGE_S / 2, t + MAX_RECORD_AGE_S + 1, t + 10_000):
-        monkeypatch.setattr("node.dht.get_dht_time", lambda now=now: now)
+        monkeypatch.setattr("node.rpc.dht.get_dht_time", lambda now=now: now)
         assert validator.validate(fresh_for_its_age), now
         assert not validator.validate(outlives_its_age), now
-    monkeypatch.setattr("node.dht.get_dht_time", lambda: t - 3600)  # dated an hour ahead
+    monkeypatch.setattr("node.rpc.dht.get_dht_time", lambda: t - 3600)  # dated an hour ahead
     assert not validator.validate(fresh_for_its_age)
 
 

@@ -12,13 +12,13 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
-from node import capacity
-from node.capacity import pick_device, stage_throughputs
-from node.cli import build_parser
-from node.progress import Progress, format_duration
-from node.serve import settings_from
-from node.status import render, summarize
-from node.train import CsvLog
+from node.cli.main import build_parser
+from node.cli.progress import Progress, format_duration
+from node.cli.serve import settings_from
+from node.cli.status import render, summarize
+from node.cli.train import CsvLog
+from node.measure import capacity
+from node.measure.capacity import pick_device, stage_throughputs
 from protocol.identity import peer_id_of, resolve_peer_prefix, short_peer_ids
 from protocol.ownership import make_run_id
 from protocol.records import PeerInfo, decode_peer_info, encode_peer_info
@@ -151,7 +151,7 @@ def test_revoke_takes_a_unique_prefix_as_status_shows_it():
     import asyncio
     from types import SimpleNamespace
 
-    from node.run_admin import _full_peer_ids
+    from node.cli.run import _full_peer_ids
 
     class Peers:  # the run's records in the DHT, as ``SwarmDHT.peers`` returns them
         reads = 0

@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 
-from node.stage_averaging import ParamDigest
+from node.averaging.averager import ParamDigest
 from protocol.identity import resolve_peer_prefix
 from tests.swarm import launch_node, stop_all, swarmtrain, wait_until
 

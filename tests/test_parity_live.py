@@ -4,7 +4,7 @@ with micro-batches in flight) against the single-process baseline on the same sa
 Stages that never hold a micro-batch train every step on gradients computed one step
 before, and on all that arrived during the round (more than the target batch): the
 swarm's loss per sample falls well short of the baseline's. Holding new micro-batches while
-a step is pending (``max_staleness`` 0, ``node.stage_server``) makes each step the
+a step is pending (``max_staleness`` 0, ``node.pipeline.server``) makes each step the
 baseline's: this test asks for the baseline's loss within 2%. BENCHMARKS.md ("Loss per
 sample") has the figures.
 """

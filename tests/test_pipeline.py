@@ -11,10 +11,10 @@ import torch
 
 from models.config import preset
 from models.training import train_baseline
-from node.dht import SwarmDHT
-from node.local_swarm import LOCAL, launch_node, stop_all
-from node.train import open_trainer
-from node.trainer import Trainer, TrainerSettings
+from node.cli.train import open_trainer
+from node.harness.local_swarm import LOCAL, launch_node, stop_all
+from node.pipeline.trainer import Trainer, TrainerSettings
+from node.rpc.dht import SwarmDHT
 
 
 @contextmanager

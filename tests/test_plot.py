@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from node.plot import (
+from node.cli.plot import (
     _GLYPHS,
     FRAME,
     MARKER,

@@ -20,15 +20,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.utils import get_dht_time
 
-from node import stage_client
-from node.cli import main
-from node.daemon import Node, NodeSettings
-from node.dht import SwarmDHT
+from node.cli.main import main
+from node.cli.train import open_trainer
+from node.daemon.node import Node, NodeSettings
 from node.files import load_or_create_key
-from node.membership import present, prove_membership
-from node.stage_client import StageRefused
-from node.train import open_trainer
-from node.trainer import TrainerSettings
+from node.pipeline import client as stage_client
+from node.pipeline.client import StageRefused
+from node.pipeline.trainer import TrainerSettings
+from node.rpc.dht import SwarmDHT
+from node.rpc.membership import present, prove_membership
 from protocol.identity import peer_id_of, sign
 from protocol.keys import spec_key
 from protocol.membership import InviteClaimed, issue_invite

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from models.config import ModelConfig, OptimizerConfig
-from node.dht import RunRecordValidator, spec_subkey
+from node.rpc.dht import RunRecordValidator, spec_subkey
 from protocol.identity import (
     IdentityError,
     decode_private_key,

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from node.cli import main
-from node.daemon import NodeError, NodeSettings, resolve_run
-from node.dht import SpecConflict, SwarmDHT
+from node.cli.main import main
+from node.daemon.node import NodeError, NodeSettings, resolve_run
 from node.files import load_or_create_key
+from node.rpc.dht import SpecConflict, SwarmDHT
 from protocol.identity import peer_id_of
 from protocol.run_spec import make_run_spec, read_spec_file, sign_run_spec
 from tests.swarm import LOCAL
@@ -73,7 +73,7 @@ def test_peers_keep_the_first_of_two_specs_for_one_run_id(tmp_path, caplog):
             # flags, say, with the first one already in the DHT from elsewhere).
             assert await dht.publish_spec(later)
             assert await dht.publish_spec(first), "the earlier one is stored next to it"
-            with caplog.at_level(logging.WARNING, logger="node.dht"):
+            with caplog.at_level(logging.WARNING, logger="node.rpc.dht"):
                 assert (await dht.spec()).raw == first.raw
             assert "two specs" in caplog.text and "2 -> 3 stages" in caplog.text
             # Another peer makes the same choice, and an owner's tool that would publish

@@ -23,13 +23,13 @@ from hivemind.utils import get_dht_time
 from models.config import ModelConfig, OptimizerConfig
 from models.stages import Stage, StageRange, even_boundaries, validate_boundaries
 from models.training import StageOptimizer, pipeline_loss
-from node import stage_client
-from node.bandwidth import BandwidthProbe, measure_bandwidth
-from node.membership import NOT_A_MEMBER, MembershipGate, present
-from node.servicer import BAN_AFTER, BAN_WINDOW_S
-from node.stage_client import StageRefused, StageTimeout, StageUnavailable
-from node.stage_server import StageServer
-from node.stage_wire import MAX_CHUNK_BYTES, Assembler, serialize, split_message
+from node.measure.bandwidth import BandwidthProbe, measure_bandwidth
+from node.pipeline import client as stage_client
+from node.pipeline.client import StageRefused, StageTimeout, StageUnavailable
+from node.pipeline.server import StageServer
+from node.pipeline.wire import MAX_CHUNK_BYTES, Assembler, serialize, split_message
+from node.rpc.membership import NOT_A_MEMBER, MembershipGate, present
+from node.rpc.service import BAN_AFTER, BAN_WINDOW_S
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipPolicy, issue_invite, parse_invite_token
 from protocol.ownership import make_run_id
@@ -544,7 +544,7 @@ def test_bad_requests_are_refused_and_leave_state_alone(caplog):
     ]
 
     async def body():
-        caplog.set_level(logging.WARNING, logger="node.servicer")
+        caplog.set_level(logging.WARNING, logger="node.rpc.service")
         async with _swarm(TWO, [0, 1], callers=_patient()) as (client, (s0, s1)):
             # One good micro-batch first, so that there are gradients to keep intact.
             a = await stage_client.forward(client, _peer(s0), x, run_id=RUN, stage=0)
@@ -567,7 +567,7 @@ def test_bad_requests_are_refused_and_leave_state_alone(caplog):
                 _assert_same(_grads(server.stage), state[i][1])
                 assert server.optimizer.samples == B and server.load == 0
             assert s0.counters.rejected + s1.counters.rejected == len(cases)
-            logged = [r.getMessage() for r in caplog.records if r.name == "node.servicer"]
+            logged = [r.getMessage() for r in caplog.records if r.name == "node.rpc.service"]
             assert len(logged) == len(cases)
             assert all(f"from {client.peer_id}" in line for line in logged), logged[:2]
             assert s0.counters.backward == 1 and s1.counters.backward == 1
@@ -770,7 +770,7 @@ def test_a_caller_refused_again_and_again_is_banned_for_a_while(caplog):
     kw = {"run_id": RUN, "stage": 0, "timeout": 10}
 
     async def body():
-        caplog.set_level(logging.WARNING, logger="node.servicer")
+        caplog.set_level(logging.WARNING, logger="node.rpc.service")
         bans = BanList(duration_s=2.0, strikes=BAN_AFTER, window_s=BAN_WINDOW_S)
         async with _swarm(TWO, [0], callers=bans) as (client, (s0,)):
             other = await P2P.create(

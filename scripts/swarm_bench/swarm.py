@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
+from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
 from scripts.netem.network import NODE_PORT, Host, Network, pids_in
 
 

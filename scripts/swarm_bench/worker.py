@@ -19,9 +19,9 @@ import dataclasses
 import json
 import time
 
-from node.dht import SwarmDHT
-from node.train import open_trainer
-from node.trainer import MicroBatchResult, TrainerSettings
+from node.cli.train import open_trainer
+from node.pipeline.trainer import MicroBatchResult, TrainerSettings
+from node.rpc.dht import SwarmDHT
 from scripts.swarm_bench.wire import required_bytes
 
 

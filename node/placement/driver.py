@@ -40,8 +40,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from node.dht import SwarmDHT
-from node.gossip import Gossip, GossipUnavailable, Subscription, receive_run
+from node.rpc.dht import SwarmDHT
+from node.rpc.gossip import Gossip, GossipUnavailable, Subscription, receive_run
 from protocol.assignment import (
     Claim,
     Move,

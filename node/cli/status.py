@@ -17,8 +17,8 @@ import sys
 
 from hivemind.utils import get_dht_time
 
-from node.daemon import find_spec
-from node.dht import SwarmDHT
+from node.daemon.node import find_spec
+from node.rpc.dht import SwarmDHT
 from protocol.identity import short_peer_ids
 from protocol.membership import MembershipError, Revocations
 from protocol.ownership import check_run_id
@@ -163,7 +163,7 @@ def _members(
 
 async def _status(dht: SwarmDHT, args: argparse.Namespace) -> int:
     """Print the view once, or every ``--watch`` seconds. ``NodeError`` (exit 2) if the
-    run has no spec there (``node.daemon.find_spec``)."""
+    run has no spec there (``node.daemon.node.find_spec``)."""
     signed, revocations, peers = await asyncio.gather(
         find_spec(dht, SPEC_TIMEOUT_S, SPEC_GRACE_S), dht.revocations(), dht.peers()
     )

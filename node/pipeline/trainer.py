@@ -27,11 +27,11 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from models.data import eval_batches, sample_batches, stream_seed
-from node import stage_client
-from node.dht import SwarmDHT
-from node.membership import NOT_A_MEMBER, present
-from node.stage_client import StageRefused, StageTimeout, StageUnavailable
-from node.stage_server import StageServer
+from node.pipeline import client as stage_client
+from node.pipeline.client import StageRefused, StageTimeout, StageUnavailable
+from node.pipeline.server import StageServer
+from node.rpc.dht import SwarmDHT
+from node.rpc.membership import NOT_A_MEMBER, present
 from protocol.records import PeerInfo
 from protocol.routing import BanList, CallTimer, Candidate, candidates_by_stage, choose_peer
 from protocol.run_spec import RunSpec

@@ -5,7 +5,7 @@ with its size, ``rpc_download`` answers with as many bytes as it is asked for.
 ``measure_bandwidth`` times both against one peer and returns (up, down) in Mbit/s.
 
 Unary calls travel through the daemon's persistent connection, whose messages hold at
-most 4 MiB (``node.stage_server`` says what happens past that), so a probe moves at most
+most 4 MiB (``node.pipeline.server`` says what happens past that), so a probe moves at most
 ``MAX_PROBE_BYTES`` (2 MiB) per call. Nothing a peer sends decides what the probe
 allocates: a download is a slice of one random buffer made at start, a request over the
 limit is refused before anything is read into a response, and the bytes served per
@@ -29,7 +29,7 @@ import time
 from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 
-from node.servicer import NodeServicer
+from node.rpc.service import NodeServicer
 from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)

@@ -10,11 +10,12 @@ from pathlib import Path
 from models.hf_export import save_gpt2
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import checkpoint, stage_state
-from node.checkpoint import Checkpoint, CheckpointError
-from node.daemon import NodeError, find_spec
-from node.dht import SwarmDHT
-from node.stage_averaging import StageAverager
+from node.averaging import state as stage_state
+from node.averaging.averager import StageAverager
+from node.daemon import checkpoint
+from node.daemon.checkpoint import Checkpoint, CheckpointError
+from node.daemon.node import NodeError, find_spec
+from node.rpc.dht import SwarmDHT
 from protocol.ownership import check_run_id
 from protocol.run_spec import RunSpec
 

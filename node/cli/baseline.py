@@ -10,7 +10,7 @@ from pathlib import Path
 from models.config import preset
 from models.data import load_corpus
 from models.training import BaselineResult, StepReport, train_baseline
-from node.progress import Progress
+from node.cli.progress import Progress
 
 
 def run(args: argparse.Namespace) -> int:

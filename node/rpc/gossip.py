@@ -244,7 +244,7 @@ class Gossip:
         if (error := _failure(response, "GET_TOPICS")) is not None:
             raise GossipUnavailable(
                 f"the p2pd of hivemind {hivemind.__version__} at {self.control_maddr} does not "
-                f"run pubsub ({error}); start it inside node.gossip.daemon_pubsub() "
+                f"run pubsub ({error}); start it inside node.rpc.gossip.daemon_pubsub() "
                 "(SwarmDHT.start(pubsub=True)), which passes -pubsub"
             )
         topic = f"swarmtrain/self-test/{self.peer_id}/{secrets.token_hex(8)}"

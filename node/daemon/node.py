@@ -25,25 +25,25 @@ from hivemind.utils import get_dht_time
 from models.data import Corpus, load_corpus
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import checkpoint
-from node.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
-from node.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
-from node.cli_args import DEFAULT_OWNER_KEY
-from node.dht import SwarmDHT
+from node.averaging.averager import AveragedStageServer, StageAverager
+from node.cli.args import DEFAULT_OWNER_KEY
+from node.cli.run import owned_spec
+from node.daemon import checkpoint
 from node.files import (
     default_identity_path,
     load_or_create_identity,
     load_or_create_key,
     write_atomic,
 )
-from node.gossip import GossipUnavailable
-from node.membership import MembershipGate, prove_membership
-from node.placement import Placement
-from node.run_admin import owned_spec
-from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
-from node.stage_averaging import AveragedStageServer, StageAverager
-from node.stage_server import StageServer
-from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
+from node.measure.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
+from node.measure.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
+from node.pipeline.server import StageServer
+from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
+from node.placement.driver import Placement
+from node.rpc.dht import SwarmDHT
+from node.rpc.gossip import GossipUnavailable
+from node.rpc.membership import MembershipGate, prove_membership
+from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.assignment import Params
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError, issue_invite
@@ -257,7 +257,7 @@ class Node:
                 host_maddrs=settings.host_maddrs,
                 announce_maddrs=settings.announce_maddrs,
                 identity_path=settings.identity_path(),
-                pubsub=True,  # the run's gossip topic (node.placement)
+                pubsub=True,  # the run's gossip topic (node.placement.driver)
             )
         except BaseException:
             os.close(lock_fd)

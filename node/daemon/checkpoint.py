@@ -1,7 +1,7 @@
 """Checkpoints of the stages a node holds, on its own disk.
 
 A checkpoint is one stage's training state exactly as a peer downloads it
-(``node.stage_state.capture``: parameters, AdamW state, step and epoch, DiLoCo's anchor and
+(``node.averaging.state.capture``: parameters, AdamW state, step and epoch, DiLoCo's anchor and
 momentum) in one safetensors file, ``<root>/stage<S>/<epoch>.safetensors``. Its header
 names the run, a hash of the run's spec and the stage, and carries a SHA-256 of the
 tensors' bytes, so a file from another run or spec is refused by name and a truncated or

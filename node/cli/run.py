@@ -19,9 +19,9 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
-from node.cli_args import DEFAULT_OWNER_KEY
-from node.dht import SwarmDHT
+from node.cli.args import DEFAULT_OWNER_KEY
 from node.files import load_or_create_key, write_atomic
+from node.rpc.dht import SwarmDHT
 from protocol.identity import decode_private_key, peer_id_of, resolve_peer_prefix
 from protocol.membership import Revocations, issue_invite, parse_invite_token, sign_revocations
 from protocol.ownership import check_owner

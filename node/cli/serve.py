@@ -9,10 +9,10 @@ import logging
 import signal
 from pathlib import Path
 
-from node.capacity import pick_device
-from node.daemon import Node, NodeSettings, until_stopped, write_maddrs
-from node.maddrs import check_can_listen
-from node.membership import read_invite
+from node.cli.maddrs import check_can_listen
+from node.daemon.node import Node, NodeSettings, until_stopped, write_maddrs
+from node.measure.capacity import pick_device
+from node.rpc.membership import read_invite
 from protocol.records import RecordError
 from protocol.run_spec import read_spec_file
 

@@ -20,9 +20,8 @@ from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from node.servicer import FrameError, read_frame
-from node.stage_server import StageServer, stage_namespace
-from node.stage_wire import (
+from node.pipeline.server import StageServer, stage_namespace
+from node.pipeline.wire import (
     FAILED,
     MAX_FRAME_BYTES,
     REFUSED,
@@ -33,6 +32,7 @@ from node.stage_wire import (
     serialize,
     split_message,
 )
+from node.rpc.service import FrameError, read_frame
 from protocol.stage_messages import BACKWARD, FORWARD, StageMeta, StageRequestError
 
 DEFAULT_TIMEOUT = 30.0

@@ -2,7 +2,7 @@
 
 Only the chosen subcommand's arguments are defined, and its module is imported only to
 run it: ``swarmtrain --help`` and ``swarmtrain node --help`` import neither torch nor
-hivemind (``node.cli_args``).
+hivemind (``node.cli.args``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from node.cli_args import CommandParser, add_verbose, version
+from node.cli.args import CommandParser, add_verbose, version
 
 
 @dataclass(frozen=True)
@@ -27,46 +27,48 @@ class Command:
 COMMANDS = {
     "baseline": Command(
         "train the whole model in one process (the reference)",
-        "node.cli_args:baseline_arguments",
-        "node.baseline:run",
+        "node.cli.args:baseline_arguments",
+        "node.cli.baseline:run",
     ),
     "node": Command(
         "run a node daemon: join (or start) a run and serve a stage",
-        "node.cli_args:node_arguments",
-        "node.serve:run",
+        "node.cli.args:node_arguments",
+        "node.cli.serve:run",
     ),
     "run": Command(
         "create a run; invite machines to a private run, or revoke them",
-        "node.cli_args:run_arguments",
-        "node.run_admin:run",
+        "node.cli.args:run_arguments",
+        "node.cli.run:run",
     ),
     "status": Command(
-        "show the peers and stages of a run", "node.cli_args:status_arguments", "node.status:run"
+        "show the peers and stages of a run",
+        "node.cli.args:status_arguments",
+        "node.cli.status:run",
     ),
     "train": Command(
         "train through a run's swarm without serving a stage",
-        "node.cli_args:train_arguments",
-        "node.train:run",
+        "node.cli.args:train_arguments",
+        "node.cli.train:run",
     ),
     "export": Command(
         "write a run's model in the Hugging Face format, from checkpoints or a live run",
-        "node.cli_args:export_arguments",
-        "node.export:run",
+        "node.cli.args:export_arguments",
+        "node.cli.export:run",
     ),
     "generate": Command(
         "sample text from an exported model",
-        "node.cli_args:generate_arguments",
-        "node.generate:run",
+        "node.cli.args:generate_arguments",
+        "node.cli.generate:run",
     ),
     "demo": Command(
         "a local swarm that trains and survives a kill -9",
-        "node.cli_args:demo_arguments",
-        "node.demo:run",
+        "node.cli.args:demo_arguments",
+        "node.cli.demo:run",
     ),
     "id": Command(
         "print this machine's peer id in a run (what an invite is bound to)",
-        "node.cli_args:id_arguments",
-        "node.whoami:run",
+        "node.cli.args:id_arguments",
+        "node.cli.whoami:run",
     ),
 }
 
@@ -76,8 +78,8 @@ COMMANDS = {
 KNOWN_ERRORS = [
     ("builtins", "ValueError"),
     ("models.data", "DataError"),
-    ("node.daemon", "NodeError"),
-    ("node.dht", "DHTStartError"),
+    ("node.daemon.node", "NodeError"),
+    ("node.rpc.dht", "DHTStartError"),
     ("node.files", "IdentityInUseError"),
     ("node.files", "KeyFileError"),
 ]
@@ -148,7 +150,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, whatever the message holds
         print(f"swarmtrain {args.command}: error: {message}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -49,9 +49,9 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 
-from node.child_process import die_with_parent
-from node.frame_cap import cap_hivemind_frames
-from node.servicer import DETACH_TIMEOUT_S, p2pd_running
+from node.rpc.child_process import die_with_parent
+from node.rpc.frame_cap import cap_hivemind_frames
+from node.rpc.service import DETACH_TIMEOUT_S, p2pd_running
 from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight, robust_mean
 from protocol.membership import MembershipPolicy
 
@@ -206,7 +206,7 @@ class StageAveragerProcess(DecentralizedAverager):
         return True
 
     async def _read_members(self) -> None:
-        from node.dht import SwarmDHT  # the run's record reader, here with our policy
+        from node.rpc.dht import SwarmDHT  # the run's record reader, here with our policy
 
         self._members_read = time.monotonic()
         swarm = SwarmDHT(self.dht, self._membership.run)

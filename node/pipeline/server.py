@@ -2,7 +2,7 @@
 
 Handlers (``StageServer.rpc_forward`` / ``rpc_backward``) are hivemind stream handlers:
 a request and its response are each a stream of protobufs carrying tensors in 64 KiB
-chunks (``node.stage_wire``), whose frames ``NodeServicer`` reads (refusing one over
+chunks (``node.pipeline.wire``), whose frames ``NodeServicer`` reads (refusing one over
 ``MAX_FRAME_BYTES`` before reading it). hivemind's unary calls cannot carry activations: a unary
 message travels through the daemon's persistent connection, which holds 4 MiB
 (``DEFAULT_MAX_MSG_SIZE``; hivemind's own MoE client streams anything above
@@ -11,7 +11,7 @@ message travels through the daemon's persistent connection, which holds 4 MiB
 error reply with a field that does not exist, and the caller waits for its timeout. The
 ``small`` preset's activations (8 x 256 x 384 float32 = 3 MiB) come close, ``base``'s are
 24 MiB. One code path for every size costs little: on loopback (2 cores, median of 300;
-``python scripts/bench_stage_rpc.py``) a round trip of a 4 x 16 float32 tensor took
+``python -m scripts.bench_stage_rpc``) a round trip of a 4 x 16 float32 tensor took
 0.6-0.7 ms unary and 1.3-1.5 ms as a stream; a ``tiny`` stage-0 forward of 8 x 64 tokens
 took about 6 ms served against 2.3 ms locally; a 3 MiB echo took about 17 ms whatever
 the chunk size (64 KiB to 1 MiB).
@@ -71,9 +71,8 @@ from hivemind.proto import runtime_pb2
 
 from models.stages import Stage
 from models.training import StageOptimizer
-from node.capacity import autocast_for
-from node.servicer import BAN_AFTER, BAN_S, BAN_WINDOW_S, MEMBERSHIP, NodeServicer
-from node.stage_wire import (
+from node.measure.capacity import autocast_for
+from node.pipeline.wire import (
     FAILED,
     MAX_FRAME_BYTES,
     REFUSED,
@@ -85,6 +84,7 @@ from node.stage_wire import (
     serialize,
     split_message,
 )
+from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, MEMBERSHIP, NodeServicer
 from protocol.routing import BanList
 from protocol.stage_messages import (
     BACKWARD,

@@ -21,7 +21,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from node.servicer import MEMBERSHIP, NodeServicer
+from node.rpc.service import MEMBERSHIP, NodeServicer
 from protocol.membership import (
     Claim,
     InviteClaimed,

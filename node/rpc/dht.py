@@ -27,16 +27,16 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from node.child_process import die_with_parent
-from node.frame_cap import cap_hivemind_frames
-from node.gossip import daemon_pubsub
-from node.maddrs import (
+from node.cli.maddrs import (
     check_announce_maddr,
     check_can_listen,
     check_listen_maddr,
     check_peer_maddr,
 )
-from node.servicer import DETACH_TIMEOUT_S, p2pd_running
+from node.rpc.child_process import die_with_parent
+from node.rpc.frame_cap import cap_hivemind_frames
+from node.rpc.gossip import daemon_pubsub
+from node.rpc.service import DETACH_TIMEOUT_S, p2pd_running
 from protocol.keys import peers_key, revocations_key, spec_key
 from protocol.membership import (
     Claim,
@@ -200,7 +200,7 @@ class RunRecordValidator(RecordValidatorBase):
 class _OwnedDHT(hivemind.DHT):
     """hivemind's DHT process, tied to the process that started it: when a node dies, even
     by SIGKILL, its DHT process (and with it ``p2pd``) dies too, as a dead peer must. Its
-    stream reads are capped (``node.frame_cap``)."""
+    stream reads are capped (``node.rpc.frame_cap``)."""
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
@@ -270,7 +270,7 @@ class SwarmDHT:
         socket_dir = _socket_dir()
         try:
             # Both patches are inherited by the DHT's process, forked in start().
-            with _sockets_in(socket_dir), daemon_pubsub(pubsub):  # GossipSub: node.gossip
+            with _sockets_in(socket_dir), daemon_pubsub(pubsub):  # GossipSub: node.rpc.gossip
                 dht.start()
             dht.wait_until_ready(timeout=startup_timeout_s)
         except BaseException as e:

@@ -23,11 +23,11 @@ import uuid
 
 from models.data import load_corpus
 from models.training import train_baseline
-from node.dht import SwarmDHT
-from node.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
-from node.stage_averaging import DIGESTS_ENV, compare_copies
-from node.train import Curve, open_trainer, train_with_progress
-from node.trainer import MicroBatchResult, Trainer, TrainerSettings
+from node.averaging.averager import DIGESTS_ENV, compare_copies
+from node.cli.train import Curve, open_trainer, train_with_progress
+from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
+from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerSettings
+from node.rpc.dht import SwarmDHT
 from protocol.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Demo:
         return text, all(c.equal for c in checks)
 
     def write_curve(self, curve: Curve) -> None:
-        from node.plot import write_line_chart
+        from node.cli.plot import write_line_chart
 
         out = self.args.out
         curve.write_csv(out / "loss.csv")

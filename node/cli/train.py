@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.data import load_corpus
-from node.daemon import find_spec
-from node.dht import SwarmDHT
+from node.cli.progress import Progress
+from node.daemon.node import find_spec
 from node.files import load_or_create_key, write_atomic
-from node.membership import prove_membership, read_invite
-from node.progress import Progress
-from node.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
+from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
+from node.rpc.dht import SwarmDHT
+from node.rpc.membership import prove_membership, read_invite
 from protocol.ownership import check_run_id
 
 
@@ -84,7 +84,7 @@ async def open_trainer(
 ) -> Trainer:
     """A ``Trainer`` for the run ``dht`` is in, once its spec is found (and, in a private
     run, once ``invite`` proved us a member). ``NodeError`` if the run has no spec there
-    (``node.daemon.find_spec``: within seconds when peers answer). ``on_step`` hears what
+    (``node.daemon.node.find_spec``: within seconds when peers answer). ``on_step`` hears what
     it is doing (reading the spec, loading data)."""
     step = on_step or (lambda _: None)
     step(f"reading the spec of run {dht.run}")

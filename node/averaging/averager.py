@@ -42,7 +42,7 @@ They are DEBUG lines (most of a serving node's log otherwise), INFO in a process
 environment sets ``SWARMTRAIN_LOG_DIGESTS`` (the demo's nodes).
 
 Faults. The averaged tensors are a copy, and a result is applied only if it is finite
-and completely averaged (``node.averaging_process``). A failed attempt is retried until
+and completely averaged (``node.averaging.process``). A failed attempt is retried until
 ``round_timeout_s``; then the peer re-reads the DHT and either catches up (someone got
 ahead) or applies its own contribution alone. Gradients of a discarded round go back
 into ``.grad``: no sample is lost or counted twice.
@@ -71,11 +71,11 @@ from hivemind.utils import get_dht_time
 
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import stage_state
-from node.averaging_process import StageAveragerProcess
-from node.dht import SwarmDHT
-from node.stage_server import Admission, StageServer
-from node.stage_state import StageState, StateError
+from node.averaging import state as stage_state
+from node.averaging.process import StageAveragerProcess
+from node.averaging.state import StageState, StateError
+from node.pipeline.server import Admission, StageServer
+from node.rpc.dht import SwarmDHT
 from protocol.averaging import (
     MAX_ABS_CONTRIBUTION,
     Action,

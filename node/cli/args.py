@@ -85,10 +85,10 @@ stage_number = _at_least(int, 0, equal_ok=True, why="stages are numbered from 0"
 
 
 def _maddr(check: str, text: str) -> str:
-    import node.maddrs  # multiaddr's parser: only when there is an address to check
+    import node.cli.maddrs  # multiaddr's parser: only when there is an address to check
 
     try:
-        return getattr(node.maddrs, check)(text)
+        return getattr(node.cli.maddrs, check)(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

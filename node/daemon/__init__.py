@@ -1,0 +1,2 @@
+"""The node daemon: ``node.Node`` (join, measure, announce, take stages, serve, leave) and
+its checkpoints on disk (``checkpoint``)."""
