@@ -1,11 +1,11 @@
-# The README's two commands: `make demo` and `make test`. Each builds .venv on first use:
+# The README's commands: `make demo`, `make test` and `make test-fast`. Each builds .venv on first use:
 # torch==2.13.0 first (a CPU build that is on this kind of machine), then the project.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test
+.PHONY: demo test test-fast
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/swarmtrain demo --baseline
 
+# Everything: ruff, the unit tier, then the live tier (real p2pd daemons and swarms).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=10
+
+# The unit tier alone: no processes, no sockets, under a minute.
+test-fast: $(STAMP)
+	$(BIN)/pytest tests/unit --durations=10

@@ -10,7 +10,6 @@ stage servers over real ``p2pd`` daemons. Examples are derandomized, so a run is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import math
@@ -21,7 +20,6 @@ from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 
 import msgpack
-import psutil
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -36,10 +34,9 @@ from models.training import StageOptimizer
 from node.averaging import state as stage_state
 from node.pipeline import client as stage_client
 from node.pipeline.client import StageCallError
-from node.pipeline.server import StageServer, stage_namespace
+from node.pipeline.server import StageServer
 from node.pipeline.wire import (
     FAILED,
-    MAX_CHUNK_BYTES,
     REFUSED,
     deserialize,
     encode_response_meta,
@@ -73,17 +70,13 @@ from protocol.stage_messages import (
     wire_nbytes,
 )
 from tests.records import peer_info
-from tests.streams import flood
-from tests.test_stage_rpc import (
+from tests.stage_rig import (
     CFG,
     MAX_TOKENS,
     OPT,
     RUN,
     THREE,
-    TWO,
     _assert_same,
-    _patient,
-    _swarm,
 )
 
 # Pure decoders: cheap, so many examples; the handler and state tests build tensors.
@@ -93,12 +86,22 @@ FAST = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
 SLOW = settings(FAST, max_examples=120)
 
+
 NOW = 1_700_000_000.0
+
+
 KEY = Ed25519PrivateKey.from_private_bytes(bytes([7]) * 32)
+
+
 PEER = peer_id_of(KEY.public_key())
+
+
 B, T, C = 2, CFG.block_size, CFG.n_embd
+
 
 SCALARS = (
     st.none()
@@ -108,6 +111,8 @@ SCALARS = (
     | st.text(max_size=12)
     | st.binary(max_size=12)
 )
+
+
 # What msgpack can carry (the shapes of anything a peer can put in the DHT or metadata).
 VALUES = st.recursive(
     SCALARS,
@@ -116,6 +121,8 @@ VALUES = st.recursive(
     ),
     max_leaves=10,
 )
+
+
 # Special float32 values a hostile peer puts in a buffer.
 SPECIAL = [math.nan, math.inf, -math.inf, 3e38, -3e38, 1e-45]
 
@@ -152,9 +159,6 @@ def _mutate_bytes(data: bytes, draw) -> bytes:
         else:
             data[i:i] = data[i : i + draw(st.integers(1, 16))]
     return bytes(data)
-
-
-# -- peer records (protocol/records.py) ------------------------------------------------
 
 
 def _peer_info() -> PeerInfo:
@@ -210,9 +214,9 @@ def test_re_signed_fields_of_any_value_decode_or_raise_record_error(field, value
         assert all(math.isfinite(t) for t in info.throughput)
 
 
-# -- request metadata (protocol/stage_messages.py) --------------------------------------
-
 WIRE_KEYS = ["run", "stage", "kind", "mb", "train"]
+
+
 VALID_META = StageMeta(RUN, 1, FORWARD, 5, train=True)
 
 
@@ -254,12 +258,18 @@ def test_arbitrary_metadata_structures_decode_or_refuse(raw):
             )
 
 
-# -- declared headers and decoded tensors (protocol/stage_messages.py) ------------------
-
 CONTRACTS = {i: StageContract.for_stage(CFG, THREE[i], i, max_tokens=MAX_TOKENS) for i in range(3)}
+
+
 DTYPES = ["int64", "float32", "float16", "float64", "bfloat16", "bool", "uint8", "object", ""]
+
+
 COMPRESSIONS = ["NONE", "FLOAT16", "UNIFORM_8BIT", "MEANSTD_16BIT", "QUANTILE_8BIT", "BLOCKWISE"]
+
+
 DIMS = st.integers(0, 2**32 - 1) | st.sampled_from([1, 2, 16, 32, 64, 2**31, 2**32 - 1])
+
+
 # Enough large dimensions to overflow a float64 product (with a zero: inf * 0 = NaN).
 MANY_DIMS = st.lists(st.sampled_from([0, 2**31, 2**32 - 1, 2**32 - 1]), min_size=34, max_size=80)
 
@@ -334,9 +344,6 @@ def test_decoded_tensors_are_checked(data):
             assert t.dtype == torch.int64 and 0 <= int(t.min()) <= int(t.max()) < CFG.vocab_size
 
 
-# -- tensor decoding and the 8-bit codebook (node/stage_wire.py) ------------------------
-
-
 @FAST
 @given(
     st.lists(st.integers(1, 8), min_size=1, max_size=3),
@@ -375,9 +382,6 @@ def test_special_values_survive_encoding_and_are_refused_after_decoding(compress
     )
     if out is not None:
         assert bool(torch.isfinite(out.inputs).all())
-
-
-# -- the stage server's handler, without a network (node/stage_server.py) ---------------
 
 
 class _Servers:
@@ -444,6 +448,8 @@ def _valid_request(i: int, kind: str, train: bool, compression: str):
 
 
 VALID_COMBOS = [(0, FORWARD, False), (0, BACKWARD, False), (1, FORWARD, False)]
+
+
 VALID_COMBOS += [(1, BACKWARD, False), (2, FORWARD, False), (2, FORWARD, True)]
 
 
@@ -623,9 +629,6 @@ def test_a_peer_with_non_finite_parameters_fails_rather_than_refuses():
         asyncio.run(server.shutdown())
 
 
-# -- responses, as a client decodes them (node/stage_client.py, node/stage_wire.py) -----
-
-
 class _ReplayP2P:
     """Stands in for a ``P2P`` whose peer answers with ``responses`` (then, optionally,
     an error), whatever it was asked: the stream's bytes, framed as a server frames them."""
@@ -735,9 +738,6 @@ def test_client_refuses_a_response_declaring_an_enormous_tensor():
         assert time.monotonic() - started < 1.0
 
 
-# -- progress records (protocol/averaging.py) -------------------------------------------
-
-
 @FAST
 @given(
     VALUES | st.sampled_from([PEER, "x" * 129, ""]),
@@ -755,9 +755,6 @@ def test_progress_records_decode_or_raise_record_error(subkey, value):
 def test_progress_round_trip():
     p = Progress(PEER, 3, 17)
     assert decode_progress(PEER, encode_progress(p)) == p
-
-
-# -- downloaded stage state (node/stage_state.py) ---------------------------------------
 
 
 def _donor(mode: str):
@@ -859,17 +856,6 @@ def test_captured_states_parse():
         assert (state.momentum is not None) == (mode == "diloco")
 
 
-# -- a real stage server, over real p2pd daemons ---------------------------------------
-
-
-class _QuickServer(StageServer):
-    """Gives up on a request that stops arriving after 1 s, not 60, and bans nobody: the
-    hostile streams all come from one caller."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, receive_timeout=1.0, callers=_patient(), **kwargs)
-
-
 _MESSAGE, _ERROR = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
 
 
@@ -880,204 +866,6 @@ def _frame(message) -> bytes:
 
 
 END = _ERROR + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)  # hivemind's end of stream
-
-
-def _stream(metadata: bytes, tensors: list, *, end: bool = True) -> bytes:
-    messages = split_message(runtime_pb2.ExpertRequest, metadata, tensors)
-    return b"".join(_frame(m) for m in messages) + (END if end else b"")
-
-
-def _handle(stage: int, kind: str) -> str:
-    return StageServer._get_handle_name(stage_namespace(stage), f"rpc_{kind}")
-
-
-async def _exchange(client: P2P, peer, stage: int, kind: str, raw: bytes, timeout: float = 10.0):
-    """Send ``raw`` on a stream to ``peer``'s ``rpc_<kind>`` of ``stage``; return how the
-    server answered: ("refused", reason), ("closed", "") or ("answered", "")."""
-    _, reader, writer = await client.call_binary_stream_handler(peer, _handle(stage, kind))
-    try:
-        async with asyncio.timeout(timeout):
-            writer.write(raw)
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
-            try:
-                response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return "closed", ""
-            if error is not None:
-                assert REFUSED in error.message, error.message  # not FAILED: no crash
-                assert len(error.message) < 400, error.message[:400]  # it is logged, too
-                return "refused", error.message.split(REFUSED, 1)[1]
-            assert response is not None
-            return "answered", ""
-    finally:
-        writer.close()
-
-
-def _live_cases() -> list[tuple[str, int, str, bytes, str]]:
-    """(name, stage, handler, raw stream, the refusal's words, or "closed" or "any")."""
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
-    hidden = torch.randn(B, T, C, generator=g)
-    s, F, BW = serialize, FORWARD, BACKWARD
-    x, h = s(tokens), s(hidden)
-
-    def meta(stage: int, kind: str = FORWARD, **over) -> bytes:
-        return StageMeta(over.pop("run", RUN), stage, kind, 1, **over).encode()
-
-    def to(stage: int, *tensors, kind: str = FORWARD, **over) -> bytes:
-        """A framed request, its tensors cut into chunks as the client cuts them."""
-        return _stream(meta(stage, kind, **over), list(tensors))
-
-    def one(metadata: bytes, *tensors) -> bytes:
-        """A framed request in one message, whatever its size."""
-        return _frame(runtime_pb2.ExpertRequest(metadata=metadata, tensors=tensors)) + END
-
-    def planted(value: float) -> runtime_pb2.Tensor:
-        t = hidden.clone()
-        t[1, 2, 3] = value
-        return s(t)
-
-    def wire(dtype, size, buffer=b"", compression=0) -> runtime_pb2.Tensor:
-        return runtime_pb2.Tensor(dtype=dtype, size=size, buffer=buffer, compression=compression)
-
-    eight_bit = s(hidden, "uint8")  # int64 codebook size, 256 float32 entries, indices
-    bad_bins = copy.deepcopy(eight_bit)
-    bad_bins.buffer = struct.pack("<q", 2**40) + eight_bit.buffer[8:]
-    nan_entries = struct.pack("<f", math.nan) * UNIFORM_8BIT_BINS
-    nan_codebook = copy.deepcopy(eight_bit)
-    nan_codebook.buffer = eight_bit.buffer[:8] + nan_entries + eight_bit.buffer[1032:]
-    half = copy.deepcopy(h)
-    half.buffer = h.buffer[: len(h.buffer) // 2]
-    longer = copy.deepcopy(x)
-    longer.buffer += b"\0" * 8
-    huge_tokens = wire("int64", [2**32 - 1] * 2)
-    huge_hidden = wire("float32", [2**32 - 1] * 3)
-    many_dims = wire("float32", [2**32 - 1] * 4000)
-    oversized = wire("float32", [B, T, C], b"\0" * (MAX_CHUNK_BYTES + 1))
-    headless = wire("", [], b"\0" * 8)
-    meanstd_tokens = wire("int64", [B, T], b"\0" * 64, runtime_pb2.CompressionType.MEANSTD_16BIT)
-    unknown = wire("float32", [B, T, C], b"", 99)
-    first = _frame(runtime_pb2.ExpertRequest(metadata=meta(0), tensors=[x]))
-    late_meta = first + _frame(runtime_pb2.ExpertRequest(metadata=meta(0))) + END
-    no_meta = _frame(runtime_pb2.ExpertRequest(tensors=[x])) + END
-    empties = _frame(runtime_pb2.ExpertRequest()) * 50 + END
-    mid_frame = first[: len(first) // 2]
-    huge_frame = _MESSAGE + (2**62).to_bytes(P2P.HEADER_LEN, "big") + b"\0" * 64
-    garbage_body = _MESSAGE + (6).to_bytes(P2P.HEADER_LEN, "big") + b"\xff" * 6 + END
-    garbage_end = _ERROR + (4).to_bytes(P2P.HEADER_LEN, "big") + b"\xff" * 4
-    cases = [
-        ("wrong shape", 1, F, to(1, s(hidden[..., :8]), x), "(B, T, 32)"),
-        ("wrong dtype", 1, F, to(1, s(hidden.double()), x), "dtype float32"),
-        ("float token ids", 0, F, to(0, s(tokens.float())), "dtype int64"),
-        ("NaN", 1, F, to(1, planted(math.nan), x), "non-finite"),
-        ("Inf", 1, F, to(1, planted(math.inf), x, train=True), "non-finite"),
-        ("Inf grad_outputs", 0, BW, to(0, x, planted(-math.inf), kind=BW), "non-finite"),
-        ("huge finite inputs", 1, F, to(1, s(hidden * 1e37), x, train=True), "non-finite"),
-        ("huge finite, no train", 1, F, to(1, s(hidden * 1e37), x), "non-finite"),
-        ("overflowing grads", 0, BW, to(0, x, s(hidden * 1e38), kind=BW), "non-finite"),
-        ("token id 256", 0, F, to(0, s(tokens + 256)), "out of range"),
-        ("negative target", 1, F, to(1, h, s(tokens - 300)), "out of range"),
-        ("wrong stage", 0, F, to(1, x), "request for stage 1"),
-        ("largest stage index", 0, F, to(2**16 - 1, x), "request for stage 65535"),
-        ("wrong run", 0, F, to(0, x, run="other"), "run 'other'"),
-        ("kind mismatch", 0, BW, to(0, x), "forward request sent"),
-        ("backward at the last stage", 1, BW, to(1, h, h, kind=BW), "last stage"),
-        ("huge declared shape", 0, F, one(meta(0), huge_tokens), "exceeds the block size"),
-        ("huge declared dims", 1, F, one(meta(1), huge_hidden), "(B, T, 32)"),
-        ("4000 dims", 1, F, one(meta(1), many_dims), "4000 dimensions"),
-        ("truncated tensor", 1, F, to(1, half, x), "its header declares"),
-        ("longer tensor", 0, F, to(0, longer), "more than"),
-        ("oversized chunk", 1, F, one(meta(1), oversized), "exceeds 1048576"),
-        ("headless chunk", 0, F, one(meta(0), headless), "without a tensor header"),
-        ("late metadata", 0, F, late_meta, "first message"),
-        ("no metadata", 0, F, no_meta, "carry metadata"),
-        ("garbage metadata", 0, F, _stream(b"\xc1\xff\x00garbage", [x]), "malformed metadata"),
-        ("oversized metadata", 0, F, _stream(b"\xa0" * 4096, [x]), "exceeds the limit"),
-        ("8-bit codebook size", 1, F, to(1, bad_bins, x), "codebook"),
-        ("8-bit NaN codebook", 1, F, to(1, nan_codebook, x), "non-finite"),
-        ("compressed token ids", 0, F, one(meta(0), meanstd_tokens), "compression"),
-        ("unknown compression", 1, F, one(meta(1), unknown, x), "compression"),
-        ("extra tensor", 0, F, to(0, x, x), "got more"),
-        ("no tensors", 0, F, to(0), "got 0"),
-        ("empty stream", 0, F, END, "empty request"),
-        ("empty messages", 0, F, empties, "carry metadata"),
-        ("stalled mid-tensor", 1, F, to(1, half)[: -len(END)], "not received within"),
-        ("stalled mid-frame", 0, F, mid_frame, "not received within"),
-        ("frame of 2**62 bytes", 0, F, huge_frame, "a frame of 4611686018427387904 bytes"),
-        ("garbage frame marker", 0, F, b"\x07" + b"garbage" * 10, "closed"),
-        ("garbage protobuf", 0, F, garbage_body, "closed"),
-        ("garbage end of stream", 1, F, garbage_end, "closed"),
-    ]
-    # Seeded bit flips inside the protobuf bodies of a valid last-stage evaluation
-    # forward (stateless even if it is accepted): refused, closed or answered.
-    rng = random.Random(11)
-    valid = [_frame(m) for m in split_message(runtime_pb2.ExpertRequest, meta(1), [h, x])]
-    for n in range(12):
-        frames = [bytearray(f) for f in valid]
-        f = frames[rng.randrange(len(frames))]
-        for _ in range(rng.randint(1, 3)):
-            at = 1 + P2P.HEADER_LEN + rng.randrange(len(f) - 1 - P2P.HEADER_LEN)
-            f[at] ^= 1 << rng.randrange(8)
-        cases.append((f"bit flips {n}", 1, F, b"".join(frames) + END, "any"))
-    return cases
-
-
-async def _train_one(client: P2P, s0: StageServer, s1: StageServer, x, y) -> None:
-    """A forward and backward through ``TWO``'s two stages."""
-    kw = {"run_id": RUN, "timeout": 10}
-    a = await stage_client.forward(client, s0.peer_id, x, stage=0, **kw)
-    _, grad = await stage_client.loss(client, s1.peer_id, a, y, stage=1, train=True, **kw)
-    await stage_client.backward(client, s0.peer_id, x, grad, stage=0, **kw)
-
-
-def test_live_server_refuses_malformed_streams_and_keeps_serving():
-    cases = _live_cases()
-    g = torch.Generator().manual_seed(9)
-    # Micro-batches of 4: two make OPT.target_batch_size (one AdamW step), the third
-    # leaves gradients in .grad, so parameters, moments and gradients all exist.
-    batches = [
-        tuple(torch.randint(0, CFG.vocab_size, (4, T), generator=g) for _ in range(2))
-        for _ in range(4)
-    ]
-
-    async def body():
-        async with _swarm(TWO, [0, 1], server_cls=_QuickServer) as (client, (s0, s1)):
-            for x, y in batches[:3]:
-                await _train_one(client, s0, s1, x, y)
-            servers = {0: s0, 1: s1}
-            assert all(s.optimizer.optimizer.state for s in servers.values())
-            assert all(s.optimizer.samples == 4 for s in servers.values())
-            before = {i: _snapshot(s) for i, s in servers.items()}
-
-            started = time.monotonic()
-            outcomes = []
-            for name, i, kind, raw, expect in cases:
-                how, reason = await _exchange(client, servers[i].peer_id, i, kind, raw)
-                outcomes.append((name, how))
-                if expect == "closed":
-                    assert how in ("closed", "refused"), (name, how, reason)
-                elif expect != "any":
-                    assert how == "refused" and expect in reason, (name, how, reason)
-            elapsed = time.monotonic() - started
-            assert elapsed < 30, elapsed
-
-            for i, server in servers.items():
-                _assert_unchanged(server, before[i])
-            deadline = time.monotonic() + 5
-            while (s0.load or s1.load) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert s0.load == 0 and s1.load == 0
-            assert s0.counters.rejected + s1.counters.rejected >= len(
-                [c for c in cases if c[4] not in ("any", "closed")]
-            )
-            # Still serving, and the valid micro-batch counts (8 samples: a step).
-            await _train_one(client, s0, s1, *batches[3])
-            assert all(s.counters.steps == 2 and s.optimizer.samples == 0 for s in (s0, s1))
-            return outcomes
-
-    outcomes = asyncio.run(asyncio.wait_for(body(), 120))
-    assert len(outcomes) == len(cases) >= 30
 
 
 def test_read_frame_refuses_before_reading_a_body():
@@ -1114,29 +902,3 @@ def test_read_frame_refuses_before_reading_a_body():
         error, left = read(raw, max_bytes)
         assert isinstance(error, FrameError) and words in str(error), error
         assert left == unread
-
-
-def test_a_frame_declaring_2_62_bytes_is_refused_unread():
-    # hivemind reads a frame of any declared length whole; the server refuses this one
-    # after its 9-byte header. Served by hivemind's own reader, a flood of 256 MiB grew
-    # the server's process by 257 MiB, with no answer within 8 s.
-    x, y = (torch.randint(0, CFG.vocab_size, (4, T)) for _ in range(2))
-    header = _MESSAGE + (2**62).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
-
-    async def body():
-        async with _swarm(TWO, [0, 1]) as (client, (s0, s1)):
-            process = psutil.Process()
-            rss = process.memory_info().rss
-            handle = _handle(0, FORWARD)
-            answer, after, sent = await flood(
-                client, s0.peer_id, handle, header, 64 * 2**20, runtime_pb2.ExpertResponse
-            )
-            grew = process.memory_info().rss - rss
-            assert answer == "closed" or "a frame of 4611686018427387904 bytes" in answer, answer
-            # Refused at once, the stream cut after the server dropped at most 1 MiB more.
-            assert after < 2 and grew < 8 * 2**20 and sent < 8 * 2**20, (after, grew, sent)
-            assert s0.counters.rejected == 1
-            await _train_one(client, s0, s1, x, y)  # one refusal bans nobody
-            assert s0.counters.backward == 1
-
-    asyncio.run(asyncio.wait_for(body(), 60))

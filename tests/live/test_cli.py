@@ -18,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_cli import PEER
+
 ROOT = Path(__file__).resolve().parent.parent
-PEER = "12D3KooWRBy97UB99e3J6hiPesre1MZeuNQvfan4gBziswrRJsNK"  # a valid id; nobody runs it
+
+
 RUN_ID = "x@abcdefghijklmnopqrstuvwx"
 
 
@@ -69,9 +72,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# 12: CLI basics
-
-
 def _cpu_time(*args: str) -> float:
     """The CPU time a command takes: what its wall time is on an idle machine (the
     wall time of a test run next to live swarms says more about them than about it)."""
@@ -110,30 +110,6 @@ def test_version_defaults_and_help_of_every_option(home):
             assert after.strip(), f"{command} {option} has no help:\n{text}"
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["-v", "node", "--run", "r"],
-        ["node", "-v", "--run", "r"],
-        ["node", "--run", "r", "--verbose"],
-        ["status", "--run", "r", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", "-v"],
-        ["run", "invite", "--run", "r", "-v"],
-    ],
-    ids=" ".join,
-)
-def test_verbose_before_or_after_the_subcommand(argv):
-    from node.cli.main import build_parser
-
-    assert build_parser(argv).parse_args(argv).verbose is True
-
-
-def test_not_verbose_by_default():
-    from node.cli.main import build_parser
-
-    argv = ["node", "--run", "r"]
-    assert build_parser(argv).parse_args(argv).verbose is False
-
-
 def test_id_prints_the_peer_id_of_the_nodes_identity(home):
     """``swarmtrain id`` creates the identity the node would use (0600) and prints its
     peer id; the node then runs under that same peer id."""
@@ -167,9 +143,6 @@ def test_id_prints_the_peer_id_of_the_nodes_identity(home):
 
 def test_id_refuses_a_bad_run_name(home):
     _refused(home, "id", "--run", "no/slashes", says="run name")
-
-
-# 6: network errors
 
 
 def test_unreachable_initial_peer(home):
@@ -224,19 +197,6 @@ def test_maddr_checks():
             check_can_listen(f"/ip4/127.0.0.1/tcp/{busy.getsockname()[1]}")
 
 
-def test_daemon_errors_read_as_one_line():
-    from node.rpc.dht import _start_failure
-
-    busy = RuntimeError(
-        "Daemon failed to start: 2026/12/01 15:45:15 failed to listen on any addresses: "
-        "[listen tcp4 127.0.0.1:45123: bind: address already in use]"
-    )
-    text = _start_failure(busy, [], ["/ip4/127.0.0.1/tcp/45123"])
-    assert "cannot listen on /ip4/127.0.0.1/tcp/45123: address already in use" in text
-    other = _start_failure(RuntimeError("Daemon failed to start: boom\nmore"), [], [])
-    assert "\n" not in other and "boom" in other
-
-
 def test_dht_sockets_are_removed_at_shutdown(monkeypatch):
     """A DHT's daemon sockets live in a private directory, gone after shutdown."""
     from node.rpc.dht import SwarmDHT
@@ -254,9 +214,6 @@ def test_dht_sockets_are_removed_at_shutdown(monkeypatch):
         assert not list(tmp.iterdir())
     finally:
         tmp.rmdir()
-
-
-# 11: validation before anything starts
 
 
 @pytest.mark.parametrize(
@@ -304,16 +261,6 @@ def test_a_corrupt_key_file_is_named(home, which):
     path.write_bytes(b"not a key\n")
     _refused(home, "node", "--run", "lab", "--throughput", "5", says=str(path))
     assert path.read_bytes() == b"not a key\n"  # left as it was, for its owner to look at
-
-
-def test_light_module_knows_the_corpus_name():
-    from models.data import STDLIB
-    from node.cli.args import STDLIB as light
-
-    assert light == STDLIB
-
-
-# 14: the README
 
 
 def test_readme_writes_secrets_privately_and_links_what_exists(home, tmp_path):

@@ -10,8 +10,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -20,9 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.utils import get_dht_time
 
-from node.cli.main import main
 from node.cli.train import open_trainer
-from node.daemon.node import Node, NodeSettings
 from node.files import load_or_create_key
 from node.pipeline import client as stage_client
 from node.pipeline.client import StageRefused
@@ -179,9 +175,6 @@ def _forged_spec_text(spec_file) -> str:
     return json.dumps({"spec": fields["spec"].decode(), "signature": fields["sig"].hex()})
 
 
-# --- a bearer invite admits one peer -------------------------------------------------------
-
-
 def _home(tmp_path, name: str):
     """A machine of its own: a HOME directory, and a wrap that runs a command in it."""
     home = tmp_path / f"home-{name}"
@@ -308,43 +301,3 @@ async def _race(
     # Later, a trainer with the same token is refused before it trains.
     with pytest.raises(InviteClaimed, match=f"already used by peer {first.peer_id}"):
         await open_trainer(late, TrainerSettings(), spec_timeout_s=10, invite=token)
-
-
-# --- the owner's tools: the owner key's default path, and `run invite`'s input --------------
-
-
-def test_the_owners_node_finds_its_key_at_the_default_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    key = load_or_create_key(Path("~/.swarmtrain/owner.key"))
-    spec = make_run_spec("lab", "tiny", 2, owner=peer_id_of(key.public_key()), private=True)
-    me = peer_id_of(Ed25519PrivateKey.generate().public_key())
-    node = Node.__new__(Node)  # only what joining reads: settings, spec, our peer id
-    node.settings, node.spec = NodeSettings(run=spec.run), spec
-    node.dht = SimpleNamespace(peer_id=me, policy=spec.membership)
-    assert node._membership_proof() is not None, "the owner's node needs no invite"
-
-
-def test_run_invite_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    key_file = tmp_path / "owner.key"
-    assert main(["run", "create", "lab", "--private", "--owner-key", str(key_file),
-                 "--out", str(tmp_path / "lab.spec.json")]) == 0  # fmt: skip
-    run = re.search(r"created private run (\S+)", capsys.readouterr().out).group(1)
-    owner = ["--run", run, "--owner-key", str(key_file)]
-    for args, what in [
-        ([*owner, "--peer", "x"], "is not a peer id"),
-        ([*owner, "--expires", "3"], "needs a unit"),
-        ([*owner, "--expires", "0m"], "needs a unit"),
-        (["--run", run], "no owner key at"),  # someone else, with no owner key
-    ]:
-        assert main(["run", "invite", *args]) == 2, args
-        captured = capsys.readouterr()
-        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
-        assert what in captured.err, captured.err
-    assert not (tmp_path / ".swarmtrain" / "owner.key").exists(), "no key made for a non-owner"
-    other_key = tmp_path / "other.key"
-    load_or_create_key(other_key)
-    assert main(["run", "invite", "--run", run, "--owner-key", str(other_key)]) == 2
-    assert "only the run's owner can invite" in capsys.readouterr().err
-    assert main(["run", "invite", *owner, "--expires", "90m"]) == 0
-    assert capsys.readouterr().out.startswith("swarmtrain-invite:")

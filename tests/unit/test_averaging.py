@@ -1,0 +1,150 @@
+"""Averaging among the peers of a stage, on real hivemind DHTs and averagers (loopback).
+
+Peers are ``tests.averaging_peer.Peer``: a DHT, the last stage of a small model, its
+optimizer and a ``StageAverager``, fed micro-batches the way a stage server feeds them
+(one test serves them through real ``AveragedStageServer``s instead). The kill test's
+victim is a subprocess. The last tests drive ``protocol.averaging.decide`` and
+``node.averaging.state`` alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.stages import Stage
+from models.training import StageOptimizer
+from node.averaging import state as stage_state
+from node.averaging.averager import (
+    EQUAL_DISTANCE,
+    ParamDigest,
+    compare_copies,
+)
+from protocol.averaging import Action, Progress, decide, robust_mean
+from tests.averaging_peer import (
+    CFG,
+    STAGE,
+    backward,
+    make_spec,
+)
+
+
+def test_robust_mean_follows_honest_parts_and_bounds_a_wrong_one():
+    g = torch.Generator().manual_seed(0)
+    true = torch.randn(1000, generator=g)
+    honest = [true + 0.3 * torch.randn(1000, generator=g) for _ in range(3)]
+    mean = torch.stack(honest).mean(0)
+    cos = torch.nn.functional.cosine_similarity
+
+    # Honest parts alike: their weighted mean, as a plain average would give.
+    assert torch.allclose(robust_mean(honest, [1, 1, 1]), mean, atol=1e-5)
+    weighted = (honest[0] + 2 * honest[1] + honest[2]) / 4
+    assert torch.allclose(robust_mean(honest, [1, 2, 1]), weighted, atol=1e-5)
+    # A groupmate sending its gradient negated and scaled 100x, or claiming a huge sample
+    # count: the plain mean turns against the truth, the robust one stays near the honest.
+    for part, weight in [(-100 * true, 1.0), (-true, 1e9)]:
+        parts, weights = [*honest, part], [1.0, 1.0, 1.0, weight]
+        w = torch.tensor(weights)
+        plain = (w @ torch.stack(parts)) / w.sum()
+        assert float(cos(plain, true, dim=0)) < 0
+        robust = robust_mean(parts, weights)
+        assert float(cos(robust, true, dim=0)) > 0.9
+        assert float((robust - mean).norm()) < 0.5 * float(true.norm())
+    # Two parts: nobody can tell the wrong one; a part of weight 0 does not count.
+    assert torch.allclose(
+        robust_mean([honest[0], -100 * true], [1, 1]), (honest[0] - 100 * true) / 2
+    )
+    assert torch.allclose(
+        robust_mean([*honest[:2], 100 * true], [1, 1, 0]),
+        (honest[0] + honest[1]) / 2,
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="not all 0"):
+        robust_mean(honest, [0, 0, 0])
+
+
+def test_decide():
+    def p(peer: str, epoch: int, samples: int) -> Progress:
+        return Progress(peer, epoch, samples)
+
+    assert decide("me", 3, 10, [], 16).action is Action.WAIT
+    assert decide("me", 3, 16, [], 16).action is Action.STEP_ALONE
+    assert decide("me", 3, 16, [p("me", 3, 99)], 16).action is Action.STEP_ALONE  # ours: ignored
+    two = decide("me", 3, 10, [p("a", 3, 6), p("b", 2, 50)], 16)
+    assert (two.action, two.samples, two.peers) == (Action.AVERAGE, 16, 1)
+    assert decide("me", 3, 0, [p("a", 3, 16)], 16).action is Action.AVERAGE  # weight 0
+    assert decide("me", 3, 10, [p("a", 4, 0)], 16).action is Action.CATCH_UP
+    assert decide("me", 3, 16, [p("a", 4, 0)], 16, catch_up=False).action is Action.WAIT
+    assert decide("me", 3, 1, [p("a", 3, 10**9)], 16).action is Action.AVERAGE  # capped
+    joiner = [p("a", 1, 0)]  # behind, downloading the state: wait for it, if patient
+    assert decide("me", 3, 16, joiner, 16).action is Action.STEP_ALONE
+    assert decide("me", 3, 16, joiner, 16, patient=True).action is Action.WAIT
+    both = [p("a", 1, 0), p("b", 3, 0)]  # someone to average with: no waiting
+    assert decide("me", 3, 16, both, 16, patient=True).action is Action.AVERAGE
+    assert decide("me", 0, 20, [p("a", 0, 10)], 16, per_peer=True).action is Action.WAIT
+    assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
+    with pytest.raises(ValueError):
+        decide("me", 0, 1, [], 0)
+
+
+def test_state_is_checked_before_it_replaces_anything():
+    spec = make_spec("avg-state")
+    donor = Stage(CFG, spec.stage_range(STAGE))
+    opt = StageOptimizer(donor, spec.optim)
+    opt.accumulated(backward(donor, 1))
+    opt.step()
+    metadata, tensors = stage_state.capture(donor, opt, epoch=1, mode="gradient", peer="p")
+    joiner = Stage(CFG, spec.stage_range(STAGE))
+    state = stage_state.parse(metadata, tensors, joiner, mode="gradient")
+    joiner_opt = StageOptimizer(joiner, spec.optim)
+    stage_state.apply(state, joiner, joiner_opt)
+    assert joiner_opt.step_count == 1 and state.epoch == 1
+    assert all(
+        torch.equal(a, b) for a, b in zip(joiner.parameters(), donor.parameters(), strict=True)
+    )
+
+    def refused(metadata=metadata, tensors=tensors, mode="gradient") -> str:
+        with pytest.raises(stage_state.StateError) as e:
+            stage_state.parse(metadata, tensors, joiner, mode=mode)
+        return str(e.value)
+
+    assert "mode" in refused(mode="diloco")
+    assert "tensors" in refused(tensors=tensors[:-1])
+    bad = list(tensors)
+    bad[0] = torch.full_like(bad[0], math.inf)
+    assert "non-finite" in refused(tensors=bad)
+    bad[0] = tensors[0][:1]
+    assert "shape" in refused(tensors=bad)
+    assert "epoch" in refused(metadata=metadata | {"epoch": -1})
+    assert "names" in refused(metadata=metadata | {"names": ["x"]})
+    assert "adamw" in refused(metadata=metadata | {"adamw": [[0, "bogus"], *metadata["adamw"][1:]]})
+
+
+def test_digests_tell_equal_copies_from_diverged_ones():
+    """The logged digests: bitwise equal copies share a crc; copies apart by float rounding
+    are within ``EQUAL_DISTANCE``, copies a step apart are far outside it; a log line
+    round-trips through ``compare_copies``."""
+    stage = Stage(CFG, make_spec("avg-digest").stage_range(STAGE))
+    params = [p.detach().clone() for p in stage.parameters()]
+    g = torch.Generator().manual_seed(0)
+    rounding = [p * (1 + 1e-7 * torch.randn(p.shape, generator=g)) for p in params]
+    step = [p + 1e-3 * torch.randn(p.shape, generator=g) for p in params]
+    same, close, far = (ParamDigest.of(t) for t in (params, rounding, step))
+    assert ParamDigest.of(params) == same and same.distance(same) == 0.0
+    assert 1e-9 < same.distance(close) < EQUAL_DISTANCE < 10 * EQUAL_DISTANCE < same.distance(far)
+
+    def log(*digests: ParamDigest, first: int = 0) -> str:
+        return "".join(
+            f"INFO stage {STAGE} (a1b2c3): epoch {e} params {d}\n"
+            for e, d in enumerate(digests, start=first)
+        )
+
+    check = compare_copies([log(same, same, same), log(same, close)], STAGE)
+    assert (check.peers, check.common, check.bitwise, check.equal) == (2, 2, 1, True), check
+    assert str(check).startswith("copies equal at 2 of 2 common epochs")
+    check = compare_copies([log(same, same), log(same, far), log(same)], STAGE)
+    assert (check.common, check.differ, check.equal) == (2, (1,), False), check
+    assert str(check).startswith("COPIES DIFFER at 1 of 2")
+    assert not compare_copies([log(same), log(same, first=1)], STAGE).equal  # never compared
+    assert compare_copies([log(same)], STAGE).equal and not compare_copies([log(same)], 0).peers

