@@ -244,6 +244,12 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         help="where checkpoints go (default: ~/.swarmtrain/NAME/checkpoints/PEER_ID)",
     )
     p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
+    p.add_argument(
+        "--events",
+        type=Path,
+        metavar="FILE",
+        help="the JSON-lines event log (default: ~/.swarmtrain/NAME/events/PEER_ID.jsonl)",
+    )
 
 
 def baseline_arguments(p: argparse.ArgumentParser) -> None:

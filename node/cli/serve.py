@@ -9,6 +9,7 @@ import logging
 import signal
 from pathlib import Path
 
+from node import events
 from node.cli.maddrs import check_can_listen
 from node.daemon.node import Node, NodeSettings, until_stopped, write_maddrs
 from node.measure.capacity import pick_device
@@ -52,6 +53,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         heartbeat_s=args.heartbeat,
         checkpoint_every_s=args.checkpoint_every,
         checkpoint_dir=args.checkpoint_dir,
+        events=args.events,
     )
 
 
@@ -70,6 +72,7 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
     try:
         if await until_stopped(stop, node.prepare()):  # a stop meanwhile: just close
             maddrs = node.dht.visible_maddrs()
+            events.emit("node.started", run=node.spec.run, peer=node.peer_id, maddrs=maddrs)
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
@@ -85,6 +88,7 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             await node.run(stop, on_ready)
     finally:
         await node.close()
+        events.close_log()
     print("node stopped", flush=True)
     return 0
 
@@ -124,4 +128,5 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     check_before_start(settings)
     node = Node.start(settings)
+    events.open_log(settings.events_path(node.peer_id))
     return uvloop.run(serve(node, args.maddrs_file))

@@ -25,6 +25,7 @@ from hivemind.utils import get_dht_time
 from models.data import Corpus, load_corpus
 from models.stages import Stage
 from models.training import StageOptimizer
+from node import events
 from node.averaging.averager import AveragedStageServer, StageAverager
 from node.cli.args import DEFAULT_OWNER_KEY
 from node.cli.run import owned_spec
@@ -104,6 +105,7 @@ class NodeSettings:
     # id), and how often; 0: never (a clean stop still writes one).
     checkpoint_dir: Path | None = None
     checkpoint_every_s: float = 300.0
+    events: Path | None = None  # the structured event log (default: in the run's folder)
     heartbeat_s: float = HEARTBEAT_S
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
 
@@ -119,6 +121,12 @@ class NodeSettings:
         home keep their checkpoints apart)."""
         root = default_identity_path(self.run).parent / "checkpoints" / peer_id
         return self.checkpoint_dir or root
+
+    def events_path(self, peer_id: str) -> Path:
+        """The node's JSON-lines event log (``node.events``): ``--events``, or beside the
+        run's default identity, one file per peer id."""
+        root = default_identity_path(self.run).parent / "events"
+        return self.events or root / f"{peer_id}.jsonl"
 
     def owner_key_path(self) -> Path:
         return (self.owner_key or DEFAULT_OWNER_KEY).expanduser()
@@ -372,6 +380,7 @@ class Node:
     def set_state(self, state: PeerState) -> None:
         """Change state and re-announce at once."""
         self.state = state
+        events.emit("node.state", state=state.name)
         self._changed.set()
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
@@ -480,6 +489,7 @@ class Node:
             self.second = None
         else:
             logger.info("serving stage %d as well (a second stage)", self.second)
+            events.emit("stage.held", stage=self.second, role="second")
         self._changed.set()
 
     async def _rebalance_loop(self) -> None:
@@ -510,6 +520,7 @@ class Node:
         averager, self.averager = self.averager, None
         if averager is not None:
             await averager.shutdown()
+        events.emit("stage.released", stage=self.stage)
 
     async def _load_stage(self) -> None:
         """Build ``self.stage``, download its state from a peer of it (``loading``
@@ -517,6 +528,7 @@ class Node:
         self.set_state(PeerState.LOADING)
         logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
         self.averager, self.server = await self._build(self.stage)
+        events.emit("stage.held", stage=self.stage, role="first")
         self.set_state(PeerState.SERVING)
 
     async def _build(self, stage: int) -> tuple[StageAverager, StageServer]:
@@ -565,6 +577,7 @@ class Node:
             except Exception as e:  # a full disk must not stop the node
                 logger.warning("could not checkpoint stage %d: %s", stage, e)
                 continue
+            events.emit("checkpoint.written", stage=stage, step=metadata["step"], path=str(path))
             logger.info(
                 "checkpointed stage %d at step %d in %.1f s: %s",
                 stage,
@@ -777,6 +790,7 @@ class Node:
                 await self.p2p.shutdown()
             await asyncio.to_thread(self.dht.shutdown)
             os.close(self._lock_fd)
+            events.emit("node.stopped")
 
 
 async def until_stopped(stop: asyncio.Event, work: Awaitable[object]) -> bool:

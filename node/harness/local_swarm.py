@@ -7,7 +7,6 @@ Each node is a real ``swarmtrain node`` process with its own ``p2pd``; nothing i
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+
+from node.events import read_events
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 T = TypeVar("T")
@@ -39,9 +40,14 @@ class NodeProcess:
     proc: subprocess.Popen
     log: Path
     maddrs_file: Path
+    events_file: Path
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def events(self, event: str | None = None) -> list[dict]:
+        """The node's structured events (``node.events``), all or of one kind."""
+        return read_events(self.events_file, event)
 
     @property
     def maddr(self) -> str:
@@ -54,14 +60,20 @@ class NodeProcess:
     @property
     def run_id(self) -> str:
         """The id of the run this node is in, as others must name it to join."""
-        m = re.search(r"in run '([^']+)'", self.output())
-        if m is None:
+        started = self.events("node.started")
+        if not started:
             raise RuntimeError(f"node {self.name} has not said which run it is in yet")
-        return m.group(1)
+        return started[-1]["run"]
 
     def stage(self) -> int | None:
-        m = re.search(r"serving stage (\d+)", self.output())
-        return int(m.group(1)) if m else None
+        """The first stage the node holds now (None before it holds one)."""
+        stage = None
+        for e in self.events():
+            if e["event"] == "stage.held" and e["role"] == "first":
+                stage = e["stage"]
+            elif e["event"] == "stage.released" and e["stage"] == stage:
+                stage = None
+        return stage
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -102,11 +114,13 @@ def launch_node(
     else wants one stage and one averager per node."""
     workdir.mkdir(parents=True, exist_ok=True)
     log, maddrs = workdir / f"{name}.log", workdir / f"{name}.maddrs"
+    events = workdir / f"{name}.events.jsonl"
     maddrs.unlink(missing_ok=True)
+    events.unlink(missing_ok=True)
     args = [
         sys.executable, "-m", "node.cli", "node", "--run", run, "--host-maddrs", host_maddr,
         "--identity", str(workdir / f"{name}.key"), "--maddrs-file", str(maddrs),
-        "--checkpoint-dir", str(workdir / f"{name}.checkpoints"),
+        "--checkpoint-dir", str(workdir / f"{name}.checkpoints"), "--events", str(events),
         "--update-period", str(update_period), "--throughput", "100",
     ]  # fmt: skip
     if initial_peers:
@@ -124,7 +138,7 @@ def launch_node(
         proc = subprocess.Popen(
             wrap(command) if wrap else command, stdout=out, stderr=subprocess.STDOUT, env=env
         )
-    node = NodeProcess(name, proc, log, maddrs)
+    node = NodeProcess(name, proc, log, maddrs, events)
     if not wait:
         return node
 

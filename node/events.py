@@ -1,0 +1,85 @@
+"""The node's structured event log: one JSON object per line, the contract that the demo,
+the local swarm harness and tests read (human log lines are for people and may change).
+
+Every line is ``{"t": <unix seconds>, "event": <kind>, ...fields}``. The kinds and their
+fields:
+
+- ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``.
+- ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
+- ``stage.held``: ``stage``, ``role`` (``"first"`` or ``"second"``), ``loaded`` (where its
+  state came from: ``"peers"``, ``"checkpoint"`` or ``"initial"``).
+- ``stage.released``: ``stage``.
+- ``placement.chose``: ``stage`` (a joiner's choice); ``placement.moved``: ``from``, ``to``.
+- ``averaging.round``: ``stage``, ``epoch``, ``peers``, ``ok``; ``digest`` (``hash``,
+  ``norm``, ``sketch``) when digests are on (``SWARMTRAIN_LOG_DIGESTS``).
+- ``call.failed``: ``stage``, ``peer``, ``error``; ``call.rerouted``: ``stage``, ``peer``.
+- ``peer.banned``: ``peer``, ``service``.
+- ``checkpoint.written``: ``stage``, ``epoch``, ``path``.
+- ``node.stopped``: no fields.
+
+A process holds at most one open log (``open_log``); ``emit`` anywhere in the process
+writes to it, and does nothing when none is open, so library code emits unconditionally.
+Lines are appended with one ``write`` each on a file opened ``O_APPEND``, so a forked child
+(a hivemind averager) may emit into the same file without interleaving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_fd: int | None = None
+
+
+def open_log(path: Path) -> None:
+    """Open ``path`` (created, appended to) as this process's event log."""
+    global _fd
+    close_log()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+
+def close_log() -> None:
+    global _fd
+    if _fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(_fd)
+        _fd = None
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Append one event. Never raises: a full disk costs the event, not the node."""
+    if _fd is None:
+        return
+    line = json.dumps({"t": round(time.time(), 3), "event": event, **fields}, default=str)
+    try:
+        os.write(_fd, (line + "\n").encode())
+    except OSError as e:
+        logger.debug("event %s not written: %s", event, e)
+
+
+def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The events in ``path`` (all, or those of one kind), skipping a torn last line."""
+    return list(iter_events(path, event))
+
+
+def iter_events(path: Path, event: str | None = None) -> Iterator[dict[str, Any]]:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and (event is None or record.get("event") == event):
+            yield record
