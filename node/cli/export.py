@@ -14,7 +14,7 @@ from node.averaging import state as stage_state
 from node.averaging.averager import StageAverager
 from node.daemon import checkpoint
 from node.daemon.checkpoint import Checkpoint, CheckpointError
-from node.daemon.node import NodeError, find_spec
+from node.daemon.join import NodeError, find_spec
 from node.rpc.dht import SwarmDHT
 from protocol.ownership import check_run_id
 from protocol.run_spec import RunSpec

@@ -78,7 +78,7 @@ COMMANDS = {
 KNOWN_ERRORS = [
     ("builtins", "ValueError"),
     ("models.data", "DataError"),
-    ("node.daemon.node", "NodeError"),
+    ("node.daemon.join", "NodeError"),
     ("node.rpc.dht", "DHTStartError"),
     ("node.files", "IdentityInUseError"),
     ("node.files", "KeyFileError"),

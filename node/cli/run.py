@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from node.cli.args import DEFAULT_OWNER_KEY
+from node.daemon.join import owned_spec
 from node.files import load_or_create_key, write_atomic
 from node.rpc.dht import SwarmDHT
 from protocol.identity import decode_private_key, peer_id_of, resolve_peer_prefix
@@ -28,12 +29,7 @@ from protocol.ownership import check_owner
 from protocol.records import RecordError, check_peer_id
 from protocol.run_spec import (
     AveragingSpec,
-    RunSpec,
-    SignedSpec,
     make_run_spec,
-    read_spec_file,
-    sign_run_spec,
-    spec_differences,
     spec_file_text,
 )
 
@@ -51,30 +47,6 @@ def parse_duration(text: str) -> float:
         )
         raise ValueError(f"duration {text!r} needs a unit: e.g. 90s, 30m, 12h or 7d{hint}")
     return float(m.group(1)) * _UNIT_S[m.group(2)]
-
-
-def owned_spec(owner_key_path: Path, key: Ed25519PrivateKey, spec: RunSpec) -> SignedSpec:
-    """The signed spec of the run ``spec`` describes, as its owner created it: the one
-    recorded at creation (``runs/RUN_ID.spec.json`` beside the owner key) if its settings
-    are ``spec``'s, or ``spec`` signed and recorded now if the run is new. ``ValueError``
-    naming the difference if the run was created with other settings."""
-    path = owner_key_path.expanduser().parent / "runs" / f"{spec.run}.spec.json"
-    if path.exists():
-        try:
-            recorded = read_spec_file(path.read_text())
-        except (OSError, RecordError) as e:
-            raise ValueError(f"cannot read the record of run {spec.run} at {path}: {e}") from None
-        changes = spec_differences(recorded.spec, spec)
-        if changes:
-            raise ValueError(
-                f"run {spec.run} exists with other settings (this changes "
-                f"{'; '.join(changes)}; it was created as {path}): a run's spec never "
-                "changes, so start a new run under a new name"
-            )
-        return recorded
-    signed = sign_run_spec(spec, key)
-    write_atomic(path, spec_file_text(signed).encode())
-    return signed
 
 
 def load_owner_key(path: Path, action: str) -> Ed25519PrivateKey:

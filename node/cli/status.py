@@ -17,7 +17,7 @@ import sys
 
 from hivemind.utils import get_dht_time
 
-from node.daemon.node import find_spec
+from node.daemon.join import find_spec
 from node.rpc.dht import SwarmDHT
 from protocol.identity import short_peer_ids
 from protocol.membership import MembershipError, Revocations

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from models.data import load_corpus
 from node.cli.progress import Progress
-from node.daemon.node import find_spec
+from node.daemon.join import join_run
 from node.files import load_or_create_key, write_atomic
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from node.rpc.dht import SwarmDHT
-from node.rpc.membership import prove_membership, read_invite
+from node.rpc.membership import read_invite
 from protocol.ownership import check_run_id
 
 
@@ -84,19 +84,16 @@ async def open_trainer(
 ) -> Trainer:
     """A ``Trainer`` for the run ``dht`` is in, once its spec is found (and, in a private
     run, once ``invite`` proved us a member). ``NodeError`` if the run has no spec there
-    (``node.daemon.node.find_spec``: within seconds when peers answer). ``on_step`` hears what
+    (``node.daemon.join.find_spec``: within seconds when peers answer). ``on_step`` hears what
     it is doing (reading the spec, loading data)."""
     step = on_step or (lambda _: None)
     step(f"reading the spec of run {dht.run}")
-    spec = (await find_spec(dht, spec_timeout_s)).spec
-    dht.use_spec(spec)
-    await dht.refresh_revocations()
-    membership = prove_membership(dht.policy, dht.peer_id, invite)
-    await dht.claim_invite(dht.peer_id, membership)  # a bearer invite: ours now
+    joined = await join_run(dht, lambda _: invite, spec_timeout_s=spec_timeout_s)
+    spec = joined.spec
     step(f"loading the training data ({spec.data})")
     corpus = await asyncio.to_thread(load_corpus, spec.data)
     p2p = await dht.replicate_p2p()
-    return Trainer(dht, p2p, spec, corpus, settings, membership=membership)
+    return Trainer(dht, p2p, spec, corpus, settings, membership=joined.membership)
 
 
 async def train_with_progress(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import random
 import time
@@ -28,8 +27,8 @@ from models.training import StageOptimizer
 from node import events
 from node.averaging.averager import AveragedStageServer, StageAverager
 from node.cli.args import DEFAULT_OWNER_KEY
-from node.cli.run import owned_spec
 from node.daemon import checkpoint
+from node.daemon.join import Joined, NodeError, join_run, owned_spec
 from node.files import (
     default_identity_path,
     load_or_create_identity,
@@ -43,7 +42,7 @@ from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, Train
 from node.placement.driver import Placement
 from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
-from node.rpc.membership import MembershipGate, prove_membership
+from node.rpc.membership import MembershipGate
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.assignment import Params
 from protocol.identity import peer_id_of
@@ -60,15 +59,8 @@ SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
 OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
-# Once a peer is reached, how long a run's spec may stay unfound before the run is taken
-# not to exist (lookups that find nothing while peers answer are definitive).
-SPEC_GRACE_S = 5.0
 HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
 MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
-
-
-class NodeError(RuntimeError):
-    """The node cannot start or continue, for a reason a person can act on."""
 
 
 @dataclass(frozen=True)
@@ -132,54 +124,10 @@ class NodeSettings:
         return (self.owner_key or DEFAULT_OWNER_KEY).expanduser()
 
 
-def no_such_run(run: str) -> str:
-    """What ``node``, ``train`` and ``status`` say when the peers they reached know no
-    spec for ``run``: one wording for one situation."""
-    return (
-        f"no run {run!r} found: the run's peers that were reached know no spec for it. Is "
-        "the run id right (NAME@FINGERPRINT, as the owner's node prints it), and do "
-        "--initial-peers name a node of that run?"
-    )
-
-
-def no_peer_reached(run: str, timeout_s: float) -> str:
-    """What they say when no DHT peer could be reached to look ``run`` up."""
-    return (
-        f"no peer reached to look up run {run!r} within {timeout_s:.0f} s: give "
-        "--initial-peers of a node of that run"
-    )
-
-
-async def find_spec(
-    dht: SwarmDHT, timeout_s: float = 30.0, grace_s: float = SPEC_GRACE_S
-) -> SignedSpec:
-    """The run's signed spec from the DHT, else ``NodeError`` (one message for every
-    command: ``no_such_run`` or ``no_peer_reached``).
-
-    While the DHT knows no peer, lookups are retried for up to ``timeout_s``. Once it knows
-    one (a DHT started with ``initial_peers`` has pinged at least one), a lookup that finds
-    nothing is an answer: the run does not exist there. It is retried for ``grace_s`` only
-    (a store in flight, a peer slow to answer), so a wrong run id fails within seconds."""
-    loop = asyncio.get_running_loop()
-    deadline, definitive = loop.time() + timeout_s, math.inf
-    while True:
-        signed = await dht.spec()
-        if signed is not None:
-            return signed
-        now = loop.time()
-        if definitive == math.inf and await dht.known_peers() > 0:
-            definitive = now + grace_s
-        if now >= definitive:
-            raise NodeError(no_such_run(dht.run))
-        if now >= deadline:
-            raise NodeError(no_peer_reached(dht.run, timeout_s))
-        await asyncio.sleep(0.5)
-
-
 def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
     """The run's id, and its signed spec when this node brings it (a spec file, or a new
     public run by name, signed with this machine's owner key). A run started by name
-    keeps the spec it was created with (``run_admin.owned_spec``): restarting it with
+    keeps the spec it was created with (``join.owned_spec``): restarting it with
     other settings is refused, since a run's spec never changes."""
     if settings.spec_file is not None:
         try:
@@ -208,8 +156,44 @@ def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
         raise NodeError(str(e)) from None
 
 
+def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str | None]:
+    """The invite a node shows to join a run: ``--invite``, or in a private run one its
+    owner's node makes for itself when it finds the run's owner key (``--owner-key``, by
+    default ``~/.swarmtrain/owner.key``): the run's owner needs no invite."""
+
+    def invite(spec: RunSpec) -> str | None:
+        if settings.invite is not None or not spec.private:
+            return settings.invite
+        path = settings.owner_key_path()
+        if not path.exists():
+            return None
+        owner_key = load_or_create_key(path)
+        if fingerprint(peer_id_of(owner_key.public_key())) != spec.run.partition("@")[2]:
+            return None
+        expires = get_dht_time() + OWN_INVITE_S
+        return issue_invite(owner_key, spec.run, expires=expires, peer_id=peer_id)
+
+    return invite
+
+
+@dataclass
+class HeldStage:
+    """A stage this node holds: its index, whether it is the node's first stage (which it
+    may move) or a second one (fixed once taken), its averager and its server."""
+
+    stage: int
+    role: str  # "first" or "second"
+    averager: StageAverager
+    server: StageServer
+
+
 class Node:
-    """One volunteer's membership in one run."""
+    """One volunteer's membership in one run.
+
+    The stages it holds are records in ``held`` (keyed by stage): one stage or two take the
+    same code path. Every resource is registered on one ``AsyncExitStack`` as it is
+    acquired (identity lock, DHT, P2P replica, services, placement, the held stages), and
+    ``close`` releases them in reverse order after announcing the departure."""
 
     def __init__(
         self,
@@ -222,31 +206,28 @@ class Node:
         self.settings = settings
         self.dht = dht
         self.key = key
-        self._lock_fd = lock_fd
-        self.signed_spec = signed_spec  # what we publish (and re-publish) in the DHT
-        self.spec: RunSpec | None = None
-        self.membership: str | None = None  # our proof of an invite, in a private run
-        self.gate: MembershipGate | None = None
+        self._resources = contextlib.AsyncExitStack()
+        self._resources.callback(os.close, lock_fd)
+        self._resources.push_async_callback(asyncio.to_thread, dht.shutdown)
+        self._brought_spec = signed_spec  # a spec this node publishes (a new run, a file)
+        self.joined: Joined | None = None
         # One for every service of this node: a peer refused by one is refused by all.
         self.callers = BanList(BAN_S, BAN_AFTER, BAN_WINDOW_S)
         self.device: Device | None = None
         self.throughput: tuple[float, ...] = ()
+        self.corpus: Corpus | None = None
+        self.checkpoints: Path | None = None  # where the held stages are checkpointed
+        # The stages this node announces (its first may be chosen but not yet loaded; its
+        # second is fixed once taken: a two-stage node never moves), and those it holds.
         self.stage: int | None = None
+        self.second: int | None = None
+        self.held: dict[int, HeldStage] = {}
         self.state = PeerState.JOINING
         self._changed = asyncio.Event()
         self.p2p: P2P | None = None
-        self.server: StageServer | None = None
-        self.averager: StageAverager | None = None
-        # A second stage: which (fixed once taken: a two-stage node never moves), and its
-        # server and averager once loaded.
-        self.second: int | None = None
-        self.second_server: StageServer | None = None
-        self.second_averager: StageAverager | None = None
-        self.corpus: Corpus | None = None
-        self.probe: BandwidthProbe | None = None
+        self.gate: MembershipGate | None = None
         self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
-        self.checkpoints: Path | None = None  # where the held stages are checkpointed
         self.started = get_dht_time()  # for the uptime in our record
         self._served_before = 0  # micro-batches served by stage servers since unloaded
 
@@ -272,62 +253,44 @@ class Node:
             raise
         return cls(settings, dht, key, lock_fd, signed)
 
-    async def prepare(self) -> None:
-        """Fetch (or, for a new run, write) the run's spec, and measure this machine."""
-        await self._load_spec()
-        self._measure()
-        if self.settings.train:
-            self.corpus = await asyncio.to_thread(load_corpus, self.spec.data)
-
     @property
     def peer_id(self) -> str:
         return self.dht.peer_id
 
-    async def _load_spec(self) -> None:
+    @property
+    def spec(self) -> RunSpec | None:
+        return None if self.joined is None else self.joined.spec
+
+    @property
+    def membership(self) -> str | None:
+        return None if self.joined is None else self.joined.membership
+
+    async def prepare(self) -> None:
+        """Join the run (publishing the spec this node brings), and measure this machine."""
         s = self.settings
-        if self.signed_spec is not None:
-            await self.dht.publish_spec(self.signed_spec)
-            spec = self.signed_spec.spec
+        if self._brought_spec is not None:
+            spec = self._brought_spec.spec
             private = ", private" if spec.private else ""
             logger.info(
                 "publishing the spec of run %s: %d stages%s", spec.run, spec.n_stages, private
             )
-        else:
-            self.signed_spec = await find_spec(self.dht, s.spec_timeout_s)
-        self.spec = spec = self.signed_spec.spec
-        self.dht.use_spec(spec)
-        self.checkpoints = s.checkpoint_root(self.peer_id)
-        await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.signed_spec)
-        await self.dht.refresh_revocations()
-        self.membership = self._membership_proof()
-        await self.dht.claim_invite(self.peer_id, self.membership)  # a bearer invite: ours now
+        self.joined = await join_run(
+            self.dht,
+            invite_for(s, self.peer_id),
+            signed=self._brought_spec,
+            spec_timeout_s=s.spec_timeout_s,
+        )
+        spec = self.joined.spec
         for flag, stage in (("--stage", s.stage), ("--second-stage", s.second_stage)):
             if stage is not None and not 0 <= stage < spec.n_stages:
                 raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
         if s.second_stage is not None and s.second_stage == s.stage:
             raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
-
-    def _membership_proof(self) -> str | None:
-        """Our proof of an invite, in a private run; ``NodeError`` if we are not a member."""
-        token = self.settings.invite
-        if token is None and self.spec.private:
-            token = self._own_invite()
-        try:
-            return prove_membership(self.dht.policy, self.peer_id, token)
-        except RecordError as e:
-            raise NodeError(f"this node cannot join: {e}") from None
-
-    def _own_invite(self) -> str | None:
-        """The run's owner needs no invite: a node that finds the run's owner key (at
-        ``--owner-key``, by default ``~/.swarmtrain/owner.key``) makes one for itself."""
-        path = self.settings.owner_key_path()
-        if not path.exists():
-            return None
-        owner_key = load_or_create_key(path)
-        if fingerprint(peer_id_of(owner_key.public_key())) != self.spec.run.partition("@")[2]:
-            return None
-        expires = get_dht_time() + OWN_INVITE_S
-        return issue_invite(owner_key, self.spec.run, expires=expires, peer_id=self.peer_id)
+        self.checkpoints = s.checkpoint_root(self.peer_id)
+        await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.joined.signed)
+        self._measure()
+        if s.train:
+            self.corpus = await asyncio.to_thread(load_corpus, spec.data)
 
     def _measure(self) -> None:
         assert self.spec is not None
@@ -363,19 +326,18 @@ class Node:
             ),
             stage=self.stage,
             state=state or self.state,
-            load=sum(s.load for s in (self.server, self.second_server) if s is not None),
+            load=sum(h.server.load for h in self.held.values()),
             timestamp=get_dht_time(),
             membership=self.membership,
             second_stage=self.second if self.stage is not None else None,
-            second_serving=self.second_server is not None,
+            second_serving=self.second is not None and self.second in self.held,
             samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
             started=self.started,
         )
 
     def micro_batches_served(self) -> int:
         """Forward passes (train and validation) our stage servers computed, since start."""
-        servers = (self.server, self.second_server)
-        return self._served_before + sum(s.counters.forward for s in servers if s is not None)
+        return self._served_before + sum(h.server.counters.forward for h in self.held.values())
 
     def set_state(self, state: PeerState) -> None:
         """Change state and re-announce at once."""
@@ -385,9 +347,13 @@ class Node:
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
         """Announce, take a stage, serve, until ``stop`` is set; then cancel every task."""
+        add = self._resources.push_async_callback
         self.p2p = await self.dht.replicate_p2p()
-        self.probe = await BandwidthProbe.create(self.p2p, callers=self.callers)
+        add(self.p2p.shutdown)
+        probe = await BandwidthProbe.create(self.p2p, callers=self.callers)
+        add(probe.shutdown)
         self.gate = await MembershipGate.create(self.p2p, lambda: self.dht.policy, self.callers)
+        add(self.gate.shutdown)
         try:
             self.placement = await Placement.create(
                 self.dht,
@@ -400,6 +366,8 @@ class Node:
             )
         except GossipUnavailable as e:
             raise NodeError(f"cannot use the run's gossip topic: {e}") from None
+        add(self.placement.close)
+        add(self._release_stages)
         try:
             await self._run_tasks(stop, on_ready)
         except* NodeError as group:  # a task's reason to stop, for the person running us
@@ -452,7 +420,9 @@ class Node:
                 self.set_state(PeerState.JOINING)  # the record and the gossip carry the intent
 
             await self.placement.join(on_choice)
-        await self._load_stage()
+        self.set_state(PeerState.LOADING)
+        await self._hold(self.stage, "first")
+        self.set_state(PeerState.SERVING)
 
     async def _second_choice(self) -> int | None:
         """The second stage this node takes as well, if any: pinned, or (for a node that
@@ -483,13 +453,10 @@ class Node:
         """Load and serve the second stage too; its time goes where routing sends calls.
         If that fails the node goes on with one stage (it does not move either)."""
         try:
-            self.second_averager, self.second_server = await self._build(self.second)
+            await self._hold(self.second, "second")
         except Exception as e:
             logger.warning("could not load stage %d as a second stage: %s", self.second, e)
             self.second = None
-        else:
-            logger.info("serving stage %d as well (a second stage)", self.second)
-            events.emit("stage.held", stage=self.second, role="second")
         self._changed.set()
 
     async def _rebalance_loop(self) -> None:
@@ -502,8 +469,9 @@ class Node:
                 continue
             self.stage = move.to_stage
             self.set_state(PeerState.LOADING)
-            await self._unload_stage()
-            await self._load_stage()
+            await self._release(move.from_stage)
+            await self._hold(move.to_stage, "first")
+            self.set_state(PeerState.SERVING)
             logger.info(
                 "moved from stage %d to %d in %.1f s (announced, confirmed, loaded)",
                 move.from_stage,
@@ -511,29 +479,11 @@ class Node:
                 asyncio.get_running_loop().time() - started,
             )
 
-    async def _unload_stage(self) -> None:
-        """Stop serving and averaging the current stage (before taking another)."""
-        server, self.server = self.server, None
-        if server is not None:
-            await server.shutdown()
-            self._served_before += server.counters.forward
-        averager, self.averager = self.averager, None
-        if averager is not None:
-            await averager.shutdown()
-        events.emit("stage.released", stage=self.stage)
-
-    async def _load_stage(self) -> None:
-        """Build ``self.stage``, download its state from a peer of it (``loading``
-        meanwhile), then serve it."""
-        self.set_state(PeerState.LOADING)
-        logger.info("took stage %d of %d", self.stage, self.spec.n_stages)
-        self.averager, self.server = await self._build(self.stage)
-        events.emit("stage.held", stage=self.stage, role="first")
-        self.set_state(PeerState.SERVING)
-
-    async def _build(self, stage: int) -> tuple[StageAverager, StageServer]:
-        """A stage's module and optimizer, its state downloaded from a peer of it (if
-        there is one), its averager, and its server."""
+    async def _hold(self, stage: int, role: str) -> None:
+        """Build ``stage`` (its state from a peer of it, else from our newest checkpoint of
+        it, else initial), and serve it."""
+        if role == "first":
+            logger.info("took stage %d of %d", stage, self.spec.n_stages)
         model = self.spec.model
         module = Stage(model, self.spec.stage_range(stage)).to(self.device.torch)
         optimizer = StageOptimizer(module, self.spec.optim)
@@ -557,30 +507,49 @@ class Node:
         except BaseException:
             await averager.shutdown()
             raise
-        return averager, server
+        self.held[stage] = HeldStage(stage, role, averager, server)
+        if role == "second":
+            logger.info("serving stage %d as well (a second stage)", stage)
+        events.emit("stage.held", stage=stage, role=role, loaded=str(loaded))
 
-    def _held(self) -> list[tuple[int, StageAverager]]:
-        """The stages this node holds now, with their averagers."""
-        pairs = [(self.stage, self.averager), (self.second, self.second_averager)]
-        return [(s, a) for s, a in pairs if s is not None and a is not None and a.running]
+    async def _release(self, stage: int) -> None:
+        """Stop serving and averaging ``stage`` (before taking another, or on close)."""
+        held = self.held.pop(stage, None)
+        if held is None:
+            return
+        await held.server.shutdown()
+        self._served_before += held.server.counters.forward
+        await held.averager.shutdown()
+        events.emit("stage.released", stage=stage)
+
+    async def _release_stages(self) -> None:
+        """On close: checkpoint every held stage (a clean stop loses nothing), release them."""
+        await self._checkpoint()
+        for stage in reversed(list(self.held)):
+            await self._release(stage)
+
+    def _checkpointable(self) -> list[HeldStage]:
+        return [h for h in self.held.values() if h.averager.running]
 
     async def _checkpoint(self) -> None:
         """Write a checkpoint of every stage held (the copy holds the stage's lock for as
         long as copying its tensors takes; the write runs off the event loop)."""
-        for stage, averager in self._held():
+        for held in self._checkpointable():
             started = time.monotonic()
             try:
-                metadata, tensors = await asyncio.to_thread(averager.snapshot)
+                metadata, tensors = await asyncio.to_thread(held.averager.snapshot)
                 path = await asyncio.to_thread(
-                    checkpoint.write, self.checkpoints, self.spec, stage, metadata, tensors
+                    checkpoint.write, self.checkpoints, self.spec, held.stage, metadata, tensors
                 )
             except Exception as e:  # a full disk must not stop the node
-                logger.warning("could not checkpoint stage %d: %s", stage, e)
+                logger.warning("could not checkpoint stage %d: %s", held.stage, e)
                 continue
-            events.emit("checkpoint.written", stage=stage, step=metadata["step"], path=str(path))
+            events.emit(
+                "checkpoint.written", stage=held.stage, step=metadata["step"], path=str(path)
+            )
             logger.info(
                 "checkpointed stage %d at step %d in %.1f s: %s",
-                stage,
+                held.stage,
                 metadata["step"],
                 time.monotonic() - started,
                 path,
@@ -608,11 +577,10 @@ class Node:
     def _serving(self, stage: int) -> StageServer | None:
         """This node's server of ``stage``, if it serves it now (its own trainer calls it
         in-process)."""
-        if stage == self.stage and self.state is PeerState.SERVING:
-            return self.server
-        if stage == self.second:
-            return self.second_server
-        return None
+        held = self.held.get(stage)
+        if held is None or (held.role == "first" and self.state is not PeerState.SERVING):
+            return None
+        return held.server
 
     async def _train_loop(self) -> None:
         """Drive micro-batches through the swarm for as long as the node runs."""
@@ -703,8 +671,9 @@ class Node:
         return kept | dict.fromkeys(present, now)
 
     def _heartbeat(self, peers: list[PeerInfo]) -> str:
-        servers = [s for s in (self.server, self.second_server) if s is not None]
+        servers = [h.server for h in self.held.values()]
         mine = {self.stage, self.second}
+        second = self.second if self.second is not None and self.second in self.held else "-"
         stage_peers = {
             p.peer_id
             for p in peers
@@ -713,7 +682,7 @@ class Node:
         run_peers = {p.peer_id for p in peers if p.state is not PeerState.LEAVING}
         return (
             f"heartbeat: stage={self.stage} "
-            f"second_stage={'-' if self.second_server is None else self.second} "
+            f"second_stage={second} "
             f"served={self.micro_batches_served()} "
             f"steps={sum(s.counters.steps for s in servers)} "
             f"stage_peers={len(stage_peers)} run_peers={len(run_peers | {self.peer_id})}"
@@ -739,10 +708,9 @@ class Node:
             logger.warning("publishing our record failed: %s", e)
 
     async def _spec_loop(self) -> None:
-        assert self.signed_spec is not None
         while True:
             await asyncio.sleep(SPEC_REFRESH_S)
-            await self.dht.publish_spec(self.signed_spec)
+            await self.dht.publish_spec(self.joined.signed)
 
     async def _revocations_loop(self) -> None:
         """Follow the owner's revocations; stop the node if they (or time) end our invite."""
@@ -758,7 +726,9 @@ class Node:
                 raise NodeError(f"this node is no longer a member of the run: {e}") from None
 
     async def close(self, grace_s: float = 5.0) -> None:
-        """Announce ``leaving`` (best effort, within ``grace_s``), stop the DHT, free the key."""
+        """Announce ``leaving`` (best effort, within ``grace_s``), then release every
+        resource in reverse order of acquisition: the held stages (checkpointed first),
+        placement, services, P2P, the DHT (and its ``p2pd``), the identity lock."""
         logger.info("leaving the run")
         p2pd_up = self.p2p is None or p2pd_running(self.p2p)
         if not p2pd_up:  # Ctrl-C in a terminal signals the whole process group, p2pd too
@@ -773,23 +743,7 @@ class Node:
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
-            await self._checkpoint()  # a clean stop loses nothing
-            if self.placement is not None:
-                await self.placement.close()
-            for server in (self.server, self.second_server):
-                if server is not None:
-                    await server.shutdown()
-            for averager in (self.averager, self.second_averager):
-                if averager is not None:
-                    await averager.shutdown()
-            if self.probe is not None:
-                await self.probe.shutdown()
-            if self.gate is not None:
-                await self.gate.shutdown()
-            if self.p2p is not None:
-                await self.p2p.shutdown()
-            await asyncio.to_thread(self.dht.shutdown)
-            os.close(self._lock_fd)
+            await self._resources.aclose()
             events.emit("node.stopped")
 
 

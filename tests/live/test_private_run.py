@@ -19,6 +19,7 @@ from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.utils import get_dht_time
 
 from node.cli.train import open_trainer
+from node.daemon.join import NodeError
 from node.files import load_or_create_key
 from node.pipeline import client as stage_client
 from node.pipeline.client import StageRefused
@@ -299,5 +300,5 @@ async def _race(
             with pytest.raises(InviteClaimed):
                 host.policy.check(c.peer_id, p, now)
     # Later, a trainer with the same token is refused before it trains.
-    with pytest.raises(InviteClaimed, match=f"already used by peer {first.peer_id}"):
+    with pytest.raises(NodeError, match=f"already used by peer {first.peer_id}"):
         await open_trainer(late, TrainerSettings(), spec_timeout_s=10, invite=token)

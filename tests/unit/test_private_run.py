@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.cli.main import main
-from node.daemon.node import Node, NodeSettings
+from node.daemon.node import NodeSettings, invite_for
 from node.files import load_or_create_key
+from node.rpc.membership import prove_membership
 from protocol.identity import peer_id_of
 from protocol.run_spec import (
     make_run_spec,
@@ -23,10 +23,12 @@ def test_the_owners_node_finds_its_key_at_the_default_path(tmp_path, monkeypatch
     key = load_or_create_key(Path("~/.swarmtrain/owner.key"))
     spec = make_run_spec("lab", "tiny", 2, owner=peer_id_of(key.public_key()), private=True)
     me = peer_id_of(Ed25519PrivateKey.generate().public_key())
-    node = Node.__new__(Node)  # only what joining reads: settings, spec, our peer id
-    node.settings, node.spec = NodeSettings(run=spec.run), spec
-    node.dht = SimpleNamespace(peer_id=me, policy=spec.membership)
-    assert node._membership_proof() is not None, "the owner's node needs no invite"
+    invite = invite_for(NodeSettings(run=spec.run), me)(spec)
+    assert invite is not None, "the owner's node needs no invite"
+    assert prove_membership(spec.membership, me, invite) is not None
+    other = peer_id_of(Ed25519PrivateKey.generate().public_key())
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))  # no owner key: no invite
+    assert invite_for(NodeSettings(run=spec.run), other)(spec) is None
 
 
 def test_run_invite_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
