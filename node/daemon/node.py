@@ -29,6 +29,7 @@ from node.averaging.averager import AveragedStageServer, StageAverager
 from node.cli.args import DEFAULT_OWNER_KEY
 from node.daemon import checkpoint
 from node.daemon.join import Joined, NodeError, join_run, owned_spec
+from node.daemon.watch import Heartbeat, Members
 from node.files import (
     default_identity_path,
     load_or_create_identity,
@@ -618,15 +619,10 @@ class Node:
                 await asyncio.sleep(TRAIN_PAUSE_S)
 
     async def _watch_loop(self) -> None:
-        """Log who joins and leaves the run, as this node's reads of the run's peers see
-        it (a peer leaves when it announces so, or when its record has been missing for
-        longer than a record lives), and, every ``heartbeat_s``, a line that says the node
-        is alive: ``heartbeat: stage=S second_stage=S|- served=N steps=N stage_peers=N
-        run_peers=N`` (micro-batches served, optimizer steps of its stage(s), peers serving
-        or loading its stage, this node included, and peers in the run)."""
+        """Log and emit who joins and leaves the run (``watch.Members``) and, every
+        ``heartbeat_s`` while serving, the node's ``watch.Heartbeat``."""
         loop = asyncio.get_running_loop()
-        grace = self.settings.record_ttl_s + MEMBERS_CHECK_S
-        seen: dict[str, float] | None = None  # other peers present -> when last read
+        members = Members(self.peer_id, self.settings.record_ttl_s + MEMBERS_CHECK_S)
         peers: list[PeerInfo] = []
         next_beat = loop.time() + self.settings.heartbeat_s
         while True:
@@ -635,57 +631,23 @@ class Node:
             except Exception as e:  # a DHT hiccup: the next check retries
                 logger.debug("reading the run's peers failed: %s", e)
             else:
-                seen = self._log_members(peers, seen, loop.time(), grace)
+                first = members.seen is None
+                members.update(peers, loop.time())
+                members.report(first)
             if loop.time() >= next_beat and self.state is PeerState.SERVING:
                 next_beat = loop.time() + self.settings.heartbeat_s
-                logger.info("%s", self._heartbeat(peers))
+                self._heartbeat(peers).report()
             await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
 
-    def _log_members(
-        self, peers: list[PeerInfo], seen: dict[str, float] | None, now: float, grace: float
-    ) -> dict[str, float]:
-        """Log the joins and departures since the last read; the new ``seen``."""
-        present = {
-            p.peer_id: p
-            for p in peers
-            if p.peer_id != self.peer_id and p.state is not PeerState.LEAVING
-        }
-        leaving = {p.peer_id for p in peers if p.state is PeerState.LEAVING}
-        if seen is None:  # the first read: who was there before us
-            if present:
-                logger.info("%d other peers in the run", len(present))
-            return dict.fromkeys(present, now)
-        for peer_id, p in sorted(present.items()):
-            if peer_id not in seen:
-                stage = "no stage yet" if p.stage is None else f"stage {p.stage}"
-                logger.info("peer %s joined the run (%s)", peer_id, stage)
-        kept = {}
-        for peer_id, last in seen.items():
-            if peer_id in present:
-                continue
-            if peer_id in leaving or now - last > grace:
-                why = "announced it" if peer_id in leaving else f"no record for {now - last:.0f} s"
-                logger.info("peer %s left the run (%s)", peer_id, why)
-            else:
-                kept[peer_id] = last
-        return kept | dict.fromkeys(present, now)
-
-    def _heartbeat(self, peers: list[PeerInfo]) -> str:
-        servers = [h.server for h in self.held.values()]
-        mine = {self.stage, self.second}
-        second = self.second if self.second is not None and self.second in self.held else "-"
-        stage_peers = {
-            p.peer_id
-            for p in peers
-            if p.state is not PeerState.LEAVING and ({p.stage, p.second_stage} & mine) - {None}
-        } | {self.peer_id}
-        run_peers = {p.peer_id for p in peers if p.state is not PeerState.LEAVING}
-        return (
-            f"heartbeat: stage={self.stage} "
-            f"second_stage={second} "
-            f"served={self.micro_batches_served()} "
-            f"steps={sum(s.counters.steps for s in servers)} "
-            f"stage_peers={len(stage_peers)} run_peers={len(run_peers | {self.peer_id})}"
+    def _heartbeat(self, peers: list[PeerInfo]) -> Heartbeat:
+        second = self.second if self.second is not None and self.second in self.held else None
+        return Heartbeat.of(
+            self.peer_id,
+            peers,
+            first=self.stage,
+            second=second,
+            served=self.micro_batches_served(),
+            steps=sum(h.server.counters.steps for h in self.held.values()),
         )
 
     async def _announce_loop(self) -> None:

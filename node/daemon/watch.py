@@ -1,0 +1,107 @@
+"""Who joins and leaves a run, as one node's reads of the run's peers see it, and the
+node's heartbeat. ``Members`` is the bookkeeping (no I/O): a peer has joined when a read
+first shows it, and has left when it announces ``leaving`` or its record has been
+missing for longer than ``grace_s``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from node import events
+from protocol.records import PeerInfo, PeerState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Members:
+    """The other peers of the run this node has seen, and when each was last read."""
+
+    me: str
+    grace_s: float
+    seen: dict[str, float] | None = None  # None before the first read
+    joined: list[PeerInfo] = field(default_factory=list)  # from the last ``update``
+    left: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why)
+
+    def update(self, peers: list[PeerInfo], now: float) -> None:
+        """Take one read of the run's peers; ``joined`` and ``left`` say what changed (at
+        the first read, nothing: whoever is there was there before us)."""
+        present = {
+            p.peer_id: p for p in peers if p.peer_id != self.me and p.state is not PeerState.LEAVING
+        }
+        leaving = {p.peer_id for p in peers if p.state is PeerState.LEAVING}
+        self.joined, self.left = [], []
+        if self.seen is None:
+            self.seen = dict.fromkeys(present, now)
+            return
+        self.joined = [p for peer_id, p in sorted(present.items()) if peer_id not in self.seen]
+        kept = {}
+        for peer_id, last in self.seen.items():
+            if peer_id in present:
+                continue
+            if peer_id in leaving or now - last > self.grace_s:
+                why = "announced it" if peer_id in leaving else f"no record for {now - last:.0f} s"
+                self.left.append((peer_id, why))
+            else:
+                kept[peer_id] = last
+        self.seen = kept | dict.fromkeys(present, now)
+
+    def report(self, first: bool) -> None:
+        """Log and emit (``peer.joined``, ``peer.left``) the last update's changes."""
+        if first and self.seen:
+            logger.info("%d other peers in the run", len(self.seen))
+        for p in self.joined:
+            stage = "no stage yet" if p.stage is None else f"stage {p.stage}"
+            logger.info("peer %s joined the run (%s)", p.peer_id, stage)
+            events.emit("peer.joined", peer=p.peer_id, stage=p.stage)
+        for peer_id, why in self.left:
+            logger.info("peer %s left the run (%s)", peer_id, why)
+            events.emit("peer.left", peer=peer_id, why=why)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a serving node says of itself every heartbeat period: its stage(s),
+    micro-batches served, optimizer steps of its stage(s), peers serving or loading its
+    stage(s) (itself included) and peers in the run."""
+
+    stage: int | None
+    second_stage: int | None
+    served: int
+    steps: int
+    stage_peers: int
+    run_peers: int
+
+    @classmethod
+    def of(
+        cls,
+        me: str,
+        peers: list[PeerInfo],
+        *,
+        first: int | None,
+        second: int | None,
+        served: int,
+        steps: int,
+    ) -> Heartbeat:
+        """The heartbeat of ``me`` holding ``first`` (and ``second``, if it serves one),
+        given a read of the run's ``peers``."""
+        stages = {first, second} - {None}
+        present = [p for p in peers if p.state is not PeerState.LEAVING]
+        stage_peers = {p.peer_id for p in present if ({p.stage, p.second_stage} & stages) - {None}}
+        return cls(
+            stage=first,
+            second_stage=second,
+            served=served,
+            steps=steps,
+            stage_peers=len(stage_peers | {me}),
+            run_peers=len({p.peer_id for p in present} | {me}),
+        )
+
+    def report(self) -> None:
+        second = "-" if self.second_stage is None else self.second_stage
+        logger.info(
+            "heartbeat: stage=%s second_stage=%s served=%d steps=%d stage_peers=%d run_peers=%d",
+            self.stage, second, self.served, self.steps, self.stage_peers, self.run_peers,
+        )  # fmt: skip
+        events.emit("node.heartbeat", **vars(self))
