@@ -88,7 +88,7 @@ class OptimizerConfig:
 
 
 def tiny() -> tuple[ModelConfig, OptimizerConfig]:
-    """For tests: a training step takes tens of milliseconds on one CPU core."""
+    """For tests and demos: small enough that a training step is quick on one CPU core."""
     return ModelConfig(block_size=64, n_layer=4, n_head=4, n_embd=64), OptimizerConfig()
 
 

@@ -377,7 +377,7 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="0: a stage holds new micro-batches while its step is pending, so every step "
         "uses fresh gradients (the loss per sample of one process); 1: it never holds them "
-        "(several times the samples/s on a small model, about 30%% worse loss per sample)",
+        "(more samples/s, a worse loss per sample: BENCHMARKS.md, 'Loss per sample')",
     )
     create.add_argument("--out", type=Path, help="spec file (default NAME.spec.json)")
     _owner_key(create)

@@ -163,7 +163,7 @@ def _members(
 
 async def _status(dht: SwarmDHT, args: argparse.Namespace) -> int:
     """Print the view once, or every ``--watch`` seconds. ``NodeError`` (exit 2) if the
-    run has no spec there (``node.daemon.node.find_spec``)."""
+    run has no spec there (``node.daemon.join.find_spec``)."""
     signed, revocations, peers = await asyncio.gather(
         find_spec(dht, SPEC_TIMEOUT_S, SPEC_GRACE_S), dht.revocations(), dht.peers()
     )

@@ -14,8 +14,8 @@ second are budgeted, so that a flood of small requests cannot queue up large ans
 What is measured: the fastest of ``rounds`` calls, less the fastest round trip of an
 empty call (latency is not bandwidth), but never less than half of the call, so that
 jitter on a fast link cannot make the figure absurd. It includes both ends' copies
-through their ``p2pd``; on loopback that caps it near the P2P stream ceiling (a few
-Gbit/s), far above the home links it is meant for.
+through their ``p2pd``; on loopback that caps it at what the P2P layer itself moves,
+far above the home links it is meant for.
 """
 
 from __future__ import annotations

@@ -10,11 +10,9 @@ message travels through the daemon's persistent connection, which holds 4 MiB
 (``P2PDaemonError``), and a unary response never arrives: hivemind 1.1.12 builds the
 error reply with a field that does not exist, and the caller waits for its timeout. The
 ``small`` preset's activations (8 x 256 x 384 float32 = 3 MiB) come close, ``base``'s are
-24 MiB. One code path for every size costs little: on loopback (2 cores, median of 300;
-``python -m scripts.bench_stage_rpc``) a round trip of a 4 x 16 float32 tensor took
-0.6-0.7 ms unary and 1.3-1.5 ms as a stream; a ``tiny`` stage-0 forward of 8 x 64 tokens
-took about 6 ms served against 2.3 ms locally; a 3 MiB echo took about 17 ms whatever
-the chunk size (64 KiB to 1 MiB).
+24 MiB. So every size takes one code path, the stream; what a stream round trip costs
+against a unary one, and a served forward against a local one, is measured by
+``python -m scripts.bench_stage_rpc`` (figures in BENCHMARKS.md, "Pipeline").
 
 A backward is stateless: the caller re-sends the stage's inputs with the gradient of its
 outputs and the server recomputes the forward, so any peer of the stage can serve the
@@ -37,7 +35,8 @@ until that step is applied: every step then averages gradients of exactly the pa
 it updates, and the kept graphs stay valid. The wait is bounded (``HOLD_S``): past it the
 micro-batch is admitted anyway, and its gradient may be one step stale. Backward requests
 and evaluation forwards never wait. Without this, a pipeline with micro-batches in flight
-(and a stage averaging in rounds) trains on stale gradients: ``scripts/bench_parity.py``.
+(and a stage averaging in rounds) trains on stale gradients (``python -m
+scripts.bench_parity`` measures both settings; BENCHMARKS.md, "Loss per sample").
 
 Every request is checked (``protocol.stage_messages``) before it touches any state, and
 gradients are computed into fresh tensors and checked finite before they are added, so a
@@ -509,9 +508,9 @@ class StageServer(NodeServicer):
         """Read and drop the rest of a refused request, up to the message size limit.
 
         Replying while the caller still sends can make the daemons reset the stream, and
-        the caller then sees a reset, not the refusal (2 to 5 in 20 refused 3 MiB requests
-        on loopback). Draining avoids that for any request within the limits; past them,
-        a refusal may still reach the caller as a reset (``StageUnavailable``)."""
+        the caller then sees a reset, not the refusal. Draining avoids that for any request
+        within the limits; past them, a refusal may still reach the caller as a reset
+        (``StageUnavailable``)."""
         async for message in requests:
             received += message.ByteSize()
             if received > self.contract.max_message_bytes:

@@ -1,6 +1,6 @@
 """How stage requests and responses travel: tensors split into chunks over a hivemind stream.
 
-Shared by ``stage_server`` and ``stage_client``. A message is a stream of
+Shared by ``node.pipeline.server`` and ``node.pipeline.client``. A message is a stream of
 ``ExpertRequest`` (or ``ExpertResponse``) protobufs: the first carries the msgpack
 metadata, and each carries one part of a tensor as cut by hivemind's
 ``split_for_streaming`` (a part with a ``dtype`` starts a tensor, the parts after it
@@ -10,10 +10,9 @@ one chunk, not buffered whole.
 
 A response's metadata is ``{"tensors": n}`` (msgpack): the caller stops reading once it
 holds ``n`` complete tensors and closes the stream, and the server keeps its end open
-until then. A hivemind stream whose server side closes right after its last write can
-lose the tail of that write on the way to the caller (on loopback, once in 500 to 3,000
-calls: the caller read ~32 KiB of a 64 KiB chunk, then end of stream); with the caller
-closing first, none in 6,000 calls.
+until then: a hivemind stream whose server side closes right after its last write can
+lose the tail of that write on the way to the caller (the caller reads part of a chunk,
+then the end of the stream), and one that the caller closes first does not.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ COMPRESSIONS = {
 # hivemind's ``P2PHandlerError`` (only the message text crosses the wire).
 REFUSED = "stage refused the request: "  # the request is bad: any peer of the stage refuses it
 FAILED = "stage failed: "  # the server could not serve it: another peer may
-CHUNK_BYTES = 2**16  # hivemind's streaming chunk: 3 MiB moves as fast as with 1 MiB chunks
+CHUNK_BYTES = 2**16  # hivemind's streaming chunk; larger chunks move a message no faster
 MAX_CHUNK_BYTES = 2**20  # a receiver refuses bigger parts (a client after hivemind read them)
 # A server refuses a bigger stream frame unread: a part, its header and the metadata.
 MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 2**12
