@@ -69,6 +69,8 @@ class StageOptimizer:
         gradient per trainable parameter, in the order of ``params``. What accumulated
         meanwhile (``.grad`` and ``samples``) stays for the next step. Returns the gradient
         norm before clipping."""
+        if len(means) != len(self.params):
+            raise ValueError(f"{len(means)} mean gradients for {len(self.params)} parameters")
         pending = [p.grad for p in self.params]
         for p, m in zip(self.params, means, strict=True):
             p.grad = m.to(p.device, p.dtype)
