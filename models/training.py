@@ -22,16 +22,25 @@ from models.stages import Stage, even_boundaries
 
 
 class StageOptimizer:
-    """AdamW with warm-up and clipping over one stage's parameters."""
+    """AdamW with warm-up and clipping over one stage's parameters.
+
+    Gradients accumulate in ``.grad`` as sums over samples; ``accumulated`` counts the
+    samples. ``step`` divides by that count and steps. A stage that averages with peers
+    instead moves the sums out (``take_accumulated``), steps on the mean gradients its
+    peers agreed on (``step_with_mean``), and puts the sums back if the round fails
+    (``restore_accumulated``)."""
 
     def __init__(self, module: nn.Module, config: OptimizerConfig) -> None:
         self.config = config
         self.module = module
-        params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]
         # Weight decay on matrices only: decaying gains and biases hurts small models.
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {
+                "params": [p for p in self.params if p.dim() >= 2],
+                "weight_decay": config.weight_decay,
+            },
+            {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
         ]
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
         self.step_count = 0
@@ -51,6 +60,47 @@ class StageOptimizer:
         params = [p for p in self.module.parameters() if p.grad is not None]
         for p in params:
             p.grad.div_(self.samples)
+        norm = self._clip_and_step(params)
+        self.samples = 0
+        return norm
+
+    def step_with_mean(self, means: Sequence[torch.Tensor]) -> float:
+        """One step (clipped, with the schedule's learning rate) on ``means``: a mean
+        gradient per trainable parameter, in the order of ``params``. What accumulated
+        meanwhile (``.grad`` and ``samples``) stays for the next step. Returns the gradient
+        norm before clipping."""
+        if len(means) != len(self.params):
+            raise ValueError(f"{len(means)} mean gradients for {len(self.params)} parameters")
+        pending = [p.grad for p in self.params]
+        for p, m in zip(self.params, means, strict=True):
+            p.grad = m.to(p.device, p.dtype)
+        try:
+            return self._clip_and_step(self.params)
+        finally:
+            for p, g in zip(self.params, pending, strict=True):
+                p.grad = g
+
+    def take_accumulated(self) -> tuple[int, list[torch.Tensor | None]]:
+        """Move the accumulated gradient sums (one per trainable parameter, None where
+        nothing accumulated) and their sample count out: the optimizer then holds none."""
+        n, sums = self.samples, [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        self.samples = 0
+        return n, sums
+
+    def restore_accumulated(self, samples: int, sums: Sequence[torch.Tensor | None]) -> None:
+        """Add back what ``take_accumulated`` took, to whatever accumulated since."""
+        for p, g in zip(self.params, sums, strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        self.samples += samples
+
+    def _clip_and_step(self, params: list[nn.Parameter]) -> float:
         max_norm = self.config.grad_clip or math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         for group in self.optimizer.param_groups:
@@ -58,7 +108,6 @@ class StageOptimizer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        self.samples = 0
         return norm
 
 

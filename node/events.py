@@ -10,8 +10,13 @@ fields:
   state came from: ``"peers"``, ``"checkpoint"`` or ``"initial"``).
 - ``stage.released``: ``stage``.
 - ``placement.chose``: ``stage`` (a joiner's choice); ``placement.moved``: ``from``, ``to``.
-- ``averaging.round``: ``stage``, ``epoch``, ``peers``, ``ok``; ``digest`` (``hash``,
-  ``norm``, ``sketch``) when digests are on (``SWARMTRAIN_LOG_DIGESTS``).
+- ``averaging.round``: ``stage``, ``epoch`` (the one the copy is at now), ``peers`` (whose
+  contributions the step took, us included; 0 for a state loaded), ``ok`` (false: the
+  round failed and the copy stepped on its own contribution, or took no step), ``how``
+  (``"averaged"``, ``"alone"``, ``"fallback"``, ``"abandoned"``, ``"caught_up"``,
+  ``"loaded"``); ``digest`` (``hash``: 8 hex digits, ``norm``, ``sketch``: 4 floats) of
+  the parameters the copies agree on, when digests are on (``SWARMTRAIN_LOG_DIGESTS``),
+  except for ``"abandoned"``.
 - ``call.failed``: ``stage``, ``peer``, ``error``; ``call.rerouted``: ``stage``, ``peer``.
 - ``peer.banned``: ``peer``, ``service``.
 - ``checkpoint.written``: ``stage``, ``epoch``, ``path``.

@@ -6,7 +6,7 @@ how many samples it has accumulated toward the stage's next step (``Progress``).
 peer reads all of them and applies the same pure rule (``decide``): when the samples of
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. No clock, no
-network here: ``node.averaging.averager`` does the I/O.
+network here: ``node.averaging`` does the I/O.
 """
 
 from __future__ import annotations
@@ -126,6 +126,16 @@ def decide(
 # produces values orders of magnitude below this, so a part beyond it is a faulty or
 # hostile peer's, and is dropped like a non-finite one.
 MAX_ABS_CONTRIBUTION = 1e4
+
+
+def within_bounds(tensors: Sequence[torch.Tensor]) -> bool:
+    """Finite, and within what training produces (``MAX_ABS_CONTRIBUTION``): a
+    contribution fit to send, or a result fit to apply (an average of such values is)."""
+    return all(
+        bool(torch.isfinite(t).all())
+        and (t.numel() == 0 or float(t.abs().max()) <= MAX_ABS_CONTRIBUTION)
+        for t in tensors
+    )
 
 
 def check_weight(weight: float) -> bool:

@@ -50,8 +50,10 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from models.data import Corpus, eval_batches, load_corpus, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
-from node.averaging.averager import ParamDigest, StageAverager, process_settings
+from node.averaging.averager import StageAverager
+from node.averaging.digests import ParamDigest
 from node.averaging.process import StageAveragerProcess
+from node.averaging.transport import process_settings
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import averaging_prefix
 from protocol.identity import peer_id_of

@@ -91,9 +91,11 @@ class Peer:
         self.stage = Stage(self.spec.model, self.spec.stage_range(self.stage_index))
         self.optimizer = StageOptimizer(self.stage, self.spec.optim)
 
-    async def start(self, averager_cls: type[StageAverager] = StageAverager) -> StageAverager:
-        self.averager = await averager_cls.create(
-            self.dht, self.spec, self.stage_index, self.stage, self.optimizer
+    async def start(self, **seams) -> StageAverager:
+        """Create the averager; ``seams``: ``StageAverager.create``'s fault seams
+        (``process_class``, ``outgoing``)."""
+        self.averager = await StageAverager.create(
+            self.dht, self.spec, self.stage_index, self.stage, self.optimizer, **seams
         )
         return self.averager
 
@@ -132,13 +134,9 @@ class _StallingProcess(StageAveragerProcess):
         await asyncio.sleep(3600)
 
 
-class _StallingAverager(StageAverager):
-    process_class = _StallingProcess
-
-
 async def _victim(dht: SwarmDHT, spec: RunSpec, seeds: list[int]) -> None:
     peer = Peer(dht, spec)
-    averager = await peer.start(_StallingAverager)
+    averager = await peer.start(process_class=_StallingProcess)
     await averager.load_state()
     for seed in seeds:
         peer.feed(seed)

@@ -4,11 +4,11 @@ It starts ``stages x peers`` node processes on 127.0.0.1, trains through them fr
 process with a progress line, SIGKILLs one peer part way through and starts a
 replacement later, then prints a per-stage table and writes the loss curve (CSV and
 PNG). Exit status 0 only if the validation loss fell and the peers of each stage held
-equal copies at every epoch they shared (their averagers log a digest per epoch, at
-INFO in the demo's nodes). With ``--baseline`` it also trains the single-process
-baseline on the same samples, prints the ratio of the two validation losses, and fails
-if the swarm's is more than 2% above. Every
-process it started is stopped on the way out, also on Ctrl-C.
+equal copies at every epoch they shared (their averagers emit a digest per epoch in
+their ``averaging.round`` events, on in the demo's nodes). With ``--baseline`` it also
+trains the single-process baseline on the same samples, prints the ratio of the two
+validation losses, and fails if the swarm's is more than 2% above. Every process it
+started is stopped on the way out, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import uuid
 
 from models.data import load_corpus
 from models.training import train_baseline
-from node.averaging.averager import DIGESTS_ENV, compare_copies
+from node.averaging.digests import DIGESTS_ENV, compare_copies
 from node.cli.train import Curve, open_trainer, train_with_progress
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerSettings
@@ -44,7 +44,7 @@ class Demo:
 
     def start_swarm(self) -> None:
         a = self.args
-        # Its nodes log their parameter digests at INFO: ``copies`` reads them from the logs.
+        # Its nodes emit their parameter digests: ``copies`` reads them from their events.
         os.environ[DIGESTS_ENV] = "1"
         print(f"starting {a.stages} stages x {a.peers} peers on 127.0.0.1 (run {self.run})")
         for i in range(a.stages * a.peers):
@@ -106,9 +106,9 @@ class Demo:
 
     def copies(self) -> tuple[str, bool]:
         """Whether the peers of each stage held equal parameters at the epochs they share,
-        from the digests their averagers log after every epoch."""
-        logs = [n.output() for n in self.nodes]
-        checks = [compare_copies(logs, s) for s in range(self.args.stages)]
+        from the digests in the ``averaging.round`` events their averagers emit."""
+        rounds = [n.events("averaging.round") for n in self.nodes]
+        checks = [compare_copies(rounds, s) for s in range(self.args.stages)]
         text = "\n".join(f"stage {s}: {c}" for s, c in enumerate(checks))
         return text, all(c.equal for c in checks)
 

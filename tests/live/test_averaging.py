@@ -3,8 +3,8 @@
 Peers are ``tests.averaging_peer.Peer``: a DHT, the last stage of a small model, its
 optimizer and a ``StageAverager``, fed micro-batches the way a stage server feeds them
 (one test serves them through real ``AveragedStageServer``s instead). The kill test's
-victim is a subprocess. The last tests drive ``protocol.averaging.decide`` and
-``node.averaging.state`` alone."""
+victim is a subprocess. Faults are injected through ``StageAverager.create``'s seams:
+``outgoing`` (what a peer sends into a round) and ``process_class``."""
 
 from __future__ import annotations
 
@@ -30,15 +30,12 @@ from hivemind.proto import averaging_pb2
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
-from node.averaging.averager import (
-    AveragedStageServer,
-    StageAverager,
-    averaging_prefix,
-)
+from node.averaging.averager import AveragedStageServer
 from node.averaging.process import StageAveragerProcess
 from node.files import load_or_create_key
 from node.pipeline import client as stage_client
 from node.rpc.dht import SwarmDHT
+from protocol.averaging import averaging_prefix
 from protocol.membership import issue_invite, parse_invite_token
 from protocol.run_spec import AveragingSpec, make_run_spec
 from protocol.stage_messages import StageContract
@@ -326,27 +323,22 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
     _run(body())
 
 
-class _NaNAverager(StageAverager):
+def _nan(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fault: sends NaN in place of its contribution (past its own finiteness check)."""
-
-    value = math.nan
-
-    def _write_buffers(self, tensors, timeout):
-        super()._write_buffers([torch.full_like(t, self.value) for t in tensors], timeout)
+    return [torch.full_like(t, math.nan) for t in tensors]
 
 
-class _HugeAverager(_NaNAverager):
+def _huge(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fault: sends finite values far out of range (1e6, where gradients are ~1e-2)."""
+    return [torch.full_like(t, 1e6) for t in tensors]
 
-    value = 1e6
 
-
-@pytest.mark.parametrize("fault", [_NaNAverager, _HugeAverager])
+@pytest.mark.parametrize("fault", [_nan, _huge])
 def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
     """(d) An honest peer that averages with a peer sending NaN (or huge values) discards
     every such result (its reducer also drops the sender's parts) and, at the round's
     timeout, applies its own gradient alone: finite, exactly its own step."""
-    spec = make_spec(f"avg-{fault.__name__.strip('_').lower()}")
+    spec = make_spec(f"avg-{fault.__name__.strip('_')}")
     honest, faulty = (
         Peer(SwarmDHT(dhts[0], spec.run), spec),
         Peer(SwarmDHT(dhts[1], spec.run), spec),
@@ -356,7 +348,7 @@ def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
         try:
             await honest.start()
             await honest.averager.load_state()
-            await faulty.start(fault)
+            await faulty.start(outgoing=fault)
             await faulty.averager.load_state()
             for seed in (1, 2):
                 honest.feed(seed)
@@ -373,12 +365,10 @@ def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
     _run(body())
 
 
-class _NegatedAverager(StageAverager):
+def _negated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fault: sends its gradient negated and scaled 100x: finite and within range, so it
     passes every check a part gets."""
-
-    def _write_buffers(self, tensors, timeout):
-        super()._write_buffers([-100 * t for t in tensors], timeout)
+    return [-100 * t for t in tensors]
 
 
 def test_a_wrong_but_finite_groupmate_cannot_turn_the_step_around(dhts):
@@ -390,8 +380,8 @@ def test_a_wrong_but_finite_groupmate_cannot_turn_the_step_around(dhts):
 
     async def body():
         try:
-            for peer, cls in ((a, StageAverager), (b, StageAverager), (wrong, _NegatedAverager)):
-                await peer.start(cls)
+            for peer, outgoing in ((a, None), (b, None), (wrong, _negated)):
+                await peer.start(outgoing=outgoing)
                 await peer.averager.load_state()
             before = a.params()
             await _until(lambda: a.averager.peers == 2, 10, "a sees both groupmates")
@@ -422,12 +412,12 @@ def test_averagers_start_from_a_running_event_loop(dhts):
             try:
                 started = time.monotonic()
                 averager = await peer.start()
-                assert averager._process.is_alive()
-                assert await asyncio.to_thread(averager._process.get_group_bits) == ""
+                assert averager.transport.process.is_alive()
+                assert await asyncio.to_thread(averager.transport.process.get_group_bits) == ""
                 assert time.monotonic() - started < 10
             finally:
                 await _shutdown(peer)
-            assert peer.averager._process is None
+            assert not peer.averager.transport.process.is_alive()
 
     _run(body())
 
@@ -445,7 +435,7 @@ def test_an_averager_refuses_a_frame_declaring_2_62_bytes(dhts):
         client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
         try:
             averager = await peer.start()
-            process = psutil.Process(averager._process.pid)
+            process = psutil.Process(averager.transport.process.pid)
             rss = process.memory_info().rss
             handle = StageAveragerProcess._get_handle_name(
                 averaging_prefix(spec.run, STAGE), "rpc_aggregate_part"
@@ -456,8 +446,8 @@ def test_an_averager_refuses_a_frame_declaring_2_62_bytes(dhts):
             grew = process.memory_info().rss - rss
             assert answer == "closed" or "exceeds the limit" in answer, answer
             assert after < 2 and sent < 16 * 2**20 and grew < 16 * 2**20, (after, sent, grew)
-            assert averager._process.is_alive()
-            assert await asyncio.to_thread(averager._process.get_group_bits) == ""  # still serves
+            assert averager.transport.process.is_alive()
+            assert await asyncio.to_thread(averager.transport.process.get_group_bits) == ""
         finally:
             await client.shutdown()
             await _shutdown(peer)
@@ -516,7 +506,9 @@ def test_diloco_copies_are_equal_after_an_outer_step(dhts):
             loaded = await c.averager.load_state()
             assert loaded.loaded and loaded.epoch == 1 and loaded.step == 2
             assert _close(c.params(), a.params())
-            for mine, theirs in zip(c.averager._momentum(), a.averager._momentum(), strict=True):
+            for mine, theirs in zip(
+                c.averager.strategy.momentum(), a.averager.strategy.momentum(), strict=True
+            ):
                 assert torch.equal(mine, theirs) or torch.allclose(mine, theirs, atol=ATOL)
         finally:
             await _shutdown(a, b, c)

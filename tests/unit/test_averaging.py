@@ -1,13 +1,10 @@
-"""Averaging among the peers of a stage, on real hivemind DHTs and averagers (loopback).
-
-Peers are ``tests.averaging_peer.Peer``: a DHT, the last stage of a small model, its
-optimizer and a ``StageAverager``, fed micro-batches the way a stage server feeds them
-(one test serves them through real ``AveragedStageServer``s instead). The kill test's
-victim is a subprocess. The last tests drive ``protocol.averaging.decide`` and
-``node.averaging.state`` alone."""
+"""The pure parts of averaging: ``protocol.averaging`` (``decide``, ``robust_mean``), a
+stage's state as it travels (``node.averaging.state``) and the digests that tell equal
+copies from diverged ones (``node.averaging.digests``)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -16,11 +13,7 @@ import torch
 from models.stages import Stage
 from models.training import StageOptimizer
 from node.averaging import state as stage_state
-from node.averaging.averager import (
-    EQUAL_DISTANCE,
-    ParamDigest,
-    compare_copies,
-)
+from node.averaging.digests import EQUAL_DISTANCE, ParamDigest, compare_copies
 from protocol.averaging import Action, Progress, decide, robust_mean
 from tests.averaging_peer import (
     CFG,
@@ -122,9 +115,9 @@ def test_state_is_checked_before_it_replaces_anything():
 
 
 def test_digests_tell_equal_copies_from_diverged_ones():
-    """The logged digests: bitwise equal copies share a crc; copies apart by float rounding
-    are within ``EQUAL_DISTANCE``, copies a step apart are far outside it; a log line
-    round-trips through ``compare_copies``."""
+    """Bitwise equal copies share a crc; copies apart by float rounding are within
+    ``EQUAL_DISTANCE``, copies a step apart are far outside it; a digest round-trips
+    through an ``averaging.round`` event's JSON into ``compare_copies``."""
     stage = Stage(CFG, make_spec("avg-digest").stage_range(STAGE))
     params = [p.detach().clone() for p in stage.parameters()]
     g = torch.Generator().manual_seed(0)
@@ -134,17 +127,42 @@ def test_digests_tell_equal_copies_from_diverged_ones():
     assert ParamDigest.of(params) == same and same.distance(same) == 0.0
     assert 1e-9 < same.distance(close) < EQUAL_DISTANCE < 10 * EQUAL_DISTANCE < same.distance(far)
 
-    def log(*digests: ParamDigest, first: int = 0) -> str:
-        return "".join(
-            f"INFO stage {STAGE} (a1b2c3): epoch {e} params {d}\n"
+    def rounds(*digests: ParamDigest, first: int = 0) -> list[dict]:
+        """A peer's ``averaging.round`` events, as ``node.events.read_events`` gives them."""
+        return [
+            json.loads(
+                json.dumps(
+                    {
+                        "event": "averaging.round",
+                        "stage": STAGE,
+                        "epoch": e,
+                        "peers": 2,
+                        "ok": True,
+                        "how": "averaged",
+                        "digest": d.fields(),
+                    }  # fmt: skip
+                )
+            )
             for e, d in enumerate(digests, start=first)
-        )
+        ]
 
-    check = compare_copies([log(same, same, same), log(same, close)], STAGE)
+    assert ParamDigest.from_fields(rounds(close)[0]["digest"]) == close
+    check = compare_copies([rounds(same, same, same), rounds(same, close)], STAGE)
     assert (check.peers, check.common, check.bitwise, check.equal) == (2, 2, 1, True), check
     assert str(check).startswith("copies equal at 2 of 2 common epochs")
-    check = compare_copies([log(same, same), log(same, far), log(same)], STAGE)
+    check = compare_copies([rounds(same, same), rounds(same, far), rounds(same)], STAGE)
     assert (check.common, check.differ, check.equal) == (2, (1,), False), check
     assert str(check).startswith("COPIES DIFFER at 1 of 2")
-    assert not compare_copies([log(same), log(same, first=1)], STAGE).equal  # never compared
-    assert compare_copies([log(same)], STAGE).equal and not compare_copies([log(same)], 0).peers
+    assert not compare_copies([rounds(same), rounds(same, first=1)], STAGE).equal  # never compared
+    assert (
+        compare_copies([rounds(same)], STAGE).equal and not compare_copies([rounds(same)], 0).peers
+    )
+    # Events without a digest, with a malformed one, or of another kind do not count.
+    malformed = [
+        {"event": "averaging.round", "stage": STAGE, "epoch": 0, "ok": False},
+        {"event": "averaging.round", "stage": STAGE, "epoch": 0, "digest": {"hash": "zz"}},
+        {"event": "stage.held", "stage": STAGE, "epoch": 0, "digest": same.fields()},
+    ]
+    assert compare_copies([rounds(same), malformed], STAGE).peers == 1
+    with pytest.raises(ValueError):
+        ParamDigest.from_fields({"hash": "0" * 8, "norm": 1.0, "sketch": [1.0, True, 0, 0]})

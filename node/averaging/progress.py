@@ -1,0 +1,153 @@
+"""The progress records of a stage's peers in the DHT, and this peer's view of them.
+
+Every peer of a stage stores its ``protocol.averaging.Progress`` (epoch, samples toward
+the next round) under the stage's key, its peer id as subkey, and reads the others'. A
+read returns one DHT node's copy of the records and may miss one, so the view corrects
+what it reads with what this peer knows better (``view``, ``learn``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+
+from hivemind.utils import get_dht_time
+
+from node.rpc.dht import SwarmDHT
+from protocol.averaging import Progress, decode_progress, encode_progress, progress_key
+from protocol.records import RecordError
+from protocol.run_spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
+
+
+class ProgressBoard:
+    """This peer's published progress and its view of the other peers' (on the event loop).
+    Records live ``ttl_s`` seconds.
+
+    ``clock`` (monotonic seconds) times how long a record missing from reads stays in the
+    view; the DHT's own clock times expirations."""
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        spec: RunSpec,
+        stage_index: int,
+        *,
+        ttl_s: float,
+        name: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dht = dht
+        self.spec = spec
+        self.peer_id = dht.peer_id
+        self.ttl = ttl_s  # of our record, and of a record missing from reads in the view
+        self._key = progress_key(spec.run, stage_index)
+        self._name = name  # in log lines
+        self._clock = clock
+        self.records: list[Progress] = []  # the other peers' records, as last read
+        self._seen: dict[str, tuple[Progress, float]] = {}  # peer -> last record, when (view)
+        self._known: dict[str, int] = {}  # peer -> the highest epoch we know it reached
+        self._expires: dict[str, float] = {}  # peer -> its newest record's DHT expiration
+
+    @property
+    def peers(self) -> int:
+        """Other live peers of the stage in the view (at any epoch)."""
+        return len(self._seen)
+
+    @property
+    def alone(self) -> bool:
+        """No other peer of the stage in sight, as of the last read."""
+        return not self.records and not self._seen
+
+    async def publish(self, mine: Progress) -> bool:
+        """Store our record for ``ttl`` seconds; False (logged) if the DHT refused it."""
+        try:
+            return await self.dht.dht.store(
+                self._key,
+                subkey=self.peer_id,
+                value=encode_progress(mine),
+                expiration_time=get_dht_time() + self.ttl,
+                return_future=True,
+            )
+        except Exception as e:  # a DHT hiccup: the next period retries
+            logger.warning("%s: publishing progress failed: %s", self._name, e)
+            return False
+
+    async def refresh(self) -> list[Progress]:
+        """Read the other peers' live records (invalid ones are dropped and logged) into
+        ``records`` and return them; on a failed read, keep the last ones."""
+        try:
+            found = await self.dht.dht.get(self._key, latest=True, return_future=True)
+        except Exception as e:
+            logger.warning("%s: reading progress failed: %s", self._name, e)
+            return self.records
+        if found is None or not isinstance(found.value, dict):
+            self.records = []
+            return self.records
+        result = []
+        for subkey, item in list(found.value.items())[:MAX_PEER_RECORDS]:
+            try:
+                record = decode_progress(subkey, item.value)
+            except RecordError as e:
+                logger.warning("%s: dropped a progress record: %s", self._name, e)
+                continue
+            if record.peer_id != self.peer_id:
+                result.append(record)
+                expires = self._expires.get(record.peer_id, -math.inf)
+                self._expires[record.peer_id] = max(expires, item.expiration_time)
+        if self.spec.private and result:  # a stranger's progress must not shape our rounds
+            members = {p.peer_id for p in await self.dht.peers()}
+            result = [r for r in result if r.peer_id in members]
+        self.records = result
+        return result
+
+    def view(self) -> list[Progress]:
+        """The other peers' progress, corrected by what we know better than the last read.
+
+        A peer's epoch never goes down: a record that says otherwise is older than one we
+        saw, or than a round the peer took with us (or a state it handed us). And a record
+        missing from one read (a DHT read can miss a subkey) stays for its time to live.
+        Without this, right after a round our groupmates would look one epoch behind, and
+        we would step alone."""
+        now = self._clock()
+        for record in self.records:
+            self._seen[record.peer_id] = (record, now)
+        view = []
+        for peer, (record, seen_at) in list(self._seen.items()):
+            if now - seen_at > self.ttl:
+                del self._seen[peer]
+                self._expires.pop(peer, None)
+                continue
+            known = max(self._known.get(peer, 0), record.epoch)
+            self._known[peer] = known
+            view.append(record if record.epoch == known else Progress(peer, known, 0))
+        return view
+
+    def learn(self, epochs: Mapping[str, int]) -> None:
+        """Peers we know reached an epoch (groupmates, donors), whether or not our reads of
+        the DHT show them: a DHT read returns one node's copy of the stage's records, which
+        can lack a peer that stored its own through another node."""
+        now = self._clock()
+        for peer, epoch in epochs.items():
+            self._known[peer] = max(self._known.get(peer, 0), epoch)
+            record, seen_at = self._seen.get(peer, (Progress(peer, epoch, 0), now))
+            self._seen[peer] = (record, max(seen_at, now))
+
+    def ahead_of(self, epoch: int) -> bool:
+        """Some peer in the view is past ``epoch``."""
+        return any(p.epoch > epoch for p in self.view())
+
+    def mates_left(self, epoch: int) -> bool:
+        """Whether any other peer is still at ``epoch`` and alive: its newest record has
+        not expired. (``view`` keeps a record a while longer, for reads that miss it; a
+        groupmate killed mid-round would then outlive the round's first attempt, and we
+        would try again with nobody.)"""
+        now = get_dht_time()
+        return any(
+            p.epoch == epoch and self._expires.get(p.peer_id, math.inf) > now for p in self.view()
+        )

@@ -1,0 +1,373 @@
+"""What a stage's copy averages with its peers and how it steps: one interface, two modes.
+
+- ``GradientStrategy`` (``mode`` "gradient"): the stage's peers share one target batch;
+  a round averages their mean gradients, weighted by their sample counts, and each copy
+  takes the same optimizer step on the result (``StageOptimizer.step_with_mean``).
+- ``DiLoCoStrategy`` (``mode`` "diloco"): each copy takes AdamW steps alone, every
+  ``target_batch_size`` of its own samples; a round averages the copies' parameter deltas
+  since the last outer step, and each takes the same outer Nesterov step from the same
+  anchor.
+
+A strategy holds the copy's state: parameters and inner optimizer (the stage's), its
+epoch (rounds behind the parameters) and, for DiLoCo, the anchor and outer optimizer. The
+round loop (``node.averaging.averager``) drives it through ``begin`` (take a
+contribution), then ``finish`` (apply a result) or ``give_back`` (the round failed); every
+method takes the stage's lock itself, except those named ``*_locked``, whose caller (the
+compute thread) holds it. A contribution is settled once, by ``finish`` or ``give_back``:
+no sample is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from models.stages import Stage
+from models.training import StageOptimizer
+from node.averaging import state as stage_state
+from node.averaging.state import StageState
+from node.pipeline.server import Admission
+from protocol.averaging import Progress
+from protocol.run_spec import AveragingSpec
+
+
+@dataclass
+class AveragingStats:
+    rounds: int = 0  # averaged with at least one other peer
+    alone: int = 0  # stepped alone: no other peer at our epoch
+    fallbacks: int = 0  # a round found no usable result in time: applied our own alone
+    discarded: int = 0  # attempts whose result was thrown away (failed, not finite, ...)
+    catch_ups: int = 0  # state downloads after falling behind
+    samples: int = 0  # our samples in the steps applied (each counted once)
+    inner_steps: int = 0  # diloco: local AdamW steps
+    last_round_s: float = math.nan  # from our trigger to the applied result
+    last_group: int = 0  # peers in the last successful round, us included
+    round_s: list[float] = field(default_factory=list)  # every successful round's duration
+
+
+@dataclass
+class Contribution:
+    """What this copy puts into one round."""
+
+    weight: int  # samples behind it
+    tensors: list[torch.Tensor]  # what is averaged: mean gradients, or parameter deltas
+    sums: list[torch.Tensor | None]  # gradient mode: the sums taken out of .grad
+    settled: bool = False  # applied, or given back (under the lock): never both
+
+    def emptied(self) -> Contribution:
+        """Weight 0 and zeros (to stay in step with the others without contributing); its
+        gradient sums are dropped."""
+        zeros = [torch.zeros_like(t) for t in self.tensors]
+        return Contribution(0, zeros, [None] * len(self.sums))
+
+
+class Strategy(ABC):
+    """One stage copy's steps and contributions; see the module docstring."""
+
+    mode: ClassVar[str]
+    # The stage's peers fill one target batch together: the server counts their samples
+    # before it admits one, and a round waits for the backwards of admitted micro-batches.
+    shares_batch: ClassVar[bool]
+
+    def __init__(
+        self,
+        module: Stage,
+        optimizer: StageOptimizer,
+        lock: threading.Lock,
+        settings: AveragingSpec,
+        stats: AveragingStats,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.lock = lock  # the stage's: held whenever parameters or gradients change
+        self.settings = settings
+        self.stats = stats
+        self.batch = optimizer.config.target_batch_size
+        self.params = [p for _, p in stage_state.trainable(module)]
+        self.epoch = 0  # rounds behind the parameters; changes under the lock
+
+    @property
+    @abstractmethod
+    def target(self) -> int:
+        """Samples of one peer that make a round due (``decide``'s target)."""
+
+    @property
+    def per_peer(self) -> bool:
+        """Whether ``target`` is per peer at our epoch (``decide``'s ``per_peer``)."""
+        return not self.shares_batch
+
+    @abstractmethod
+    def pending(self) -> int:
+        """Samples toward our next round already out of the optimizer's count (a round in
+        flight, or inner steps taken)."""
+
+    @abstractmethod
+    def admission(self, mine: int, same: Sequence[Progress], busy: bool) -> Admission:
+        """Whether the server admits a new training micro-batch, given our samples toward
+        the next round, the records of the peers at our epoch, and whether a step is in
+        progress."""
+
+    @abstractmethod
+    def on_accumulated_locked(self, alone: bool) -> bool:
+        """After a micro-batch's gradients landed in ``.grad``. ``alone``: no other peer of
+        the stage in sight and no step in progress. True if the copy stepped to the next
+        epoch (the caller announces it)."""
+
+    @abstractmethod
+    def begin(self) -> Contribution:
+        """Take this copy's contribution to a round."""
+
+    def finish(self, result: Sequence[torch.Tensor], contribution: Contribution) -> bool:
+        """Apply a round's ``result`` (or our own contribution's tensors, stepping alone):
+        the copy moves to the next epoch. False if ``contribution`` was settled already."""
+        with self.lock:
+            if contribution.settled:
+                return False
+            contribution.settled = True
+            self.stats.samples += contribution.weight
+            self._apply_locked(result)
+            self.epoch += 1
+            return True
+
+    def give_back(self, contribution: Contribution) -> None:
+        """The round failed: what ``begin`` took goes back (a no-op once settled)."""
+        with self.lock:
+            if not contribution.settled:
+                contribution.settled = True
+                self._give_back_locked(contribution)
+
+    @abstractmethod
+    def step_alone(self) -> bool:
+        """Step on our own samples, no peer at our epoch; False if nothing was due."""
+
+    @abstractmethod
+    def digest_tensors(self) -> list[torch.Tensor]:
+        """The tensors every copy agreed on at this epoch (their digests are compared).
+        Changed only by the round loop, so it may read them without the lock."""
+
+    def momentum(self) -> list[torch.Tensor] | None:
+        """The outer optimizer's momentum, shipped with the state (None: there is none)."""
+        return None
+
+    def capture(self, peer: str) -> tuple[dict, list[torch.Tensor]]:
+        """A copy of the state, as a joiner downloads it (takes the lock)."""
+        with self.lock:
+            return stage_state.capture(
+                self.module,
+                self.optimizer,
+                epoch=self.epoch,
+                mode=self.mode,
+                peer=peer,
+                params=self._shipped_params(),
+                momentum=self.momentum(),
+            )
+
+    def apply_state(self, state: StageState) -> None:
+        """Replace the copy's state by a downloaded (or saved) one (takes the lock)."""
+        with self.lock:
+            stage_state.apply(state, self.module, self.optimizer)
+            self.epoch = state.epoch
+            self._loaded_locked(state)
+
+    @abstractmethod
+    def _apply_locked(self, result: Sequence[torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def _give_back_locked(self, contribution: Contribution) -> None: ...
+
+    def _shipped_params(self) -> list[torch.Tensor] | None:
+        return None  # the module's own
+
+    def _loaded_locked(self, state: StageState) -> None:
+        return None
+
+
+class GradientStrategy(Strategy):
+    """Averages mean gradients; one optimizer step per round."""
+
+    mode = "gradient"
+    shares_batch = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._round_samples = 0  # samples of the round in flight
+
+    @property
+    def target(self) -> int:
+        return self.batch
+
+    def pending(self) -> int:
+        return self._round_samples
+
+    def admission(self, mine: int, same: Sequence[Progress], busy: bool) -> Admission:
+        """FULL while the samples committed to this epoch at the stage (ours and our
+        peers') make up its batch, or a step is in progress; SHARE once ours make up our
+        share of it (the server waits a little before it takes more)."""
+        if busy:
+            return Admission.FULL
+        target = self.target
+        if min(mine, target) + sum(min(p.samples, target) for p in same) >= target:
+            return Admission.FULL
+        if same and mine >= math.ceil(target / (1 + len(same))):
+            return Admission.SHARE
+        return Admission.OPEN
+
+    def on_accumulated_locked(self, alone: bool) -> bool:
+        # Nobody to average with: step now, as the micro-batch that completed the target
+        # batch returns, so that the next one sees the step (a single-peer stage then
+        # computes exactly what one process would).
+        if alone and self.optimizer.samples >= self.target:
+            self._step_own_locked()
+            return True
+        return False
+
+    def begin(self) -> Contribution:
+        """Move the accumulated gradients out of ``.grad``: micro-batches that arrive from
+        now on count toward the next epoch."""
+        with self.lock:
+            n, sums = self.optimizer.take_accumulated()
+            self._round_samples = n
+        means = [
+            torch.zeros(p.shape) if g is None or n == 0 else (g / n).float().cpu()
+            for p, g in zip(self.params, sums, strict=True)
+        ]
+        return Contribution(weight=n, tensors=means, sums=sums)
+
+    def step_alone(self) -> bool:
+        with self.lock:
+            if self.optimizer.samples < self.target:  # stepped already
+                return False
+            self._step_own_locked()
+            return True
+
+    def digest_tensors(self) -> list[torch.Tensor]:
+        return self.params
+
+    def _step_own_locked(self) -> None:
+        self.stats.samples += self.optimizer.samples
+        self.optimizer.step()
+        self.epoch += 1
+        self.stats.alone += 1
+
+    def _apply_locked(self, result: Sequence[torch.Tensor]) -> None:
+        self.optimizer.step_with_mean(result)
+        self._round_samples = 0
+
+    def _give_back_locked(self, contribution: Contribution) -> None:
+        self.optimizer.restore_accumulated(contribution.weight, contribution.sums)
+        self._round_samples = 0
+
+
+class DiLoCoStrategy(Strategy):
+    """Inner AdamW steps alone; rounds average parameter deltas for an outer Nesterov step."""
+
+    mode = "diloco"
+    shares_batch = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        s = self.settings
+        self._inner_samples = 0  # samples stepped on since the last outer step
+        self._outer_busy = False  # an outer round is in flight: inner steps wait
+        self._anchor = [p.detach().clone() for p in self.params]  # at the last outer step
+        self._outer = torch.optim.SGD(
+            self._anchor, lr=s.outer_lr, momentum=s.outer_momentum, nesterov=True
+        )
+
+    @property
+    def target(self) -> int:
+        return self.batch * self.settings.inner_steps
+
+    def pending(self) -> int:
+        return self._inner_samples
+
+    def admission(self, mine: int, same: Sequence[Progress], busy: bool) -> Admission:
+        """Inner steps are this copy's own batches: FULL while one is complete and not yet
+        stepped on, or an outer round is in flight."""
+        full = self._outer_busy or mine - self._inner_samples >= self.batch
+        return Admission.FULL if full else Admission.OPEN
+
+    def on_accumulated_locked(self, alone: bool) -> bool:
+        if not self._outer_busy and self.optimizer.samples >= self.batch:
+            self._inner_step_locked()
+        return False
+
+    def begin(self) -> Contribution:
+        """Our delta since the last outer step; inner steps wait until the round ends."""
+        with self.lock:
+            self._outer_busy = True
+            deltas = [
+                (a - p.detach()).float().cpu()
+                for a, p in zip(self._anchor, self.params, strict=True)
+            ]
+            return Contribution(weight=self._inner_samples, tensors=deltas, sums=[])
+
+    def step_alone(self) -> bool:
+        contribution = self.begin()
+        self.finish(contribution.tensors, contribution)
+        self.stats.alone += 1
+        return True
+
+    def digest_tensors(self) -> list[torch.Tensor]:
+        return self._anchor
+
+    def momentum(self) -> list[torch.Tensor] | None:
+        if not self._outer.state:
+            return None
+        return [self._outer.state[a]["momentum_buffer"] for a in self._anchor]
+
+    def _inner_step_locked(self) -> None:
+        self._inner_samples += self.optimizer.samples
+        self.optimizer.step()
+        self.stats.inner_steps += 1
+
+    @torch.no_grad()
+    def _apply_locked(self, result: Sequence[torch.Tensor]) -> None:
+        """One outer Nesterov step on the anchor with the averaged delta; the parameters
+        become the new anchor."""
+        for a, d in zip(self._anchor, result, strict=True):
+            a.grad = d.to(a.device, a.dtype)
+        self._outer.step()
+        self._outer.zero_grad(set_to_none=True)
+        for p, a in zip(self.params, self._anchor, strict=True):
+            p.copy_(a)
+        self._inner_samples = 0
+        self._outer_busy = False
+        if self.optimizer.samples >= self.batch:  # what waited during the round
+            self._inner_step_locked()
+
+    def _give_back_locked(self, contribution: Contribution) -> None:
+        self._outer_busy = False
+
+    def _shipped_params(self) -> list[torch.Tensor] | None:
+        return self._anchor  # the parameters all copies agreed on, not our inner progress
+
+    @torch.no_grad()
+    def _loaded_locked(self, state: StageState) -> None:
+        for a, t in zip(self._anchor, state.params, strict=True):
+            a.copy_(t)
+        self._outer.state.clear()
+        if state.momentum is not None:
+            for a, m in zip(self._anchor, state.momentum, strict=True):
+                self._outer.state[a] = {"momentum_buffer": m.to(a.device, a.dtype).clone()}
+        self._inner_samples = 0
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.mode: s for s in (GradientStrategy, DiLoCoStrategy)}
+
+
+def make_strategy(
+    module: Stage,
+    optimizer: StageOptimizer,
+    lock: threading.Lock,
+    settings: AveragingSpec,
+    stats: AveragingStats,
+) -> Strategy:
+    """The strategy of ``settings.mode``."""
+    return STRATEGIES[settings.mode](module, optimizer, lock, settings, stats)

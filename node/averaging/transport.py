@@ -1,0 +1,277 @@
+"""How a stage's contributions travel: its hivemind averager process and the buffers it
+averages in place.
+
+``HivemindTransport.start`` forks the process (``node.averaging.process``) and waits
+until it is ready; ``exchange`` is one attempt at averaging a contribution with the
+peers at the same epoch; ``download`` fetches a peer's state; ``close`` stops the
+process. Two seams for fault tests: ``process_class`` (the averager process) and
+``outgoing`` (a function of the tensors this peer sends into a round, applied after its
+own checks).
+
+The averaged tensors are a copy: a result is returned only if it is finite, in range and
+completely averaged, and if no groupmate is ahead of us (its result is for the epoch we
+must catch up to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.compression import NoCompression
+
+from node.averaging.process import StageAveragerProcess
+from node.rpc.dht import SwarmDHT
+from protocol.averaging import averaging_prefix, within_bounds
+from protocol.run_spec import AveragingSpec, RunSpec
+
+logger = logging.getLogger(__name__)
+
+DECLARE_STATE_PERIOD_S = 10.0  # a dead donor stays listed this long for joiners
+F16_MAX = float(torch.finfo(torch.float16).max)
+
+Tensors = list[torch.Tensor]
+
+
+def process_settings(settings: AveragingSpec) -> dict[str, object]:
+    """The round settings of a stage's hivemind averager (``scripts/bench_averaging.py``
+    measures all-reduce with exactly these)."""
+    return {
+        "min_matchmaking_time": settings.matchmaking_s,
+        "request_timeout": min(3.0, settings.matchmaking_s / 2),
+        "allreduce_timeout": settings.allreduce_timeout_s,
+        "next_chunk_timeout": settings.chunk_timeout_s,
+        "compression": NoCompression(),  # float16 is in the buffers' dtype (see ``start``)
+    }
+
+
+class AveragerStartError(RuntimeError):
+    """hivemind's averager process did not come up."""
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The outcome of one attempt at averaging."""
+
+    averaged: Tensors | None  # the result; None: the attempt gave none
+    mates: dict[str, int] = field(default_factory=dict)  # groupmates' epochs, as they said
+    discarded: bool = False  # a result came (or the step failed) and was thrown away
+
+
+class HivemindTransport:
+    """One stage's averager process; build with ``await HivemindTransport.start(...)``."""
+
+    def __init__(
+        self,
+        process: StageAveragerProcess,
+        buffers: Tensors,
+        settings: AveragingSpec,
+        *,
+        peer_id: str,
+        name: str,
+        outgoing: Callable[[Tensors], Tensors] | None = None,
+    ) -> None:
+        self.process = process
+        self.peer_id = peer_id
+        self.settings = settings
+        self._buffers = buffers
+        self._name = name  # in log lines
+        self._outgoing = outgoing
+
+    @classmethod
+    async def start(
+        cls,
+        dht: SwarmDHT,
+        spec: RunSpec,
+        stage_index: int,
+        shapes: Sequence[torch.Size],
+        settings: AveragingSpec,
+        state_source: Callable[[], tuple[dict, Tensors]],
+        *,
+        name: str,
+        process_class: type[StageAveragerProcess] = StageAveragerProcess,
+        outgoing: Callable[[Tensors], Tensors] | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> HivemindTransport:
+        """Fork the averager process (from the calling thread: the event loop's) and wait
+        until it is ready; ``AveragerStartError`` if it is not within the timeout.
+        ``state_source`` answers peers that download our state (on a background thread)."""
+        # float16: our contribution travels as float16, and results come back as float32
+        # deltas (hivemind returns average - ours) that land in float16 buffers, so every
+        # copy rounds the same average. Compressing the deltas too (hivemind's
+        # Float16Compression) leaves each copy its own rounding: 1.5e-4 apart after 20
+        # rounds of the tiny preset, against bitwise equal this way.
+        dtype = torch.float16 if settings.compression == "float16" else torch.float32
+        buffers = [torch.zeros(shape, dtype=dtype) for shape in shapes]
+        process = process_class(
+            buffers,
+            dht.dht,
+            start=False,
+            state_source=state_source,
+            membership=spec.membership,  # a private run averages with members only
+            prefix=averaging_prefix(spec.run, stage_index),
+            allow_state_sharing=False,  # until our own state is loaded
+            declare_state_period=DECLARE_STATE_PERIOD_S,
+            **process_settings(settings),
+        )
+        self = cls(process, buffers, settings, peer_id=dht.peer_id, name=name, outgoing=outgoing)
+        # Not run_in_background: it sets SIGINT to "ignore" in *this* process.
+        process.start()
+        try:
+            await asyncio.to_thread(process.wait_until_ready, startup_timeout_s)
+        except TimeoutError:
+            await self.close()
+            raise AveragerStartError(
+                f"the averager process of stage {stage_index} did not start within "
+                f"{startup_timeout_s:.0f} s"
+            ) from None
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    def share_state(self, epoch: int) -> None:
+        """Hand our state to peers that download it, preferring the highest epoch."""
+        if not self.process.client_mode:
+            self.process.allow_state_sharing = True
+        self.sharing_epoch(epoch)
+
+    def sharing_epoch(self, epoch: int) -> None:
+        """Our state is now at ``epoch`` (its priority among donors)."""
+        if self.process.allow_state_sharing:
+            self.process.state_sharing_priority = float(epoch)
+
+    async def download(self, timeout_s: float) -> tuple[object, object] | None:
+        """A peer's state as it sent it (metadata, tensors: unchecked), or None."""
+        future = self.process.load_state_from_peers(wait=False, timeout=timeout_s)
+        try:
+            return await asyncio.wait_for(future, timeout_s + self.settings.chunk_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            logger.warning("%s: state download timed out", self._name)
+            return None
+
+    async def exchange(
+        self,
+        tensors: Tensors,
+        weight: int,
+        *,
+        epoch: int,
+        group_size: int,
+        deadline: float,
+        leave: Callable[[], bool],
+    ) -> Exchange:
+        """One try at averaging ``tensors`` (weighted by ``weight``) with the peers at
+        ``epoch``, before ``deadline`` (monotonic). ``leave`` is polled while the group
+        forms: True (a peer got ahead of us) ends the try."""
+        timeout = deadline - time.monotonic()
+        if self._outgoing is not None:
+            tensors = self._outgoing(tensors)
+        try:
+            await asyncio.to_thread(self._write, tensors, timeout)
+        except TimeoutError:
+            return Exchange(None)
+        self.process.set_round(epoch, group_size)
+        control = self.process.step(
+            gather=[epoch, weight],
+            weight=float(weight),
+            timeout=timeout,
+            allow_retries=False,
+            wait=False,
+        )
+        try:
+            gathered = await self._wait(
+                control, timeout + self.settings.allreduce_timeout_s + 5.0, leave
+            )
+        except _Left:
+            logger.debug("%s: left matchmaking at epoch %d: a peer is ahead", self._name, epoch)
+            return Exchange(None)
+        except Exception as e:
+            logger.info("%s: averaging attempt failed: %r", self._name, e)
+            return Exchange(None, discarded=True)
+        if not isinstance(gathered, dict) or len(gathered) < 2:
+            return Exchange(None)
+        mates = {}
+        for peer, data in gathered.items():
+            their = data[0] if isinstance(data, list | tuple) and data else None
+            if not isinstance(their, int) or isinstance(their, bool):
+                return Exchange(None, discarded=True)
+            if peer.to_base58() != self.peer_id:
+                mates[peer.to_base58()] = their
+        if any(e > epoch for e in mates.values()):
+            # A groupmate is ahead of us: the result is theirs to apply; we catch up.
+            return Exchange(None, mates, discarded=True)
+        averaged = await asyncio.to_thread(self._read, timeout)
+        if averaged is None or not within_bounds(averaged):
+            # An average of in-range values is in range: this one has a faulty groupmate's.
+            logger.warning("%s: discarded a non-finite or out-of-range result", self._name)
+            return Exchange(None, discarded=True)
+        return Exchange(averaged, mates)
+
+    async def _wait(self, control: StepControl, timeout: float, leave: Callable[[], bool]):
+        """The step's gathered data. While it still looks for a group, leave (``_Left``) as
+        soon as ``leave()``: that group is not coming."""
+        waiter = asyncio.ensure_future(_result(control))
+        try:
+            end = time.monotonic() + timeout
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=self.settings.report_period_s)
+                if waiter.done():
+                    break
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the averaging step did not end within {timeout:.0f} s")
+                if control.stage == AveragingStage.LOOKING_FOR_GROUP and leave():
+                    raise _Left()
+            return waiter.result()
+        finally:
+            if not control.done():
+                control.cancel()
+            waiter.cancel()
+            with contextlib.suppress(BaseException):
+                await waiter
+
+    def _write(self, tensors: Tensors, timeout: float) -> None:
+        if not self.process.lock_averaged_tensors.acquire(timeout=max(timeout, 0.0)):
+            raise TimeoutError("the averager still holds its tensors")
+        try:
+            for buffer, t in zip(self._buffers, tensors, strict=True):
+                if buffer.dtype == torch.float16:
+                    t = t.clamp(-F16_MAX, F16_MAX)  # not inf: the others would drop us
+                buffer.copy_(t)
+        finally:
+            self.process.lock_averaged_tensors.release()
+
+    def _read(self, timeout: float) -> Tensors | None:
+        if not self.process.lock_averaged_tensors.acquire(timeout=max(timeout, 1.0)):
+            return None
+        try:
+            return [b.clone() for b in self._buffers]
+        finally:
+            self.process.lock_averaged_tensors.release()
+
+    async def close(self) -> None:
+        """Stop the process (killed if it does not stop within 5 s)."""
+        await asyncio.to_thread(self._stop)
+
+    def _stop(self) -> None:
+        process = self.process
+        if process.is_alive():
+            process.shutdown()
+        process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join(5.0)
+
+
+class _Left(Exception):
+    """The caller asked to leave matchmaking."""
+
+
+async def _result(control: StepControl):
+    return await control
