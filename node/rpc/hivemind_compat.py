@@ -200,8 +200,9 @@ class PinnedHandleNames(ServicerBase):
         return list(cls._rpc_handlers)
 
 
-class DHTCompat(hivemind.DHT):
-    """hivemind's DHT process, with a shutdown that cannot hang on a daemon already gone."""
+class _ForkedByHivemind:
+    """A hivemind object that runs in a process it forks (``DHT``, ``DecentralizedAverager``):
+    installs the patches when built, so that the forked process inherits them."""
 
     def __init__(self, *args, **kwargs) -> None:
         install()
@@ -209,8 +210,12 @@ class DHTCompat(hivemind.DHT):
 
     @property
     def parent_pid(self) -> int:
-        """The process that created this DHT (and forks its process)."""
+        """The process that built this object (and forks its process)."""
         return self._parent_pid
+
+
+class DHTCompat(_ForkedByHivemind, hivemind.DHT):
+    """hivemind's DHT process, with a shutdown that cannot hang on a daemon already gone."""
 
     async def _shutdown(self) -> None:
         p2p = self._node.p2p
@@ -292,19 +297,10 @@ class _ScreenedRunner(AllReduceRunner):
         plain.finished.set()  # unused: keeps it from warning about missing parts when collected
 
 
-class AveragerCompat(PinnedHandleNames, DecentralizedAverager):
+class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the overrides listed in the module
     docstring. A subclass decides through ``admits``, ``state_sources``, ``check_part`` and
     ``reduce_parts`` (which run in the averager's process); the defaults behave as hivemind."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        install()
-        super().__init__(*args, **kwargs)
-
-    @property
-    def parent_pid(self) -> int:
-        """The process that created this averager (and forks its process)."""
-        return self._parent_pid
 
     async def admits(self, peer: PeerID) -> bool:
         """Whether to join, aggregate and share state with ``peer``."""
