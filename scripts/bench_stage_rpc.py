@@ -32,6 +32,7 @@ from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer
 from node.pipeline import client as stage_client
 from node.pipeline.server import StageServer
+from node.rpc.hivemind_compat import install
 from protocol.stage_messages import StageContract
 
 
@@ -95,6 +96,7 @@ async def _train_ratio(server: P2P, client: P2P, name: str, n: int) -> None:
 
 
 async def main(n: int, train_preset: str, train_calls: int) -> None:
+    install()  # checks the hivemind version before any daemon starts
     server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = await P2P.create(
         host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs()

@@ -83,7 +83,7 @@ async def call(
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
     if local is not None:
         return await _call_local(local, peer_id, kind, metadata, tensors, timeout)
-    handle = StageServer._get_handle_name(stage_namespace(stage), f"rpc_{kind}")
+    handle = StageServer.handle_name(stage_namespace(stage), f"rpc_{kind}")
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
     try:
         async with asyncio.timeout(timeout):

@@ -7,7 +7,6 @@ record read is validated here; invalid ones are dropped and logged, never return
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -24,7 +23,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from node.cli.maddrs import (
@@ -34,9 +32,14 @@ from node.cli.maddrs import (
     check_peer_maddr,
 )
 from node.rpc.child_process import die_with_parent
-from node.rpc.frame_cap import cap_hivemind_frames
-from node.rpc.gossip import daemon_pubsub
-from node.rpc.service import DETACH_TIMEOUT_S, p2pd_running
+from node.rpc.gossip import PUBSUB_FLAGS
+from node.rpc.hivemind_compat import (
+    DHTCompat,
+    cap_frames,
+    install,
+    p2pd_options,
+    routing_table_size,
+)
 from protocol.keys import peers_key, revocations_key, spec_key
 from protocol.membership import (
     Claim,
@@ -131,20 +134,6 @@ def _socket_dir() -> str:
     return tempfile.mkdtemp(prefix="hivemind-", dir=base)
 
 
-@contextlib.contextmanager
-def _sockets_in(directory: str):
-    """Inside, every ``P2P`` created in this process, or in one forked from it (hivemind's
-    DHT), puts its sockets in ``directory``, not in ``/tmp/hivemind-*``: so they can be
-    removed whatever happens to the daemon (a ``p2pd`` that fails to start leaves its
-    socket behind). Undone on exit."""
-    original = P2P.__dict__["_UNIX_SOCKET_PREFIX"]
-    P2P._UNIX_SOCKET_PREFIX = f"/unix{directory}/"
-    try:
-        yield
-    finally:
-        P2P._UNIX_SOCKET_PREFIX = original
-
-
 class RunRecordValidator(RecordValidatorBase):
     """Refuses to store or return a run's records that do not validate (hivemind calls this
     in the DHT process for every record it is asked to store or receives from a peer).
@@ -197,23 +186,15 @@ class RunRecordValidator(RecordValidatorBase):
         return True
 
 
-class _OwnedDHT(hivemind.DHT):
+class _OwnedDHT(DHTCompat):
     """hivemind's DHT process, tied to the process that started it: when a node dies, even
     by SIGKILL, its DHT process (and with it ``p2pd``) dies too, as a dead peer must. Its
-    stream reads are capped (``node.rpc.frame_cap``)."""
+    stream reads are capped (``hivemind_compat.cap_frames``)."""
 
     def run(self) -> None:
-        die_with_parent(self._parent_pid)
-        cap_hivemind_frames()
+        die_with_parent(self.parent_pid)
+        cap_frames()
         super().run()
-
-    async def _shutdown(self) -> None:
-        # With p2pd gone (a Ctrl-C reaches the whole process group), the DHT node's
-        # shutdown hangs unregistering its handlers: only clean up our own socket then.
-        p2p = self._node.p2p
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(DETACH_TIMEOUT_S):
-                await (super()._shutdown() if p2pd_running(p2p) else p2p.shutdown())
 
 
 class SwarmDHT:
@@ -254,6 +235,7 @@ class SwarmDHT:
 
         ``DHTStartError``, in one line, for addresses that cannot work (checked before
         anything starts) and for a daemon that does not start; nothing is left behind."""
+        install()
         _check_addresses(initial_peers, host_maddrs, announce_maddrs)
         kwargs = {
             "initial_peers": list(initial_peers),
@@ -269,8 +251,10 @@ class SwarmDHT:
         dht = _OwnedDHT(**kwargs)
         socket_dir = _socket_dir()
         try:
-            # Both patches are inherited by the DHT's process, forked in start().
-            with _sockets_in(socket_dir), daemon_pubsub(pubsub):  # GossipSub: node.rpc.gossip
+            # The DHT's process, forked in start(), starts p2pd with these options: sockets
+            # in a directory of ours (removed whatever happens to p2pd), GossipSub if asked.
+            extra_args = PUBSUB_FLAGS if pubsub else ()
+            with p2pd_options(socket_dir=socket_dir, extra_args=extra_args):
                 dht.start()
             dht.wait_until_ready(timeout=startup_timeout_s)
         except BaseException as e:
@@ -450,7 +434,7 @@ class SwarmDHT:
     async def known_peers(self) -> int:
         """How many DHT peers this node's routing table holds: 0 until it has reached one
         (so a lookup that finds nothing may just have asked nobody)."""
-        return await self.dht.run_coroutine(_routing_table_size, return_future=True)
+        return await self.dht.run_coroutine(routing_table_size, return_future=True)
 
     def use_spec(self, spec) -> None:
         """From now on, read records as members of ``spec``'s run see them."""
@@ -564,8 +548,3 @@ def _stop_process(dht: hivemind.DHT) -> None:
     if dht.is_alive():
         dht.terminate()
     dht.join(5)
-
-
-async def _routing_table_size(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
-    """Run in the DHT process (``DHT.run_coroutine``): the size of its routing table."""
-    return len(node.protocol.routing_table.uid_to_peer_id)

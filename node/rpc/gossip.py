@@ -3,9 +3,9 @@
 The ``p2pd`` that hivemind ships runs a GossipSub router (signed messages, strict
 verification) when started with ``-pubsub``, and its control socket takes ``PSRequest``s
 (``p2pd.proto``). hivemind 1.1.12 neither passes that flag (``P2P.create`` has no option
-for it) nor speaks those requests, so this module does both: :func:`daemon_pubsub` adds
-the flags to the daemons hivemind starts (``SwarmDHT.start(pubsub=True)`` uses it in the
-DHT process), and :class:`Gossip` talks to the daemon's control socket.
+for it) nor speaks those requests: ``SwarmDHT.start(pubsub=True)`` starts the DHT's daemon
+with ``PUBSUB_FLAGS`` (through ``hivemind_compat.p2pd_options``), and :class:`Gossip` talks
+to the daemon's control socket.
 
 Known behaviour of that daemon, measured on loopback, and what follows from it:
 
@@ -29,11 +29,11 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 import hivemind
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import DaemonConnector
 from hivemind.p2p.p2p_daemon_bindings.utils import read_pbmsg_safe, write_pbmsg
 from hivemind.proto import p2pd_pb2 as pb
@@ -71,27 +71,6 @@ class Delivery(NamedTuple):
     sender: str
     data: bytes
     seqno: int
-
-
-@contextlib.contextmanager
-def daemon_pubsub(enabled: bool = True) -> Iterator[None]:
-    """Inside, every ``p2pd`` that hivemind's ``P2P.create`` starts in this process (or in
-    a process forked from it, such as hivemind's DHT) runs GossipSub. hivemind builds the
-    daemon's command line in ``P2P._make_process_args`` and has no option for pubsub, so
-    the flags are appended there; undone on exit. With ``enabled`` False, does nothing."""
-    if not enabled:
-        yield
-        return
-    original = P2P.__dict__["_make_process_args"]
-
-    def with_pubsub(*args, **kwargs) -> list[str]:
-        return original.__func__(*args, **kwargs) + list(PUBSUB_FLAGS)
-
-    P2P._make_process_args = staticmethod(with_pubsub)
-    try:
-        yield
-    finally:
-        P2P._make_process_args = original
 
 
 def _check_topic(topic: str) -> str:
@@ -192,8 +171,8 @@ class Subscription:
 
 
 class Gossip:
-    """Publish and subscribe through a running ``p2pd`` (started with
-    :func:`daemon_pubsub`), over its control socket. Owns its connections and no tasks:
+    """Publish and subscribe through a running ``p2pd`` (started with ``PUBSUB_FLAGS``),
+    over its control socket. Owns its connections and no tasks:
     a subscription is read by whoever iterates it. ``close`` closes everything."""
 
     def __init__(self, control_maddr: Multiaddr, control: _Control, peer_id: str) -> None:
@@ -244,8 +223,8 @@ class Gossip:
         if (error := _failure(response, "GET_TOPICS")) is not None:
             raise GossipUnavailable(
                 f"the p2pd of hivemind {hivemind.__version__} at {self.control_maddr} does not "
-                f"run pubsub ({error}); start it inside node.rpc.gossip.daemon_pubsub() "
-                "(SwarmDHT.start(pubsub=True)), which passes -pubsub"
+                f"run pubsub ({error}); start it with node.rpc.gossip.PUBSUB_FLAGS "
+                "(SwarmDHT.start(pubsub=True) does)"
             )
         topic = f"swarmtrain/self-test/{self.peer_id}/{secrets.token_hex(8)}"
         async with await self.subscribe(topic) as subscription:

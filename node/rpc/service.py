@@ -24,22 +24,21 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import ClassVar
 
 from google.protobuf.message import DecodeError, Message
-from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.servicer import RPCHandler
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from node.rpc.hivemind_compat import DETACH_TIMEOUT_S, PinnedHandleNames, p2pd_running
 from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)
 
 MAX_PREFETCH = 5  # frames read ahead of the handler, as hivemind does: at most 6 in memory
 REFUSAL_LINGER_S = 2.0  # for a refused caller to close the stream once it has the error
-DETACH_TIMEOUT_S = 2.0  # to remove a service's handlers from p2pd on shutdown
 # A caller is banned for BAN_S after BAN_AFTER refused requests within BAN_WINDOW_S.
 BAN_AFTER = 5
 BAN_WINDOW_S = 60.0
@@ -96,35 +95,20 @@ async def _refuse(
                 max_bytes -= len(data)
 
 
-def p2pd_running(p2p: P2P) -> bool:
-    """Whether the ``p2pd`` that ``p2p`` talks to still listens on its control socket (a
-    Ctrl-C in a terminal signals the whole process group, p2pd too: then nothing can be
-    announced or unregistered, and waiting for it would hang shutdown)."""
-    return Path(p2p.daemon_listen_maddr["unix"]).exists()
+class NodeServicer(PinnedHandleNames):
+    """Handlers are named after ``service_name`` (``handle_name``), so that a subclass (one
+    that injects faults) serves where clients call. They are unary
+    (``rpc_x(request, context) -> response``) or stream both ways (``AsyncIterator`` in and
+    out)."""
 
-
-class NodeServicer(ServicerBase):
-    """hivemind names handlers after the concrete class, so a subclass (one that averages,
-    one that injects faults) would serve where no client calls: ``service_name`` pins it.
-
-    Handlers are unary (``rpc_x(request, context) -> response``) or stream both ways
-    (``AsyncIterator`` in and out)."""
-
-    service_name: ClassVar[str]
     max_frame_bytes: ClassVar[int]  # the largest stream frame read: streaming services set it
     refusal_prefix: ClassVar[str] = ""  # starts what a caller refused for a bad frame reads
     callers: BanList | None = None  # callers banned after repeated refusals, if any
     namespace: str | None = None  # prefixes the handlers' names: one service per namespace
     _p2p: P2P | None = None
 
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        name = f"{cls.service_name}.{method_name}"
-        return name if namespace is None else f"{namespace}::{name}"
-
     async def attach(self, p2p: P2P) -> None:
-        self._collect_rpc_handlers()
-        await asyncio.gather(*(self._add_handler(p2p, h) for h in self._rpc_handlers))
+        await asyncio.gather(*(self._add_handler(p2p, h) for h in self.rpc_handlers()))
         self._p2p = p2p
 
     async def detach(self, timeout_s: float = DETACH_TIMEOUT_S) -> None:
@@ -142,7 +126,7 @@ class NodeServicer(ServicerBase):
         return self._p2p
 
     async def _add_handler(self, p2p: P2P, rpc: RPCHandler) -> None:
-        name = self._get_handle_name(self.namespace, rpc.method_name)
+        name = self.handle_name(self.namespace, rpc.method_name)
         method = getattr(self, rpc.method_name)
         if not rpc.stream_input and not rpc.stream_output:
 

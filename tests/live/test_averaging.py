@@ -424,8 +424,8 @@ def test_averagers_start_from_a_running_event_loop(dhts):
 
 def test_an_averager_refuses_a_frame_declaring_2_62_bytes(dhts):
     """hivemind's stream reader buffers any frame its header declares; the averager's
-    process refuses one over 4 MiB after its header (node/frame_cap.py), grows by no more
-    than the cap, and averages afterwards as before."""
+    process refuses one over 4 MiB after its header (``hivemind_compat.cap_frames``), grows
+    by no more than the cap, and averages afterwards as before."""
     spec = make_spec("avg-frame")
     header = P2P.MESSAGE_MARKER + (2**62).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
 
@@ -437,7 +437,7 @@ def test_an_averager_refuses_a_frame_declaring_2_62_bytes(dhts):
             averager = await peer.start()
             process = psutil.Process(averager.transport.process.pid)
             rss = process.memory_info().rss
-            handle = StageAveragerProcess._get_handle_name(
+            handle = StageAveragerProcess.handle_name(
                 averaging_prefix(spec.run, STAGE), "rpc_aggregate_part"
             )
             answer, after, sent = await flood(

@@ -71,7 +71,7 @@ def _stream(metadata: bytes, tensors: list, *, end: bool = True) -> bytes:
 
 
 def _handle(stage: int, kind: str) -> str:
-    return StageServer._get_handle_name(stage_namespace(stage), f"rpc_{kind}")
+    return StageServer.handle_name(stage_namespace(stage), f"rpc_{kind}")
 
 
 async def _exchange(client: P2P, peer, stage: int, kind: str, raw: bytes, timeout: float = 10.0):

@@ -253,16 +253,3 @@ def test_messages_validate_when_built():
         is None
     )
     assert decode_message(encode_message(_join(a), a), run=RUN, sender=None, now=NOW) == _join(a)
-
-
-def test_daemon_pubsub_is_undone_on_exit():
-    from hivemind.p2p import P2P
-
-    from node.rpc.gossip import PUBSUB_FLAGS, daemon_pubsub
-
-    before = P2P._make_process_args("p2pd", tls=True)
-    with daemon_pubsub():
-        assert P2P._make_process_args("p2pd", tls=True) == before + list(PUBSUB_FLAGS)
-    assert P2P._make_process_args("p2pd", tls=True) == before
-    with daemon_pubsub(enabled=False):
-        assert P2P._make_process_args("p2pd", tls=True) == before

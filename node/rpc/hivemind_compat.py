@@ -1,0 +1,424 @@
+"""Every patch or override of hivemind's internals, written for hivemind 1.1.12 only.
+
+Nothing else in swarmtrain replaces a hivemind function, sets a private attribute of a
+hivemind object, or overrides one of its private methods: it goes through this module.
+:func:`install` checks the version (``HivemindVersionError`` otherwise) and applies the
+process-wide patches, once; the base classes below call it when built. Each entry has a
+test in ``tests/unit/test_hivemind_compat.py`` (or ``tests/live/``, where it needs a
+daemon) that fails when hivemind's side of it changes.
+
+What is patched or overridden, and why:
+
+- ``P2P.receive_raw_data`` (replaced by ``install``): reads a frame as hivemind does but,
+  after :func:`cap_frames`, refuses one whose header declares more than the cap before
+  reading its body. hivemind buffers whatever length a peer declares (a 2**62-byte frame
+  would grow the reader until it dies); the averager's and the DHT's processes still read
+  their streams through hivemind, so they cap them.
+- ``P2P._make_process_args`` (wrapped by ``install``): appends the arguments set by
+  :func:`p2pd_options` to every ``p2pd`` command line. hivemind has no option to start
+  ``p2pd`` with pubsub (``node.rpc.gossip.PUBSUB_FLAGS``).
+- ``P2P._UNIX_SOCKET_PREFIX`` (set inside :func:`p2pd_options`): puts the daemon's and the
+  client's sockets in a directory of ours, so that they can be removed whatever happens to
+  the daemon (one that fails to start leaves its socket in ``/tmp``).
+- ``ServicerBase._get_handle_name`` (overridden by :class:`PinnedHandleNames`): names
+  handlers after a fixed ``service_name``, not after the concrete class, so that a subclass
+  (one that injects faults) serves where its peers call; :meth:`PinnedHandleNames.handle_name`
+  is the public form of the rule, for callers that open streams by name.
+- ``ServicerBase._collect_rpc_handlers`` and ``_rpc_handlers`` (read by
+  :meth:`PinnedHandleNames.rpc_handlers`): the node's services register their own stream
+  handlers (with capped frames) from hivemind's list of a service's ``rpc_*`` methods.
+- ``DHT._shutdown`` (overridden by :class:`DHTCompat`): within ``DETACH_TIMEOUT_S``, and
+  with only our socket removed when ``p2pd`` is already gone (a Ctrl-C reaches the whole
+  process group), where hivemind's would wait forever unregistering handlers.
+- ``DHTNode.protocol.routing_table.uid_to_peer_id`` (read by :func:`routing_table_size`):
+  whether a node has reached any peer yet; hivemind has no call for it.
+- ``DHT._parent_pid`` and ``DecentralizedAverager._parent_pid`` (read by ``parent_pid``):
+  the child process asks to die with the process that started it.
+- ``DecentralizedAverager.run`` (:class:`AveragerCompat`): the child disowns the parent's
+  P2P replica it inherits as ``dht._p2p_replica``: hivemind replaces it in the child, and
+  when the child collects the inherited object its ``__del__`` removes the *parent's*
+  handler socket, after which the parent's ``p2pd`` cannot deliver streams to the parent.
+- ``DecentralizedAverager._shutdown`` (:class:`AveragerCompat`): as ``DHT._shutdown``.
+- ``Matchmaking.group_key_manager.group_bits``, ``Matchmaking.target_group_size`` and
+  ``PotentialLeaders.target_group_size``, through the averager's control pipe
+  (``_outer_pipe``; :meth:`AveragerCompat.set_matchmaking`): the group key and the group
+  size change between rounds; hivemind sets the size only at construction.
+- ``DecentralizedAverager.rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``
+  (:class:`AveragerCompat`): refused to a peer that :meth:`AveragerCompat.admits` refuses.
+- ``DecentralizedAverager._load_state_from_peers`` and, for one download, this instance's
+  ``get_stub`` (:class:`AveragerCompat`): a state download tries only the peers that
+  :meth:`AveragerCompat.state_sources` allows; hivemind tries every peer that declared one.
+- ``DecentralizedAverager._run_allreduce_inplace_`` (:class:`AveragerCompat`): hivemind's,
+  except that a group holding a peer ``admits`` refuses fails, the reducer is
+  :class:`ScreenedReducer`, an auxiliary role fails, and a round in which some part came
+  back un-averaged (``TensorPartContainer.failed_size``: a groupmate died or timed out while
+  reducing it) fails instead of returning a half-averaged result: hivemind fills such
+  parts with the local values, and two survivors would then hold different results.
+- ``AllReduceRunner.tensor_part_reducer`` (replaced) and ``TensorPartReducer.accumulator``
+  (:class:`ScreenedReducer`): a groupmate's part that ``check_part`` refuses is refused
+  (``rpc_aggregate_part`` then drops that sender from the rest of the reducer's parts), and
+  the parts that pass are reduced by ``reduce_parts``, where hivemind sums them weighted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Container, Iterator, Sequence
+from pathlib import Path
+
+# hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
+from typing import AsyncIterator, ClassVar  # noqa: UP035
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p.servicer import RPCHandler
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter, azip
+
+logger = logging.getLogger(__name__)
+
+WRITTEN_FOR = "1.1.12"  # the hivemind version every patch here was checked against
+MAX_FRAME_BYTES = 4 * 2**20  # averaging parts are 512 KiB, state chunks 64 KiB
+DETACH_TIMEOUT_S = 2.0  # to remove a service's handlers from p2pd on shutdown
+
+
+class HivemindVersionError(RuntimeError):
+    """The installed hivemind is not the version these patches were written for."""
+
+
+class FrameTooLarge(ValueError):
+    """A peer declared a frame larger than the cap set by :func:`cap_frames`."""
+
+
+def check_version(version: str | None = None) -> None:
+    """Raise ``HivemindVersionError`` unless ``version`` (default: the installed
+    hivemind's) is ``WRITTEN_FOR``."""
+    version = hivemind.__version__ if version is None else version
+    if version != WRITTEN_FOR:
+        raise HivemindVersionError(
+            f"swarmtrain patches hivemind {WRITTEN_FOR}'s internals "
+            f"(node/rpc/hivemind_compat.py) but hivemind {version} is installed: install "
+            f"hivemind=={WRITTEN_FOR}, or check every patch listed in that module against "
+            f"hivemind {version} and its tests (tests/*/test_hivemind_compat.py)"
+        )
+
+
+# The process-wide settings the installed patches read (a forked process inherits them).
+_max_frame_bytes: int | None = None
+_extra_daemon_args: tuple[str, ...] = ()
+_hivemind_make_process_args = P2P.__dict__["_make_process_args"]  # hivemind's, kept
+
+
+async def _receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    length = int.from_bytes(header, P2P.BYTEORDER)
+    if _max_frame_bytes is not None and length > _max_frame_bytes:
+        raise FrameTooLarge(f"a frame of {length} bytes exceeds the limit of {_max_frame_bytes}")
+    return await reader.readexactly(length)
+
+
+def _make_process_args(*args: object, **kwargs: object) -> list[str]:
+    return _hivemind_make_process_args.__func__(*args, **kwargs) + list(_extra_daemon_args)
+
+
+def install() -> None:
+    """Check hivemind's version and apply the process-wide patches (idempotent). Until
+    :func:`cap_frames` or :func:`p2pd_options` set something, the patched functions behave
+    as hivemind's."""
+    check_version()
+    P2P.receive_raw_data = staticmethod(_receive_raw_data)
+    P2P._make_process_args = staticmethod(_make_process_args)
+
+
+def cap_frames(max_bytes: int | None = MAX_FRAME_BYTES) -> None:
+    """From now on, in this process (and those it forks), hivemind's stream reads refuse a
+    frame over ``max_bytes`` after its header, unread: the stream fails (hivemind logs it)
+    and the process goes on. None reads any frame, as hivemind does."""
+    global _max_frame_bytes
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    install()
+    _max_frame_bytes = max_bytes
+
+
+@contextlib.contextmanager
+def p2pd_options(
+    *, extra_args: Sequence[str] = (), socket_dir: str | None = None
+) -> Iterator[None]:
+    """Inside, every ``p2pd`` that ``P2P.create`` starts in this process (or in a process
+    forked from it, such as hivemind's DHT) gets ``extra_args`` on its command line and,
+    if ``socket_dir`` is given, puts its control sockets there. Undone on exit."""
+    global _extra_daemon_args
+    install()
+    args, prefix = _extra_daemon_args, P2P.__dict__["_UNIX_SOCKET_PREFIX"]
+    _extra_daemon_args = args + tuple(extra_args)
+    if socket_dir is not None:
+        P2P._UNIX_SOCKET_PREFIX = f"/unix{socket_dir.rstrip('/')}/"
+    try:
+        yield
+    finally:
+        _extra_daemon_args = args
+        P2P._UNIX_SOCKET_PREFIX = prefix
+
+
+def p2pd_running(p2p: P2P) -> bool:
+    """Whether the ``p2pd`` that ``p2p`` talks to still listens on its control socket (a
+    Ctrl-C in a terminal signals the whole process group, p2pd too: then nothing can be
+    announced or unregistered, and waiting for it would hang shutdown)."""
+    return Path(p2p.daemon_listen_maddr["unix"]).exists()
+
+
+class PinnedHandleNames(ServicerBase):
+    """A hivemind servicer whose handlers are named after ``service_name``: hivemind names
+    them after the concrete class, so a subclass would serve where no client calls."""
+
+    service_name: ClassVar[str]
+
+    @classmethod
+    def handle_name(cls, namespace: str | None, method_name: str) -> str:
+        """The name this service's ``method_name`` is served and called under, in
+        ``namespace``: ``namespace::service_name.method_name``, hivemind's format."""
+        name = f"{cls.service_name}.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return cls.handle_name(namespace, method_name)
+
+    @classmethod
+    def rpc_handlers(cls) -> list[RPCHandler]:
+        """The service's ``rpc_*`` methods, with their message types and stream sides, as
+        hivemind reads them from the type hints (``ServicerBase._collect_rpc_handlers``)."""
+        cls._collect_rpc_handlers()
+        return list(cls._rpc_handlers)
+
+
+class _ForkedByHivemind:
+    """A hivemind object that runs in a process it forks (``DHT``, ``DecentralizedAverager``):
+    installs the patches when built, so that the forked process inherits them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        install()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def parent_pid(self) -> int:
+        """The process that built this object (and forks its process)."""
+        return self._parent_pid
+
+
+class DHTCompat(_ForkedByHivemind, hivemind.DHT):
+    """hivemind's DHT process, with a shutdown that cannot hang on a daemon already gone."""
+
+    async def _shutdown(self) -> None:
+        p2p = self._node.p2p
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(DETACH_TIMEOUT_S):
+                await (super()._shutdown() if p2pd_running(p2p) else p2p.shutdown())
+
+
+async def routing_table_size(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+    """Run in the DHT process (``DHT.run_coroutine``): how many peers its routing table
+    holds."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+class _Collected:
+    """Stands in for hivemind's running sum of one part (``TensorPartReducer.accumulator``):
+    keeps each sender's part and weight, and where hivemind divides the sum by the summed
+    weights, returns ``reduce`` of them instead."""
+
+    def __init__(
+        self, shape: torch.Size, reduce: Callable[[list[torch.Tensor], list[float]], torch.Tensor]
+    ) -> None:
+        self.shape = shape
+        self.reduce = reduce
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, tensor: torch.Tensor, alpha: float = 1.0) -> _Collected:
+        self.parts.append(tensor)
+        self.weights.append(alpha)
+        return self
+
+    def div_(self, denominator: float) -> torch.Tensor:
+        if not denominator > 0:  # no sender, or all of weight 0: NaN, as hivemind's sum / 0
+            return torch.full(self.shape, float("nan"))  # would give; the round then fails
+        return self.reduce(self.parts, self.weights)
+
+
+class ScreenedReducer(TensorPartReducer):
+    """hivemind's reducer of one peer's share of the parts, with the averager's screen:
+    ``check_part`` may refuse a groupmate's part (not ``local``'s, our own), and the parts
+    that pass are reduced by ``reduce_parts``."""
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        local: int | None,
+        screen: AveragerCompat,
+    ) -> None:
+        self.local = local
+        self.screen = screen
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            shape = self.part_shapes[self.current_part_index]
+            self.accumulator = _Collected(shape, self.screen.reduce_parts)
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        if sender_index != self.local:
+            refused = self.screen.check_part(tensor_part, weight)
+            if refused is not None:
+                raise AllreduceException(f"sender {sender_index}, part {part_index}: {refused}")
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+
+
+class _ScreenedRunner(AllReduceRunner):
+    def __init__(self, *, screen: AveragerCompat, **kwargs) -> None:
+        super().__init__(**kwargs)
+        plain = self.tensor_part_reducer
+        local = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self else None
+        self.tensor_part_reducer = ScreenedReducer(
+            plain.part_shapes, plain.num_senders, local, screen
+        )
+        plain.finished.set()  # unused: keeps it from warning about missing parts when collected
+
+
+class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager):
+    """hivemind's ``DecentralizedAverager`` with the overrides listed in the module
+    docstring. A subclass decides through ``admits``, ``state_sources``, ``check_part`` and
+    ``reduce_parts`` (which run in the averager's process); the defaults behave as hivemind."""
+
+    async def admits(self, peer: PeerID) -> bool:
+        """Whether to join, aggregate and share state with ``peer``."""
+        return True
+
+    async def state_sources(self) -> Container[PeerID] | None:
+        """The peers a state download may use (None: any that declared a state)."""
+        return None
+
+    def check_part(self, part: torch.Tensor, weight: float) -> str | None:
+        """Why a groupmate's part (with its weight) is refused, or None to accept it."""
+        return None
+
+    def reduce_parts(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """The average of one part from the parts accepted and their weights (> 0 in sum)."""
+        total = sum(weights)
+        return sum(p * (w / total) for p, w in zip(parts, weights, strict=True))
+
+    def set_matchmaking(self, group_bits: str, target_group_size: int | None) -> None:
+        """From the next ``step`` on, match under ``group_bits`` and start the all-reduce
+        as soon as ``target_group_size`` peers (us included) are in the group (None: at the
+        end of the matchmaking time). Control messages are handled in order."""
+        if not all(bit in "01" for bit in group_bits):
+            raise ValueError(f"group bits must be 0s and 1s, got {group_bits!r}")
+        self._outer_pipe.send(("_set_matchmaking", [group_bits, target_group_size], {}))
+
+    async def _set_matchmaking(self, group_bits: str, target_group_size: int | None) -> None:
+        self._matchmaking.group_key_manager.group_bits = group_bits
+        self._matchmaking.target_group_size = target_group_size
+        self._matchmaking.potential_leaders.target_group_size = target_group_size
+
+    def run(self) -> None:
+        inherited = getattr(self.dht, "_p2p_replica", None)
+        if inherited is not None:
+            inherited._client_listen_maddr = None  # the parent's socket file: not ours to remove
+        super().run()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        if p2pd_running(self._p2p):
+            try:
+                async with asyncio.timeout(DETACH_TIMEOUT_S):
+                    await super()._shutdown(timeout)
+            except Exception as e:  # the process must exit all the same
+                logger.debug("averager shutdown: %r", e)
+        await self._p2p.shutdown()  # removes our own handler socket file
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self.admits(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self.admits(context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_aggregate_part(stream, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self.admits(context.remote_id):
+            return
+        async for response in super().rpc_download_state(request, context):
+            yield response
+
+    async def _load_state_from_peers(self, future, timeout: float | None = None) -> None:
+        sources = await self.state_sources()
+        if sources is None:
+            return await super()._load_state_from_peers(future, timeout)
+        plain_stub = self.get_stub
+
+        def screened_stub(p2p: P2P, peer: PeerID, *, namespace: str | None = None):
+            if peer not in sources:  # hivemind logs it and moves on to the next peer
+                raise PermissionError(f"{peer} is not a state source of this averager")
+            return plain_stub(p2p, peer, namespace=namespace)
+
+        self.get_stub = screened_stub  # this instance only, for this download
+        try:
+            return await super()._load_state_from_peers(future, timeout)
+        finally:
+            del self.get_stub
+
+    async def _run_allreduce_inplace_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: GroupInfo,
+        group_id: bytes | None = None,
+        **kwargs,
+    ) -> None:
+        group_id = group_info.group_id if group_id is None else group_id
+        for peer in group_info.peer_ids:
+            if not await self.admits(peer):
+                raise AllreduceException(f"the group includes {peer}, which this averager refuses")
+        runner = _ScreenedRunner(
+            screen=self,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            raise AllreduceException("this averager never runs as an auxiliary peer")
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update)  # averaging_alpha is 1
+        failed = runner.tensor_part_container.failed_size
+        if failed:
+            total = runner.tensor_part_container.total_size
+            raise AllreduceException(
+                f"{failed} of {total} values came back un-averaged (a groupmate failed)"
+            )
