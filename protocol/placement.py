@@ -22,6 +22,7 @@ machine adds its own claim):
   by one loss then check one after another, each seeing the moves announced before it.
 - :class:`Loaded`: the stage the machine said to load (:class:`Load` or :class:`Moved`)
   serves now, with a view read then.
+- :class:`Declined`: the peer did not take the second stage it was told to.
 
 Actions: :class:`Wake` (send a :class:`Timer` at ``at``; it replaces any earlier wake),
 :class:`Announce` (gossip this claim now), :class:`Chose` (a joiner's choice, first or
@@ -111,7 +112,15 @@ class Loaded:
     second: bool = True  # whether this peer may take a second stage (the node's choice)
 
 
-Event = Join | Timer | Look | Loaded
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """The peer did not take the second stage the machine said to (no memory for it, or
+    its load failed): it serves one stage, and checks like any other."""
+
+    now: float
+
+
+Event = Join | Timer | Look | Loaded | Declined
 
 
 # Actions.
@@ -234,6 +243,10 @@ class PeerPlacement:
             return self._look(event)
         if isinstance(event, Loaded):
             return self._loaded(event)
+        if isinstance(event, Declined):
+            self._expect(event, Phase.TWO_STAGE)
+            self.phase, self._reference = Phase.SERVING, None  # the next look sets it
+            return [self._schedule(event.now)]
         raise PlacementError(f"not a placement event: {event!r:.100}")
 
     # -- transitions ---------------------------------------------------------------------
@@ -435,6 +448,7 @@ __all__ = [
     "Announce",
     "ArrivalCount",
     "Chose",
+    "Declined",
     "Event",
     "HoldSecond",
     "Join",

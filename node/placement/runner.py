@@ -23,6 +23,7 @@ from protocol.placement import (
     Alarmed,
     Announce,
     Chose,
+    Declined,
     HoldSecond,
     Join,
     Load,
@@ -119,6 +120,8 @@ class PlacementRunner:
         """Wait for a check that decides to move (announced; to be confirmed)."""
         if self.machine.phase is Phase.LOADING:  # loaded after a move, or no second asked
             await self.loaded(second=False)
+        elif self.machine.phase is Phase.TWO_STAGE:  # the node did not take the second
+            await self._carry_out(self.machine.handle(Declined(self.clock.now())))
         while True:
             for a in await self._at_wake(looking=True):
                 if isinstance(a, Moving):

@@ -18,6 +18,7 @@ from protocol.placement import (
     Alarmed,
     Announce,
     Chose,
+    Declined,
     HoldSecond,
     Join,
     Load,
@@ -90,6 +91,8 @@ def test_a_fast_joiner_takes_a_second_stage_and_then_never_checks():
     assert isinstance(actions[1], HoldSecond) and actions[1].stage == 0
     assert m.phase is Phase.TWO_STAGE
     assert m.handle(Look(50.0, _view([0, 20], [0, 2]))) == []
+    # The node could not load it (no memory): it serves one stage and checks.
+    assert 70.0 <= _wake(m.handle(Declined(40.0))) <= 130.0 and m.phase is Phase.SERVING
 
 
 def test_a_move_is_announced_and_carried_out_only_if_the_stage_keeps_a_server():
