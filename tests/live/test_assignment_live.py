@@ -161,9 +161,9 @@ def test_a_stage_whose_peers_are_all_killed_is_refilled_and_training_resumes(tmp
         c = launch_node(tmp_path, "c", "refill", extra=["--stages", "2", "--stage", "1"])
         nodes.append(c)
         run = c.run_id
-        d = launch_node(
-            tmp_path, "d", run, initial_peers=[c.maddr], extra=["--stage", "1"], wait=False
-        )
+        # d serves before a and b start: a slow start (a loaded machine) must not leave
+        # stage 1 looking like it holds one peer when they choose.
+        d = launch_node(tmp_path, "d", run, initial_peers=[c.maddr], extra=["--stage", "1"])
         slow = ["--rebalance-period", "600"]  # only an alarm can move them within the test
         a = launch_node(tmp_path, "a", run, initial_peers=[c.maddr], extra=slow, wait=False)
         b = launch_node(tmp_path, "b", run, initial_peers=[c.maddr], extra=slow, wait=False)
