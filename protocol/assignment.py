@@ -1,109 +1,32 @@
-"""Which stage a peer takes, and when it moves. Pure: functions of a swarm view and a seed.
+"""Which stage a peer takes, and when it moves: pure functions of a swarm view and a seed.
 
-The pipeline runs at the pace of its weakest stage, the *bottleneck*: the least, over
-stages, of the summed throughput of the peers holding the stage, each counted with its
-measured throughput *for that stage*. Peers decide for themselves, on the view that the
-DHT and the gossip topic give them; nothing in here reads a clock or the network: times
-are parameters and every random draw is a hash of the caller's seed, so that the same
-view and seed give the same answer on every peer and in the simulator
-(``scripts/simulate_assignment.py``).
+Contract: nothing here reads a clock or the network; times are parameters and every
+random draw is a hash of the caller's seed, so the same view and seed give the same
+answer on every peer and in the simulator. Bad arguments raise ``ValueError`` naming the
+numbers. ``protocol.placement`` sequences these decisions over time for one peer.
 
-What a peer maximises
----------------------
-Not the exact minimum of the current totals. In a swarm of thousands one peer barely
-moves it: joining any stage but the weakest leaves it unchanged, and a peer twice as fast
-on another stage can never move there without first lowering one stage. Peers following
-it balance the totals but ignore who is good at what, and settle well below the best
-bottleneck the same peers could reach (0.73-0.85 of it in the simulator, where speeds
-differ by stage). Two things fix that:
+What a peer maximises is the pipeline's pace, the least stage total (the *bottleneck*),
+through two proxies that let one peer among thousands see its effect:
 
-* **Stage prices** (:func:`stage_prices`): the dual solution of the max-min assignment's
-  linear programme over the throughput vectors of the swarm's peers (every record carries
-  a peer's speed for every stage). ``prices[s] * throughput[s]`` is what one more peer
-  adds to the *best reachable* bottleneck by taking stage s; every peer placed where that
-  product is highest is the optimum's placement. The prices depend on who is in the
-  swarm, not on who holds what, so they move slowly and a peer may refresh them every
-  period or so.
-* **A smooth, priced bottleneck** to correct the imbalance of the moment:
+* **Stage prices** (:func:`stage_prices`): the dual of the max-min assignment's linear
+  programme (:func:`max_min_lp`) over every peer's throughput vector. ``prices[s] *
+  throughput[s]`` is what a peer adds to the best reachable bottleneck on stage s; they
+  depend on who is in the swarm, not on who holds what.
+* **A smooth, priced bottleneck** ``M(T) = (sum_s prices[s] * T_s ** -a) ** (-1 / a)``
+  (:func:`smooth_bottleneck`, ``a = Params.sharpness``): between the least and largest
+  total, raised by raising the least, and maximised over fractional assignments by the
+  LP's optimum, so peers that each add the most M head for the optimum.
 
-      M(T) = (sum_s prices[s] * T_s ** -a) ** (-1 / a),    a = ``Params.sharpness``,
-
-  a weighted power mean with a negative exponent (prices sum to 1). When every stage holds
-  the same total B, M = B, and one peer more on stage s adds prices[s] times its speed
-  there; a stage short of the others is worth ``(B / T_s) ** (a + 1)`` times more (1.4x
-  for 4% short, 500x for half, at a = 8). M lies between the least and the largest total,
-  and raising the least raises it. Its maximum over fractional assignments is the linear
-  programme's optimum, so peers that each add the most M head for the optimum (a potential
-  game: every move the rule makes raises M on the mover's view).
-
-The rule
---------
-* **Fit discount** (``fit_band``, ``selectivity``): a peer values a stage where its priced
-  speed ``prices[s] * throughput[s]`` is more than ``fit_band`` below its best at
-  ``(fit * (1 + fit_band)) ** selectivity`` of what it adds to M. Within the band gaps
-  pull peers at once; further out only a large gap does. Joiners, who pay no move, then
-  keep the swarm near the optimum's placement, and few peers are left for the prices to
-  call misplaced later (each such call is a move).
-* :func:`choose_stage`: a joining peer takes an empty stage if there is one (a uniform
-  seeded draw among them, so that a wave into an empty swarm covers every stage), else the
-  stage with the best discounted value; stages within ``tie_tolerance`` of the best are
-  near-ties, broken by a seeded draw. It announces the choice (an intent) before loading,
-  and may reconsider once others' intents have reached it (:func:`decide_move` with
-  ``serving=False``, margin ``join_margin``): a change of mind before loading is free.
-* :func:`decide_move`: at each check (every :func:`check_delay` seconds, randomised around
-  the mean) a serving peer compares its discounted value where it is with that at its
-  best other stage, both on the view without itself. A move costs a state download, and
-  joiners fix small imbalances for free, so it moves only when both hold:
-
-  - the target is worth more by ``hysteresis`` (relative to its own contribution, so that
-    it means the same with 10 peers or 10,000), and
-  - the move raises M by at least what ``min_gain`` mean joiners would add to a balanced
-    swarm (each adds the mean peer's speed over the number of stages): the same yardstick
-    with 1,000 peers or 10,000, so that a gap is closed by the few large peers whose move
-    buys the most, and a gap only many small moves would close is left to the joiners,
-    who keep arriving in proportion to the swarm's size (or by ``WORTH_A_MOVE`` of M,
-    which is less in a swarm of a few hundred peers or fewer, where joiners are rare).
-    A peer that knows how many joiners arrive (``arrivals``, per peer-hour) scales that
-    yardstick, and the hysteresis (down to ``join_margin``), by their rate over
-    ``arrival_reference``: in a swarm that nobody joins, a gap would wait for joiners
-    forever, so the moves that close it are worth making.
-
-  Then:
-
-  - if the prices alone favour the other stage by more than ``price_hysteresis`` (the
-    peer is misplaced, whatever the totals), it moves: the misplaced peers of all stages
-    moving together converge on the optimum's placement, which is balanced;
-  - otherwise the move only fixes an imbalance, and it moves with probability
-    ``urgency * room / supply * (own / mean / spread) ** size_bias``: ``room`` is how
-    much throughput could flow into the target before such a move stops paying,
-    ``supply`` the throughput of every peer outside the target, all of whom may reach
-    the same conclusion from the same view, ``own / mean`` the peer's speed over that of
-    the mean peer outside the target, ``spread`` their mean squared speed over the
-    squared mean (the view's ``squares``). The expected inflow is ``urgency`` times the
-    room whatever the mix of speeds, rather than everyone at once; larger peers go first
-    (fewer moves for the same inflow); and each move, announced before the peer unloads,
-    shrinks the room that later checks see.
-
-  A peer never leaves a stage that nobody else serves (nor, before it serves, one that
-  nobody else holds); a move into an empty stage qualifies whatever the gains.
-* :func:`alarm`: between checks a serving peer watches its view; when a stage lost more
-  than ``alarm_drop`` of its total since the last check, or nobody holds it any more, it
-  checks at once instead of waiting out its period, after a seeded delay of a few
-  seconds: the peers alarmed by the same loss then check one after another, each seeing
-  the moves announced before it, as periodic checks do over a period. A mass departure
-  is answered within seconds, not within a period.
-* :func:`second_stage`: a peer that has loaded its stage also takes the stage
-  where its priced speed is next best, while the peers holding two stages are fewer than
-  the reserve asks. Such a peer is never moved; its time goes to whichever of its stages
-  the pipeline waits on (routing's business, not a decision), so the dent a departure
-  leaves is filled in seconds, without a download. At 1,000 peers single departures of
-  large peers leave dents that joiners refill over minutes, and that is what keeps the
-  rule without it under 0.97 of the optimum (BENCHMARKS.md).
-
-Views are small frozen dataclasses (:class:`SwarmView`, built from :class:`Claim` s or
-from :class:`~protocol.records.PeerInfo` records by :func:`view_from_peers`), so that the
-simulator can run 10,000 peers without building records. Bad arguments raise
-``ValueError`` naming the numbers.
+The decisions: :func:`choose_stage` (a joiner: an empty stage if any, else the best value
+of M discounted by how far the stage is from the peer's best priced fit),
+:func:`decide_move` (a serving peer: move only when the target is worth ``hysteresis``
+more and the gain pays for a state download, with a seeded chance that rations movers to
+the size of the gap; a peer misplaced at the prices alone always moves; a stage is never
+emptied), :func:`second_stage` (a fast peer also takes its next-best stage while the
+two-stage reserve is short), :func:`alarm` (a stage lost ``alarm_drop`` of its total, or
+nobody holds it) and :func:`check_delay` (when to check next). Views are small frozen
+dataclasses (:class:`SwarmView`), built from :class:`Claim` s or from
+:class:`~protocol.records.PeerInfo` records by :func:`view_from_peers`.
 """
 
 from __future__ import annotations
@@ -397,13 +320,8 @@ def stage_prices(throughputs: Sequence[Sequence[float]] | np.ndarray) -> tuple[f
     """The stage prices of a swarm: rows are peers, columns stages, entries each peer's
     throughput for each stage (all of the swarm's peers, wherever they are now).
 
-    The max-min assignment's linear relaxation, max B such that every stage's total is at
-    least B with each peer split over stages, has the dual
-    ``min over prices p >= 0, sum(p) = 1, of sum_i max_s p_s * t[i, s]``, whose value is
-    the same best bottleneck. It is solved by Kelley's cutting planes (a linear programme
-    with S + 1 variables per step) to a relative gap of 1e-4, which puts the prices within
-    about 0.5%; they are then floored at ``PRICE_FLOOR`` times the highest and normalised
-    to sum to 1. Sort the peers (by id)
+    The dual solution of :func:`max_min_lp` (to a relative gap of 1e-4), floored at
+    ``PRICE_FLOOR`` times the highest and normalised to sum to 1. Sort the peers (by id)
     before calling, so that every peer computes the same prices.
     """
     t = np.asarray(throughputs, dtype=float)
@@ -414,19 +332,33 @@ def stage_prices(throughputs: Sequence[Sequence[float]] | np.ndarray) -> tuple[f
     n, s = t.shape
     if n == 0 or s == 1 or not t.any():
         return tuple([1.0 / s] * s)
-    prices, _ = _dual_prices(t)
+    _, lam = max_min_lp(t)
+    prices = [float(x) for x in lam]
     top = max(prices)
     prices = [max(p, PRICE_FLOOR * top) for p in prices]
     total = sum(prices)
     return tuple(p / total for p in prices)
 
 
-def _dual_prices(t: np.ndarray, tol: float = 1e-4, max_steps: int = 500) -> tuple[list, float]:
+def max_min_lp(
+    throughputs: np.ndarray, tol: float = 1e-4, max_steps: int = 500
+) -> tuple[float, np.ndarray]:
+    """The best bottleneck over fractional assignments of the peers (rows) to stages
+    (columns), and the stage prices that certify it: ``(bound, prices)``.
+
+    Solves the dual, ``min over prices p >= 0, sum(p) = 1, of sum_i max_s p_s * t[i, s]``,
+    by Kelley's cutting planes (a linear programme with S + 1 variables per step) to a
+    relative gap of ``tol``. Any prices bound the optimum from above, so ``bound`` is an
+    upper bound within ``tol`` of it. No peers: ``(0, equal prices)``.
+    """
     from scipy.optimize import linprog  # hivemind depends on scipy; imported when needed
 
+    t = np.asarray(throughputs, dtype=float)
     n, s = t.shape
+    if n == 0:
+        return 0.0, np.full(s, 1.0 / s)
     rows = np.arange(n)
-    scale = t.sum() / s
+    scale = max(t.sum() / s, 1e-300)
     cuts: list[np.ndarray] = []
     lam = np.full(s, 1.0 / s)
     best, best_lam = math.inf, lam
@@ -452,7 +384,7 @@ def _dual_prices(t: np.ndarray, tol: float = 1e-4, max_steps: int = 500) -> tupl
             break
         lam = np.clip(res.x[:s], 0.0, None)
         lam = lam / lam.sum()
-    return [float(x) for x in best_lam], best
+    return best, best_lam
 
 
 def view_from_peers(

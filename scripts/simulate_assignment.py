@@ -3,21 +3,20 @@
 A discrete-event simulation. Peers arrive (a burst into an empty swarm, then a ramp),
 leave (cleanly, or killed: then the swarm learns of it only when the record expires),
 come in a wave and leave together, and at one moment half the peers of stage 0 are
-killed at once. Every decision a peer makes (which stage to join, whether to change its
-mind before loading, whether to move, when to check next) is a call into
-``protocol/assignment.py`` on the view that this peer has at that moment: the
+killed at once. With our rule every peer runs the node's placement state machine
+(``protocol.placement.PeerPlacement``: listen, choose, reconsider once, load, perhaps a
+second stage, periodic checks, alarms, confirmed moves) on a virtual clock; this loop
+only feeds it events and carries out its actions. The view a peer reads is the
 announcements of others as of a gossip delay ago (exponential, ``--gossip-delay`` mean),
 each of the last ``--reannounce`` seconds' announcements missing with probability
-``--gossip-loss`` (older ones have been re-announced or read from the DHT), and the stage
-prices (``stage_prices``) of the records then in the DHT, refreshed every minute or when
-the number of records changed by 3%. A joiner announces its choice, looks again 3 s
-later (and again while it changes its mind or the swarm keeps growing fast), then loads
-its stage for ``--load`` seconds (about) before it serves; so does a peer that moves.
-With our rule a stage whose announced total falls by ``--alarm-drop`` from its highest in
-the last check period, or that nobody holds, raises an alarm: every serving peer checks a
-gossip delay plus a draw in [0, ``--alarm-spread``] later (one reference for all peers, for
-speed, where a node compares with its own view at its last check). The baseline has none:
-Petals' servers check on their period.
+``--gossip-loss`` (older ones have been re-announced or read from the DHT), priced with
+the stage prices (``stage_prices``) of the records then in the DHT, refreshed every
+minute or when the number of records changed by 3%. Loading a stage takes ``--load``
+seconds (about). A node looks at its view every update period for alarms; here, for
+speed, serving peers look only when some stage's announced total fell by
+``--alarm-drop`` below its highest over the last check period (or nobody holds it): a
+look at which no stage fell that far would raise no alarm. The arrival rate the rule is
+told is counted once for all peers (``protocol.placement.ArrivalCount``).
 
 The baseline is run on the same peers and the same events. Joining: the weakest stage.
 Rebalancing, at the same check times: a peer estimates the bottleneck after the whole
@@ -62,10 +61,10 @@ import multiprocessing
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy.special import ndtr
 
 from protocol.assignment import (
@@ -73,22 +72,36 @@ from protocol.assignment import (
     Params,
     SwarmView,
     check_delay,
-    choose_stage,
-    decide_move,
-    second_stage,
+    max_min_lp,
     stage_prices,
+)
+from protocol.placement import (
+    Action,
+    Announce,
+    ArrivalCount,
+    Chose,
+    HoldSecond,
+    Join,
+    Load,
+    Loaded,
+    Look,
+    Moved,
+    PeerPlacement,
+    Phase,
+    Timer,
+    Wake,
+    settle_period,
 )
 from protocol.routing import second_stage_shares
 
 RULES = ("ours", "petals")
 FACTORS = ("serving", "placement", "balance")
-ARRIVALS_S = 600.0  # ours: the window over which peers count arrivals (node.placement.driver's)
 PETALS_QUALITY = 0.75  # Petals' default balance_quality
 
 # Event kinds, in the order they are handled when simultaneous.
-ARRIVE, CONFIRM, LOADED, CHECK, DEPART, VANISH, LOSS, PRICES, SAMPLE, ALARM, SECOND = range(11)
+ARRIVE, TIMER, LOADED, CHECK, DEPART, VANISH, LOSS, PRICES, SAMPLE, LOOK, SECOND = range(11)
 # Phases of a peer.
-ABSENT, INTENT, LOADING, SERVING, GONE = range(5)
+ABSENT, LISTENING, INTENT, LOADING, SERVING, GONE = range(6)
 
 
 @dataclass(frozen=True)
@@ -112,13 +125,10 @@ class Config:
     reannounce: float = 10.0  # a lost announcement is known anyway after this long
     expiry: float = 30.0  # a killed peer's record disappears after this long
     load: float = 30.0  # mean seconds to load a stage's state
-    confirm: float = 3.0  # a joiner re-checks its choice this long after announcing it,
-    confirms: int = 10  # and again (up to this many looks) after a change of mind or
-    # while the swarm grew by more than 5% since its last look
+    update_period: float = 5.0  # ours: the node's default; its settle period is the same
     period: float = 60.0  # mean seconds between a serving peer's checks
     alarm_drop: float = DEFAULT_PARAMS.alarm_drop  # ours: a stage that lost this fraction
-    # since a peer's last check brings its check forward, by a gossip delay plus a draw
-    alarm_spread: float = 10.0  # uniform in [0, alarm_spread] (the node: 2 settle periods)
+    # since a peer's last check brings its check forward
     sample: float = 10.0
     lp_every: float = 60.0
     price_every: float = 60.0  # ours: peers refresh stage prices from the records this often,
@@ -234,44 +244,6 @@ def draw_throughputs(rng: np.random.Generator, n: int, cfg: Config) -> np.ndarra
 # The optimum: an upper bound from the LP relaxation, and an integer assignment under it.
 
 
-def lp_bound(t: np.ndarray, tol: float = 1e-6, max_iter: int = 500) -> tuple[float, np.ndarray]:
-    """max over fractional assignments of the least stage total, by Kelley's cutting
-    planes on its dual  min_{lam in simplex} sum_i max_s lam_s t_is  (every lam gives an
-    upper bound; the master LP gives a lower one). Returns (bound, lam)."""
-    n, s = t.shape
-    if n == 0:
-        return 0.0, np.full(s, 1.0 / s)
-    idx = np.arange(n)
-    scale = max(t.sum() / s, 1e-300)
-    cuts: list[np.ndarray] = []
-    lam = np.full(s, 1.0 / s)
-    best, best_lam = math.inf, lam
-    for _ in range(max_iter):
-        v = t * lam
-        a = v.argmax(1)
-        g = float(v[idx, a].sum())
-        if g < best:
-            best, best_lam = g, lam
-        cuts.append(np.bincount(a, weights=t[idx, a], minlength=s) / scale)
-        master = np.hstack([np.array(cuts), -np.ones((len(cuts), 1))])
-        res = linprog(
-            np.r_[np.zeros(s), 1.0],
-            A_ub=master,
-            b_ub=np.zeros(len(cuts)),
-            A_eq=np.r_[np.ones(s), 0.0][None],
-            b_eq=[1.0],
-            bounds=[(0, None)] * s + [(None, None)],
-            method="highs",
-        )
-        if res.status != 0:
-            raise RuntimeError(f"master LP failed: {res.message}")
-        if best - res.fun * scale <= tol * best:
-            break
-        lam = np.clip(res.x[:s], 0.0, None)
-        lam /= lam.sum()
-    return best, best_lam
-
-
 def integer_assignment(t: np.ndarray, lam: np.ndarray, steps: int = 400) -> float:
     """The bottleneck of an integer assignment: each peer where lam_s t_is is highest,
     then single moves into the weakest stage while they raise the bottleneck. Where peers
@@ -345,21 +317,34 @@ class Result:
 
 
 class Sim:
-    def __init__(self, cfg: Config, pop: Population, rule: str):
+    """Both rules on one population. Ours: each peer runs a
+    :class:`~protocol.placement.PeerPlacement`, fed events by this loop (``execute``
+    carries out its actions); the baseline's sequence is written here. ``views`` replaces
+    the delayed, lossy view a peer reads (a seam for tests: ``views(t, i)`` is the others'
+    claims that peer ``i`` sees at ``t``)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        pop: Population,
+        rule: str,
+        views: Callable[[float, int], SwarmView] | None = None,
+    ):
         self.cfg, self.pop, self.rule = cfg, pop, rule
+        self.views = views
         self.params = cfg.params()
+        self.settle_s = settle_period(cfg.update_period)
         self.rng = np.random.default_rng([cfg.seed, 2])
         n, s = len(pop.arrive), cfg.stages
         self.S = s
         self.thr_rows = pop.thr.tolist()
         self.phase = np.zeros(n, np.int8)
-        self.stage = np.full(n, -1, np.int64)
+        self.stage = np.full(n, -1, np.int64)  # what it holds or intends (-1: nothing yet)
+        self.machine: list[PeerPlacement | None] = [None] * n  # ours
         self.claimed = np.zeros(n, bool)  # visible in others' views (incl. dead, unexpired)
         self.left = pop.depart.copy()
-        self.token = [0] * n
-        self.count = [0] * n  # decisions taken, for seeds
-        self.rounds = [0] * n  # looks before loading
-        self.seen = [0] * n  # records in the swarm at its last look
+        self.token = [0] * n  # bumped by a wake, a move, a departure: older events lapse
+        self.count = [0] * n  # decisions taken, for the baseline's seeds
         self.n_claimed = 0
         self.serve_tot = [0.0] * s
         self.serve_cnt = [0] * s
@@ -373,29 +358,30 @@ class Sim:
         self.ann_sq = [0.0] * s  # summed squares of the claims' throughputs
         self.ann_n = [0] * s
         self.ann_serving = [0] * s
+        self.announced: list[tuple[int, float, int] | None] = [None] * n  # stage, thr, serving
         self.pyrng = random.Random(cfg.seed)  # scalar draws: gossip delays and losses
         self.log_keep = math.log1p(-cfg.gossip_loss) if 0 < cfg.gossip_loss < 1 else None
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.res = Result(rule)
         self.lam = np.full(s, 1.0 / s)
-        self.ann_srv = np.zeros(n, bool)  # its announced claim says it serves
         self.claim_bound = 0.0  # an upper bound on any assignment of the claimants
         self.last_lp = -math.inf
         self.last_event_t = 0.0
         self.prices: tuple[float, ...] | None = None
         self.priced = (-math.inf, 0)  # (when, how many records) of the last price update
         self.resettled = (-math.inf, 0.0)  # (when, bottleneck) of the baseline's estimate
-        # ours: each stage's announced total over the last check period, the reference an
-        # alarm compares with (one for all peers: what they saw at their last checks)
+        # ours: each stage's announced total over the last check period; a fall below it
+        # by alarm_drop has every serving peer look at its view (see ``maybe_look``)
         self.recent: list[deque[tuple[float, float]]] = [deque() for _ in range(s)]
-        self.arrived: deque[float] = deque()  # ours: arrival times, the last ARRIVALS_S
+        self.arrivals = ArrivalCount()  # ours: one count for all peers, for speed
         # ours, two-stage peers: the second stage (-1: none), and the summed first-stage
         # throughput of those with a record
         self.second = [-1] * n
         self.two_total = 0.0
         self.two_serving: set[int] = set()  # ... and serving both
         self.ann_srv2 = np.zeros(n, bool)  # its announced second claim says it serves
+        self.trace: list[tuple[float, int, Action]] | None = None  # ours' actions, if kept
 
     # Events and announcements.
 
@@ -411,12 +397,45 @@ class Sim:
         self.ann_n[stage] += d_n
         self.ann_serving[stage] += d_srv
         if self.rule == "ours" and (d_thr < 0 or d_n < 0):
-            self.maybe_alarm(t, stage)
+            self.maybe_look(t, stage)
 
-    def maybe_alarm(self, t: float, s: int) -> None:
+    def set_claim(self, t: float, i: int, stage: int | None, serving: bool = False) -> None:
+        """Peer ``i``'s first claim as others learn it from gossip and records: on
+        ``stage`` (serving or not), or none."""
+        old = self.announced[i]
+        if old is not None:
+            s, thr, srv = old
+            self.announce(t, i, s, -thr, -1, -srv)
+        if stage is None:
+            self.announced[i] = None
+            if self.claimed[i]:
+                self.claimed[i] = False
+                self.n_claimed -= 1
+            return
+        thr = self.thr_rows[i][stage]
+        self.announced[i] = (stage, thr, int(serving))
+        self.announce(t, i, stage, thr, 1, int(serving))
+        if not self.claimed[i]:
+            self.claimed[i] = True
+            self.n_claimed += 1
+            self.claim_bound += float(np.max(self.lam * self.pop.thr[i]))
+
+    def retract(self, t: float, i: int) -> None:
+        """Peer ``i``'s record is gone (it left, or expired after a kill): so are its claims."""
+        self.set_claim(t, i, None)
+        b = self.second[i]
+        if b >= 0:
+            self.announce(t, i, b, 0.0, -1, -int(self.ann_srv2[i]))
+            self.ann_srv2[i] = False
+            self.two_total -= self.thr_rows[i][int(self.stage[i])]
+            self.second[i] = -1
+
+    def maybe_look(self, t: float, s: int) -> None:
         """Announcements lowered stage ``s``: if it lost more than ``alarm_drop`` of its
-        recent total, or nobody holds it, every serving peer checks a gossip delay plus a
-        draw later (``alarm`` in the node; the reference is shared here, for speed)."""
+        recent total, or nobody holds it, every serving peer looks at its view (where a
+        node looks every update period: a look at which no stage fell that far raises no
+        alarm), a gossip delay plus a draw within an update period later. Its machine
+        decides, against its own view at its last check, whether that is an alarm."""
         recent = self.recent[s]
         before = max((v for _, v in recent), default=0.0)
         if self.ann_n[s] > 0 and self.ann_thr[s] >= (1.0 - self.cfg.alarm_drop) * before:
@@ -427,12 +446,14 @@ class Sim:
         r, cfg = self.pyrng, self.cfg
         for i in np.nonzero(self.phase == SERVING)[0].tolist():
             delay = r.expovariate(1.0 / cfg.gossip_delay) if cfg.gossip_delay > 0 else 0.0
-            self.push(t + delay + r.uniform(0.0, cfg.alarm_spread), ALARM, i)
+            self.push(t + delay + r.uniform(0.0, cfg.update_period), LOOK, i)
 
-    def view(self, t: float, i: int) -> SwarmView:
+    def view(self, t: float, i: int, mine: bool = False) -> SwarmView:
         """What peer ``i`` knows at ``t``: the announcements of others as of a gossip
         delay ago, each of the ``reannounce`` seconds before that missing with probability
-        ``gossip_loss``; itself exactly."""
+        ``gossip_loss``; its own claim too if ``mine``."""
+        if self.views is not None:
+            return self.views(t, i)
         cfg, r, log = self.cfg, self.pyrng, self.log
         seen_until = t - r.expovariate(1.0 / cfg.gossip_delay) if cfg.gossip_delay > 0 else t
         k = bisect.bisect_right(self.log_t, seen_until)
@@ -456,6 +477,13 @@ class Sim:
                 if q >= k:
                     break
                 unseen(q)
+        own = self.announced[i]
+        if own is not None and not mine:
+            st, d_thr, d_srv = own
+            thr[st] -= d_thr
+            sq[st] -= d_thr * d_thr
+            n[st] -= 1
+            srv[st] -= d_srv
         n = [max(c, 0) for c in n]
         srv = [min(max(c, 0), m) for c, m in zip(srv, n, strict=True)]
         return SwarmView(
@@ -473,81 +501,59 @@ class Sim:
 
     # Changes of state, kept consistent in one place.
 
-    def claim(self, t: float, i: int, s: int) -> None:
+    def hold(self, i: int, s: int) -> None:
+        """Peer ``i`` now holds (or intends) stage ``s`` instead of what it held."""
+        old = int(self.stage[i])
+        if old >= 0:
+            self.held[old] -= 1
         self.stage[i] = s
-        self.phase[i] = INTENT
         self.held[s] += 1
-        if not self.claimed[i]:
-            self.claimed[i] = True
-            self.n_claimed += 1
-            self.claim_bound += float(np.max(self.lam * self.pop.thr[i]))
-        self.announce(t, i, s, self.thr_rows[i][s], 1, 0)
 
-    def unclaim(self, t: float, i: int, announce: bool) -> None:
-        s, b = int(self.stage[i]), self.second[i]
+    def stop_serving(self, i: int) -> None:
+        s = int(self.stage[i])
         if self.phase[i] == SERVING:
             self.serve_tot[s] -= self.thr_rows[i][s]
             self.serve_cnt[s] -= 1
-        self.held[s] -= 1
-        if b >= 0:
-            self.held[b] -= 1
-            if i in self.two_serving:
-                self.serve_cnt[b] -= 1
-                self.two_serving.discard(i)
-        if announce:
-            self.retract(t, i)
 
-    def retract(self, t: float, i: int) -> None:
-        s, b = int(self.stage[i]), self.second[i]
-        self.claimed[i] = False
-        self.n_claimed -= 1
-        self.announce(t, i, s, -self.thr_rows[i][s], -1, -int(self.ann_srv[i]))
-        self.ann_srv[i] = False
-        if b >= 0:
-            self.announce(t, i, b, 0.0, -1, -int(self.ann_srv2[i]))
-            self.ann_srv2[i] = False
-            self.two_total -= self.thr_rows[i][s]
+    def relocate(self, t: float, i: int, to: int) -> None:
+        """A serving peer unloads its stage and loads ``to``: a move."""
+        self.stop_serving(i)
+        self.hold(i, to)
+        self.phase[i] = LOADING
+        self.res.moves += 1
+        self.token[i] += 1
+        self.push(t + self.pop.load[i], LOADED, i)
 
-    def move(self, t: float, i: int, to: int, revision: bool) -> None:
-        assert self.second[i] < 0, "two-stage peers do not move"
-        s = int(self.stage[i])
-        self.unclaim(t, i, announce=False)
-        self.announce(t, i, s, -self.thr_rows[i][s], -1, -int(self.ann_srv[i]))
-        self.ann_srv[i] = False
-        self.stage[i] = to
-        self.held[to] += 1
-        self.announce(t, i, to, self.thr_rows[i][to], 1, 0)
-        self.phase[i] = LOADING if not revision else INTENT
-        if revision:
-            self.res.revisions += 1
-        else:
-            self.res.moves += 1
-            self.token[i] += 1
-            self.push(t + self.pop.load[i], LOADED, i)
-
-    # Decisions: ours (protocol/assignment.py) and the baseline.
-
-    def join_choice(self, t: float, i: int) -> int:
-        self.on_prices(t)
-        view = self.view(t, i)
-        if self.rule == "ours":
-            return choose_stage(view, self.thr_rows[i], self.seed(i), self.params)
-        return int(np.argmin(view.totals))
-
-    def move_choice(self, t: float, i: int, serving: bool) -> int | None:
-        s = int(self.stage[i])
-        self.on_prices(t)
-        view = self.view(t, i)
-        if self.rule == "ours":
-            own, seed, arrivals = self.thr_rows[i], self.seed(i), self.arrival_rate(t)
-            m = decide_move(view, s, own, seed, self.params, serving=serving, arrivals=arrivals)
-            if m is None:
-                return None
-            if serving:
-                key = (m.reason, bool(steady_mask(self.cfg, np.array([t]))[0]))
+    def execute(self, t: float, i: int, actions: list[Action]) -> None:
+        """Carry out what peer ``i``'s machine says, at ``t``."""
+        if self.trace is not None:
+            self.trace += [(t, i, a) for a in actions]
+        for a in actions:
+            if isinstance(a, Wake):
+                self.token[i] += 1
+                self.push(a.at, TIMER, i)
+            elif isinstance(a, Announce):
+                if a.kind == "leaving" or a.stage is None:
+                    self.set_claim(t, i, None)
+                elif a.kind == "move":
+                    self.set_claim(t, i, a.to_stage)
+                else:
+                    self.set_claim(t, i, a.stage, serving=a.kind in ("serving", "load"))
+            elif isinstance(a, Chose):
+                self.hold(i, a.stage)
+                self.phase[i] = INTENT
+                self.res.revisions += a.revised
+            elif isinstance(a, Load):
+                self.phase[i] = LOADING
+                self.push(t + self.pop.load[i], LOADED, i)
+            elif isinstance(a, HoldSecond):
+                self.take_second(t, i, a.stage)
+            elif isinstance(a, Moved):
+                key = (a.move.reason, bool(steady_mask(self.cfg, np.array([t]))[0]))
                 self.res.reasons[key] = self.res.reasons.get(key, 0) + 1
-            return m.to_stage
-        return self.petals_check(view, i, s)
+                self.relocate(t, i, a.move.to_stage)
+
+    # The baseline's decisions.
 
     def petals_check(self, view: SwarmView, i: int, s: int) -> int | None:
         """Petals' rule with stages for blocks: move to the weakest stage if the swarm,
@@ -632,93 +638,78 @@ class Sim:
                 self.on_prices(t)
             elif kind == SAMPLE:
                 self.on_sample(t)
-            elif tok != self.token[i] or self.phase[i] == GONE:
-                continue  # superseded by a move or a departure
-            elif kind == CONFIRM:
-                self.on_confirm(t, i)
+            elif self.phase[i] == GONE:
+                continue
+            elif kind == LOOK:
+                m = self.machine[i]
+                if m is not None and self.phase[i] == SERVING and m.phase is Phase.SERVING:
+                    self.execute(t, i, m.handle(Look(t, self.view(t, i))))
+            elif tok != self.token[i]:
+                continue  # superseded by a later wake, a move or a departure
+            elif kind == TIMER:
+                self.on_timer(t, i)
             elif kind == LOADED:
                 self.on_loaded(t, i)
             elif kind == CHECK:
                 self.on_check(t, i)
             elif kind == SECOND:
                 self.on_second(t, i)
-            elif kind == ALARM and self.phase[i] == SERVING and self.second[i] < 0:
-                to = self.move_choice(t, i, serving=True)
-                if to is not None:
-                    self.move(t, i, to, revision=False)
         ends = np.minimum(self.left, cfg.duration)
         self.res.peer_hours = float(np.clip(ends - pop.arrive, 0, None).sum() / 3600.0)
         self.res.wall_s = time.perf_counter() - started
         return self.res
 
-    def arrival_rate(self, t: float) -> float | None:
-        """Joiners per peer-hour over the last ``ARRIVALS_S`` seconds, as a node counts
-        the peers it sees arrive (None before it has watched that long)."""
-        while self.arrived and self.arrived[0] < t - ARRIVALS_S:
-            self.arrived.popleft()
-        if t < ARRIVALS_S or self.n_present == 0:
-            return None
-        return len(self.arrived) * 3600.0 / ARRIVALS_S / self.n_present
-
     def on_arrive(self, t: float, i: int) -> None:
         self.n_present += 1
-        self.arrived.append(t)
-        s = self.join_choice(t, i)
-        self.claim(t, i, s)
-        self.seen[i] = self.n_claimed
         if math.isfinite(self.pop.depart[i]):
             self.push(float(self.pop.depart[i]), DEPART, i)
         if self.rule == "ours":
-            self.push(t + self.cfg.confirm, CONFIRM, i)
-        else:
-            self.phase[i] = LOADING
-            self.push(t + self.pop.load[i], LOADED, i)
-
-    def on_confirm(self, t: float, i: int) -> None:
-        """A joiner's last look before it loads: it may change its mind for free, and
-        looks again while it does or while the swarm is still growing fast (a wave)."""
-        to = self.move_choice(t, i, serving=False)
-        if to is not None:
-            self.move(t, i, to, revision=True)
-        seen, self.seen[i] = self.seen[i], self.n_claimed
-        growing = self.n_claimed > 1.05 * seen
-        self.rounds[i] += 1
-        if (to is not None or growing) and self.rounds[i] < self.cfg.confirms:
-            self.push(t + self.cfg.confirm, CONFIRM, i)
+            self.arrivals.arrived(t)
+            self.arrivals.present(self.n_present, t)
+            m = PeerPlacement(
+                f"{self.cfg.seed}:{i}", self.thr_rows[i], self.params, settle_s=self.settle_s
+            )
+            self.machine[i] = m
+            self.phase[i] = LISTENING
+            self.execute(t, i, m.handle(Join(t)))
             return
+        s = int(np.argmin(self.view(t, i).totals))  # the baseline: the weakest stage
+        self.hold(i, s)
+        self.set_claim(t, i, s)
         self.phase[i] = LOADING
         self.push(t + self.pop.load[i], LOADED, i)
 
-    def take_second(self, t: float, i: int) -> None:
-        """Ours: whether a joiner whose first stage serves now takes a second stage too
-        (as the node does: it loads the second while it serves the first). It announces
-        its second stage with no throughput: the rule plans with its time on its first
+    def on_timer(self, t: float, i: int) -> None:
+        m = self.machine[i]
+        assert m is not None  # only ours' machines ask for wakes
+        self.on_prices(t)
+        self.execute(t, i, m.handle(Timer(t, self.view(t, i), self.arrivals.rate(t))))
+
+    def take_second(self, t: float, i: int, b: int) -> None:
+        """Ours: peer ``i``'s machine takes stage ``b`` as well, now that its first
+        serves (as the node does: it loads the second while it serves the first). It is
+        announced with no throughput: the rule plans with the peer's time on its first
         stage, and routing lends it to the second where that one is short (``bridged``)."""
-        moved = self.token[i] > 0  # a move bumps the token: only joiners ask, as in the node
-        if self.rule != "ours" or self.params.two_stage_reserve <= 0.0 or moved:
-            return
         s = int(self.stage[i])
-        b = second_stage(self.view(t, i), s, self.thr_rows[i], self.params)
-        if b is None:
-            return
         self.second[i] = b
         self.held[b] += 1
         self.two_total += self.thr_rows[i][s]
         self.res.two_stage += 1
         self.announce(t, i, b, 0.0, 1, 0)
+        self.push(t + self.pop.load[i], SECOND, i)
 
     def on_loaded(self, t: float, i: int) -> None:
         s = int(self.stage[i])
         self.phase[i] = SERVING
         self.serve_tot[s] += self.thr_rows[i][s]
         self.serve_cnt[s] += 1
-        self.announce(t, i, s, 0.0, 0, 1)
-        self.ann_srv[i] = True
-        self.take_second(t, i)
-        if self.second[i] >= 0:  # it never moves
-            self.push(t + self.pop.load[i], SECOND, i)
-        else:
-            self.push(t + check_delay(self.seed(i), self.params), CHECK, i)
+        m = self.machine[i]
+        if m is not None:
+            self.on_prices(t)
+            self.execute(t, i, m.handle(Loaded(t, self.view(t, i))))
+            return
+        self.set_claim(t, i, s, serving=True)
+        self.push(t + check_delay(self.seed(i), self.params), CHECK, i)
 
     def on_second(self, t: float, i: int) -> None:
         """A two-stage peer has loaded its second stage too, and serves it."""
@@ -729,20 +720,36 @@ class Sim:
         self.ann_srv2[i] = True
 
     def on_check(self, t: float, i: int) -> None:
-        to = self.move_choice(t, i, serving=True)
-        if to is not None:
-            self.move(t, i, to, revision=False)
-        else:
+        """The baseline's periodic check."""
+        s = int(self.stage[i])
+        to = self.petals_check(self.view(t, i, mine=True), i, s)
+        if to is None:
             self.push(t + check_delay(self.seed(i), self.params), CHECK, i)
+            return
+        self.relocate(t, i, to)
+        self.set_claim(t, i, to)
 
     def depart(self, t: float, i: int, killed: bool) -> None:
-        self.unclaim(t, i, announce=not killed)
+        self.stop_serving(i)
+        s, b = int(self.stage[i]), self.second[i]
+        if s >= 0:
+            self.held[s] -= 1
+        if b >= 0:
+            self.held[b] -= 1
+            if i in self.two_serving:
+                self.serve_cnt[b] -= 1
+                self.two_serving.discard(i)
         if killed:  # others keep counting it until its record expires
             self.push(t + self.cfg.expiry, VANISH, i)
+        else:
+            self.retract(t, i)
         self.phase[i] = GONE
+        self.machine[i] = None
         self.token[i] += 1
         self.left[i] = t
         self.n_present -= 1
+        if self.rule == "ours":
+            self.arrivals.present(self.n_present, t)
 
     def on_loss(self, t: float) -> None:
         on_0 = (self.stage == 0) | (np.array(self.second) == 0)
@@ -774,11 +781,11 @@ class Sim:
             recent.append((t, total))
             while recent[0][0] < t - cfg.period:
                 recent.popleft()
-        live = np.isin(self.phase, (INTENT, LOADING, SERVING))
+        live = np.isin(self.phase, (LISTENING, INTENT, LOADING, SERVING))
         t_live = self.pop.thr[live]
         mass = (cfg.wave_at, cfg.wave_at + 10.0, cfg.loss_at, cfg.wave_leaves_at)
         if t - self.last_lp >= cfg.lp_every or any(0 <= t - m < cfg.sample for m in mass):
-            bound, self.lam = lp_bound(t_live)
+            bound, self.lam = max_min_lp(t_live, tol=1e-6)
             self.last_lp = t
             if bound > 0:
                 tight = integer_assignment(t_live, self.lam) / bound
@@ -1027,7 +1034,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load", type=float, default=Config.load)
     p.add_argument("--period", type=float, default=Config.period)
     p.add_argument("--alarm-drop", type=float, default=Config.alarm_drop, help="1: when emptied")
-    p.add_argument("--alarm-spread", type=float, default=Config.alarm_spread)
+    p.add_argument(
+        "--update-period", type=float, default=Config.update_period, help="ours: the node's"
+    )
     p.add_argument("--hysteresis", type=float, default=Config.hysteresis)
     p.add_argument("--price-hysteresis", type=float, default=Config.price_hysteresis)
     p.add_argument("--sharpness", type=float, default=Config.sharpness)

@@ -1,25 +1,13 @@
-"""Where this node sits in the pipeline: its stage at join, and its moves while it serves.
-
-The decisions are ``protocol.assignment``'s (pure); this module feeds them a view of the
-swarm and carries their messages on the run's GossipSub topic (``protocol.gossip``):
+"""Where this node sits in the pipeline: the run's gossip topic, the swarm view, and the
+node-facing calls that run ``protocol.placement``'s machine (``runner.PlacementRunner``).
 
 - The view is the DHT's peer records, the source of truth a newcomer reads, overridden by
   a peer's gossip where that is newer than its record (an intent to join or move, that it
   serves, that it leaves). A peer with no record counts through its gossip only while
   that is younger than a record would live, so a killed peer's last word does not outlive
   its record and an emptied stage shows as empty.
-- At join, the node listens for a settle period (peers re-announce within it), takes
-  ``choose_stage`` seeded by its peer id (so a wave of joiners spreads out), announces the
-  intent, listens again and reconsiders once (``decide_move`` with ``serving=False``).
-- While serving, it evaluates ``decide_move`` every ``check_delay`` seconds, and sooner
-  when the view, looked at every update period, raises an ``alarm`` (a stage lost a
-  fifth of its total since the last check, or nobody holds it): a mass departure is
-  answered in seconds whatever the period. A move is announced first and carried out
-  only if, a settle period later, the live view still shows another peer serving the
-  stage it leaves: two peers that decide at once to leave a stage both back off rather
-  than empty it. It counts the peers that arrive (new peer ids in the records) over the
-  last ``ARRIVALS_S`` seconds, and tells the rule their rate: where few join, a gap
-  would wait for joiners in vain, so moves that close it are made sooner.
+- Arrivals (new peer ids in the records) are counted for the rule
+  (``protocol.placement.ArrivalCount``).
 
 Gossip reaches only peers the daemon is connected to, and the DHT connects lazily, so the
 node dials the peers its records name. In a private run, gossip counts only from peers
@@ -31,71 +19,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import random
-import time
 from collections.abc import Callable, Iterable, Mapping
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from node.placement.runner import LoopClock, PlacementRunner
 from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import Gossip, GossipUnavailable, Subscription, receive_run
-from protocol.assignment import (
-    Claim,
-    Move,
-    Params,
-    SwarmView,
-    alarm,
-    check_delay,
-    choose_stage,
-    decide_move,
-    second_stage,
-    view_from_peers,
-)
+from protocol.assignment import Claim, Move, Params, SwarmView, view_from_peers
 from protocol.gossip import GossipMessage, GossipSigner, GossipView, Leaving, run_topic
+from protocol.placement import Announce, ArrivalCount, PeerPlacement, settle_period
 from protocol.records import PeerInfo, PeerState
 from protocol.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
-MIN_SETTLE_S = 2.0  # two GossipSub heartbeats: the mesh forms and others' intents arrive
 CONNECT_TIMEOUT_S = 3.0
 TOPIC_PEERS = 8  # GossipSub's mesh keeps 6 (4 to 12) neighbours per topic
-ARRIVALS_S = 600.0  # arrivals are counted over this window (and only once watched this long)
-
-
-class ArrivalCount:
-    """Peers that arrived per peer-hour over the last ``window_s`` seconds, from the sets
-    of peer ids this node reads (times are the caller's clock). The peers of the first
-    read were there before us; a peer gone and first seen before the window is forgotten
-    (if it comes back, it counts again)."""
-
-    def __init__(self, window_s: float = ARRIVALS_S) -> None:
-        self.window_s = window_s
-        self._first_seen: dict[str, float] = {}
-        self._since: float | None = None
-        self._present = 0
-
-    def saw(self, present: frozenset[str], now: float) -> None:
-        self._present = len(present)
-        if self._since is None:
-            self._since = now
-            self._first_seen = dict.fromkeys(present, -math.inf)
-            return
-        for peer in present - self._first_seen.keys():
-            self._first_seen[peer] = now
-        cutoff = now - self.window_s
-        seen = self._first_seen.items()
-        self._first_seen = {p: t for p, t in seen if p in present or t >= cutoff}
-
-    def rate(self, now: float) -> float | None:
-        """None until watched for a whole window (or while nobody is present)."""
-        if self._since is None or now - self._since < self.window_s or not self._present:
-            return None
-        new = sum(t >= now - self.window_s for t in self._first_seen.values())
-        return new * 3600.0 / self.window_s / self._present
 
 
 def merge_gossip(
@@ -129,7 +72,7 @@ def merge_gossip(
 
 class Placement:
     """One node's assignment: the run's gossip topic (subscribed while this object lives),
-    the swarm view, and the join and rebalance decisions. Owns no tasks: the node runs
+    the swarm view, and the placement machine's runner. Owns no tasks: the node runs
     :meth:`follow` and :meth:`keep_connected` in its TaskGroup. Build with
     ``await create(...)``; ``close`` unsubscribes."""
 
@@ -156,19 +99,21 @@ class Placement:
         self.params = params
         self.update_period_s = update_period_s
         self.record_ttl_s = 3 * update_period_s  # as the node's own records
-        self.settle_s = max(MIN_SETTLE_S, update_period_s)  # everyone re-announced within it
         validators = [self._member] if spec.private else []
         self.view_of_gossip = GossipView(spec.run, num_stages=spec.n_stages, validators=validators)
         self._members: frozenset[str] = frozenset()  # peers whose record passed the policy
         self._records: list[PeerInfo] = []  # the last read, for the alarm's looks
         self._arrivals = ArrivalCount()
-        self._checks = 0
+        self._clock = LoopClock()
         self._rng = random.Random(self.peer_id)  # whom to dial
-        self._announced: tuple[int | None, PeerState] | None = None
-        self._pending: Move | None = None  # a move announced and not yet carried out
-        self._alarmed: int | None = None  # the stage of the last alarm, until a periodic check
-        self._reference: SwarmView | None = None  # the view at the last check, for alarms
+        self._load = 0
         self._ignored_logged: dict[str, int] = {}
+        machine = PeerPlacement(
+            self.peer_id, throughput, params, settle_s=settle_period(update_period_s)
+        )
+        self.runner = PlacementRunner(
+            machine, self._clock, self, self._send, update_period_s=update_period_s
+        )
 
     @classmethod
     async def create(
@@ -239,7 +184,7 @@ class Placement:
         records = await self.dht.peers()
         self._members = frozenset(p.peer_id for p in records)
         self._records = records
-        self._arrivals.saw(self._members, time.monotonic())
+        self._arrivals.saw(self._members, self._clock.now())
         return records
 
     async def _connect(self, records: list[PeerInfo]) -> None:
@@ -260,11 +205,11 @@ class Placement:
             except (ConnectionError, TimeoutError) as e:
                 logger.debug("could not dial %s for gossip: %s", peer, e)
 
-    # -- the view ------------------------------------------------------------------------
+    # -- the view (the runner's ViewSource) ----------------------------------------------
 
-    def view(self, records: Iterable[PeerInfo], own: Claim | None = None) -> SwarmView:
-        """The swarm as the rule sees it: the others' records and fresher gossip, priced
-        with every present peer's throughput (ours included), plus ``own`` if given."""
+    def view(self, records: Iterable[PeerInfo]) -> SwarmView:
+        """The others as the rule sees them: their records and fresher gossip, priced with
+        every present peer's throughput (ours included)."""
         kept, claims = merge_gossip(
             records,
             self.view_of_gossip.latest,
@@ -272,176 +217,64 @@ class Placement:
             now=get_dht_time(),
             max_silence_s=self.record_ttl_s,
         )
-        view = view_from_peers(kept, self.n_stages, intents=claims, own=self.throughput)
-        return view if own is None else view.add(own)
+        return view_from_peers(kept, self.n_stages, intents=claims, own=self.throughput)
 
-    def _claim(self, stage: int, serving: bool) -> Claim:
-        return Claim(self.peer_id, stage, self.throughput[stage], serving)
+    async def read(self) -> SwarmView:
+        return self.view(await self.records())
 
-    # -- decisions -----------------------------------------------------------------------
+    def cached(self) -> SwarmView:
+        return self.view(self._records)
+
+    def arrivals(self) -> float | None:
+        return self._arrivals.rate(self._clock.now())
+
+    # -- decisions (the node's calls) ----------------------------------------------------
 
     async def join(self, on_choice: Callable[[int], None]) -> int:
         """Choose a stage, tell ``on_choice`` (which announces it), reconsider once the
         others' intents had a settle period to arrive; the stage to load."""
         await self._connect(await self.records())
-        await self._settle("listen")  # others re-announce where they are within it
-        view = self.view(await self.records())
-        stage = choose_stage(view, self.throughput, self.peer_id, self.params)
-        logger.info("chose stage %d; stage totals seen: %s", stage, _totals(view))
-        on_choice(stage)
-        await self.publish(self.signer.join(stage, self.throughput[stage], get_dht_time()))
-        await self._settle("reconsider")
-        view = self.view(await self.records(), own=self._claim(stage, serving=False))
-        move = decide_move(
-            view, stage, self.throughput, f"{self.peer_id}/join", self.params, serving=False
-        )
-        if move is not None:
-            logger.info(
-                "reconsidered: stage %d instead of %d (%s); stage totals seen: %s",
-                move.to_stage,
-                stage,
-                move.reason,
-                _totals(view),
-            )
-            stage = move.to_stage
-            on_choice(stage)
-            await self.publish(self.signer.join(stage, self.throughput[stage], get_dht_time()))
-        return stage
+        return await self.runner.join(on_choice)
 
     async def second_stage(self, stage: int) -> int | None:
-        """The second stage to take as well, now that ``stage`` serves (or None)."""
-        view = self.view(await self.records(), own=self._claim(stage, serving=True))
-        second = second_stage(view, stage, self.throughput, self.params)
-        if second is not None:
-            logger.info(
-                "taking stage %d as a second stage (two-stage peers hold %.1f samples/s); "
-                "stage totals seen: %s",
-                second,
-                view.two_stage,
-                _totals(view),
-            )
-        return second
-
-    async def _settle(self, label: str) -> None:
-        """Wait about a settle period, drawn in 0.5-1.5 of it from our peer id: joiners of
-        a wave that decide at different moments see each other's intents, where deciding
-        together they would all make the same choice (seen: two joiners that both
-        reconsidered onto the same stage)."""
-        spread = Params(mean_period_s=self.settle_s, period_jitter=0.5)
-        await asyncio.sleep(check_delay(f"{self.peer_id}/{label}", spread))
+        """``stage`` serves now: the second stage to take as well (or None)."""
+        return await self.runner.loaded(second=True)
 
     async def next_move(self, stage: Callable[[], int]) -> Move:
         """Wait for a check that decides to move: every ``check_delay`` seconds, or sooner
-        on an alarm; ``stage()`` says where this node serves at each check."""
-        self._reference = None  # the first look after this sets it
-        while True:
-            self._checks += 1
-            seed = f"{self.peer_id}/{self._checks}"
-            await self._until_check(seed, stage)
-            here = stage()
-            try:
-                view = self.view(await self.records(), own=self._claim(here, serving=True))
-            except Exception as e:  # a DHT hiccup: check again next period
-                logger.warning("rebalancing check skipped: %s", e)
-                continue
-            self._reference = view
-            arrivals = self._arrivals.rate(time.monotonic())
-            move = decide_move(view, here, self.throughput, seed, self.params, arrivals=arrivals)
-            if move is not None:
-                logger.info(
-                    "rebalancing: move from stage %d to %d (%s, gain %.2f, drawn with p=%.2f); "
-                    "stage totals seen: %s",
-                    move.from_stage,
-                    move.to_stage,
-                    move.reason,
-                    move.gain,
-                    move.probability,
-                    _totals(view),
-                )
-                return move
-
-    async def _until_check(self, seed: str, stage: Callable[[], int]) -> None:
-        """Sleep until the next periodic check, or until the view, looked at every update
-        period, raises an alarm against the view at the last check; then a draw of up to
-        two settle periods more, so that the peers alarmed by the same loss check one
-        after another, each seeing the moves announced before it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + check_delay(seed, self.params)
-        while (left := deadline - loop.time()) > 0:
-            await asyncio.sleep(min(left, self.update_period_s))
-            try:
-                now = self.view(self._records, own=self._claim(stage(), serving=True))
-            except Exception as e:  # the periodic check will say it at warning level
-                logger.debug("alarm look skipped: %s", e)
-                continue
-            before = self._reference
-            if before is None:
-                self._reference = now
-                continue
-            short = alarm(before, now, self.params)
-            if short is None or loop.time() >= deadline:
-                continue
-            log = logger.info if short != self._alarmed else logger.debug
-            self._alarmed = short  # a stage nobody holds alarms at every look: log it once
-            log(
-                "alarm: stage %d holds %.0f (was %.0f at the last check); checking now "
-                "(stage totals seen: %s)",
-                short,
-                now.totals[short],
-                before.totals[short],
-                _totals(now),
-            )
-            spread = Params(mean_period_s=self.settle_s, period_jitter=1.0)
-            await asyncio.sleep(check_delay(f"{seed}/alarm", spread))
-            return
-        self._alarmed = None
+        on an alarm. (``stage``, where the node serves, is the machine's own stage.)"""
+        return await self.runner.next_move()
 
     async def confirm_move(self, move: Move) -> bool:
-        """Announce ``move``, wait a settle period, and say whether it may go ahead:
-        another peer still serves ``move.from_stage`` and announced no move away."""
-        self._pending = move  # re-announced, instead of our load, until we move or stay
-        await self.publish(self._move_intent(move))
-        await asyncio.sleep(self.settle_s)
-        view = self.view(await self.records())
-        if view.serving[move.from_stage] >= 1:
-            return True
-        self._pending = None
-        logger.info(
-            "not moving: nobody else would serve stage %d (stage totals seen: %s)",
-            move.from_stage,
-            _totals(view),
-        )
-        return False
+        """``move`` was announced by :meth:`next_move`; a settle period later, whether it
+        may go ahead: another peer still serves ``move.from_stage``."""
+        return await self.runner.confirm_move()
 
     # -- announcements -------------------------------------------------------------------
 
     async def announce(self, stage: int | None, state: PeerState, load: int) -> None:
         """Re-announce where this node is (the announce loop calls it with every record):
-        an intent while joining or loading, ``serving`` once it serves, then load updates;
-        a pending move's intent while it is being confirmed (sent after the record, so
-        that it is the newer word)."""
-        now = get_dht_time()
-        previous, self._announced = self._announced, (stage, state)
-        pending = self._pending
-        if pending is not None and (stage, state) != (pending.from_stage, PeerState.SERVING):
-            pending = self._pending = None  # carried out (or abandoned)
-        if pending is not None:
-            raw = self._move_intent(pending)
-        elif state is PeerState.LEAVING:
-            raw = self.signer.leaving(stage, now)
+        what ``PeerPlacement.announcement`` says for ``stage`` and ``state``."""
+        self._load = load
+        said = self.runner.machine.announcement(stage, state)
+        if said is not None:
+            await self._send(said)
+
+    async def _send(self, said: Announce) -> None:
+        now, signer, stage = get_dht_time(), self.signer, said.stage
+        if said.kind == "leaving":
+            raw = signer.leaving(stage, now)
         elif stage is None:
             return
-        elif state is not PeerState.SERVING:
-            raw = self.signer.join(stage, self.throughput[stage], now)
-        elif previous != (stage, state):
-            raw = self.signer.serving(stage, self.throughput[stage], now)
+        elif said.kind == "move" and said.to_stage is not None:
+            raw = signer.move(stage, said.to_stage, self.throughput[said.to_stage], now)
+        elif said.kind == "join":
+            raw = signer.join(stage, self.throughput[stage], now)
+        elif said.kind == "serving":
+            raw = signer.serving(stage, self.throughput[stage], now)
         else:
-            raw = self.signer.load(stage, self.throughput[stage], load, now)
+            raw = signer.load(stage, self.throughput[stage], self._load, now)
         await self.publish(raw)
-
-    def _move_intent(self, move: Move) -> bytes:
-        to = move.to_stage
-        return self.signer.move(move.from_stage, to, self.throughput[to], get_dht_time())
 
     async def publish(self, raw: bytes) -> None:
         """Best effort: gossip is re-announced, and the DHT record says the same."""
@@ -452,7 +285,3 @@ class Placement:
 
     async def close(self) -> None:
         await self.gossip.close()
-
-
-def _totals(view: SwarmView) -> str:
-    return "[" + ", ".join(f"{t:.0f}" for t in view.totals) + "]"

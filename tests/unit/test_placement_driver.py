@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from node.placement.driver import ArrivalCount
 from protocol.gossip import GossipSigner
+from protocol.placement import ArrivalCount
 
 
 def test_gossip_overrides_records_only_when_newer():
