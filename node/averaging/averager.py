@@ -506,11 +506,10 @@ class AveragedStageServer(StageServer):
     averager=averager, ...)``. It shares the averager's lock."""
 
     def __init__(self, *args, averager: StageAverager, **settings) -> None:
-        super().__init__(*args, **settings)
+        super().__init__(*args, lock=averager.lock, **settings)
         if averager.module is not self.stage or averager.optimizer is not self.optimizer:
             raise ValueError("the averager must average this server's stage and optimizer")
         self.averager = averager
-        self.lock = averager.lock
         averager.server = self
 
     def on_accumulated(self) -> None:

@@ -15,16 +15,11 @@ against a unary one, and a served forward against a local one, is measured by
 ``python -m scripts.bench_stage_rpc`` (figures in BENCHMARKS.md, "Pipeline").
 
 A backward is stateless: the caller re-sends the stage's inputs with the gradient of its
-outputs and the server recomputes the forward, so any peer of the stage can serve the
-backward of a forward that ran elsewhere (``ModelConfig.dropout`` 0 makes the recomputed
-forward exact). A forward marked ``train`` (the trainer will send its backward, to the same
-peer first) keeps its autograd graph instead, up to ``keep_graphs`` of them for ``keep_s``
-seconds: a backward from the same caller for the same micro-batch, with the same inputs
-and the parameters unchanged since (no step, no averaging), uses it and skips the
-recompute, a quarter of what a training micro-batch costs the stage. Anything else
-recomputes, so a kept graph changes the speed, never the result. Each served backward adds
-its parameter gradients, summed over samples, into the stage's ``.grad``; the server steps
-(``on_accumulated``) once its optimizer has seen ``target_batch_size`` samples.
+outputs, so any peer of the stage can serve the backward of a forward that ran elsewhere.
+The computation (kept forward graphs, recompute, accumulation into ``.grad``) is the
+torch-only ``node.pipeline.executor.StageExecutor``; this module is the RPC shell around
+it. The server steps (``on_accumulated``) once its optimizer has seen
+``target_batch_size`` samples.
 
 Admission (``OptimizerConfig.max_staleness`` 0). A training micro-batch enters the stage at
 its forward (the last stage: its one train call) and leaves it when its gradients are in
@@ -51,12 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,7 +63,7 @@ from hivemind.proto import runtime_pb2
 
 from models.stages import Stage
 from models.training import StageOptimizer
-from node.measure.capacity import autocast_for
+from node.pipeline.executor import StageExecutor
 from node.pipeline.wire import (
     FAILED,
     MAX_FRAME_BYTES,
@@ -88,8 +81,6 @@ from protocol.routing import BanList
 from protocol.stage_messages import (
     BACKWARD,
     FORWARD,
-    BackwardRequest,
-    ForwardRequest,
     StageContract,
     StageMeta,
     StageRequestError,
@@ -135,16 +126,6 @@ class StageCounters:
     overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
 
 
-@dataclass(frozen=True)
-class _Kept:
-    """A forward's autograd graph, kept for the backward of the same micro-batch."""
-
-    inputs: torch.Tensor  # as received; requires grad where the stage takes hidden states
-    outputs: torch.Tensor
-    versions: tuple[tuple[int, int], ...]  # the parameters' (id, version) when it ran
-    at: float  # time.monotonic() when it ran
-
-
 def stage_namespace(stage: int) -> str:
     """Where a stage's handlers are named, so that one node can serve two stages."""
     return f"stage{stage}"
@@ -175,9 +156,8 @@ class StageServer(NodeServicer):
         callers: BanList | None = None,
         keep_graphs: int = 4,
         keep_s: float = 60.0,
+        lock: threading.Lock | None = None,
     ) -> None:
-        if stage.range != contract.blocks:
-            raise ValueError(f"stage holds blocks {stage.range}, the contract {contract.blocks}")
         compression_type(compression)  # rejects unknown names now, not at the first response
         self.stage = stage
         self.optimizer = optimizer
@@ -189,13 +169,15 @@ class StageServer(NodeServicer):
         self.close_grace = close_grace  # for a caller to close the stream after a response
         self.admission = admission  # a caller's peer id -> why it is refused (private runs)
         self.callers = BanList(BAN_S, BAN_AFTER, BAN_WINDOW_S) if callers is None else callers
-        self.lock = threading.Lock()  # held while parameters or gradients are read or changed
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self.keep_graphs = keep_graphs  # forward graphs kept for their backward (0: none)
-        self.keep_s = keep_s  # a kept graph older than this is dropped
-        self._kept: OrderedDict[tuple[str, int], _Kept] = OrderedDict()  # compute thread only
+        # held while parameters or gradients are read or changed (an averager shares it)
+        self.lock = lock or threading.Lock()
+        self.executor = StageExecutor(
+            stage, contract, self._accumulated, lock=self.lock, keep_graphs=keep_graphs,
+            keep_s=keep_s,
+        )  # fmt: skip
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._load = 0
-        self._forward = self._backward = self._rejected = self._reused = 0
+        self._rejected = 0
         # Admission (see the module docstring): open micro-batches, (caller, micro-batch)
         # -> (samples, when admitted), under ``_gate_lock`` (the event loop admits, the
         # compute thread releases); ``_gate_changed`` is replaced by a new event each time
@@ -223,7 +205,7 @@ class StageServer(NodeServicer):
     async def shutdown(self) -> None:
         """Stop taking requests and wait for the computation in progress."""
         await self.detach()
-        await asyncio.to_thread(self._executor.shutdown)
+        await asyncio.to_thread(self._thread.shutdown)
 
     @property
     def peer_id(self) -> PeerID | None:
@@ -236,12 +218,12 @@ class StageServer(NodeServicer):
     @property
     def counters(self) -> StageCounters:
         return StageCounters(
-            forward=self._forward,
-            backward=self._backward,
+            forward=self.executor.forward,
+            backward=self.executor.backward,
             rejected=self._rejected,
             steps=self.optimizer.step_count,
             samples=self.optimizer.samples,
-            reused=self._reused,
+            reused=self.executor.reused,
             held=self._held,
             waiting=self._waiting,
             overdue=self._overdue,
@@ -400,7 +382,7 @@ class StageServer(NodeServicer):
                 admitted = (caller, meta.micro_batch)
                 await self._admit(admitted, int(tensors[0].size[0]))  # as a remote caller's
             loop = asyncio.get_running_loop()
-            out = await loop.run_in_executor(self._executor, self._compute, meta, tensors, caller)
+            out = await loop.run_in_executor(self._thread, self._compute, meta, tensors, caller)
             admitted = None
             return out
         except StageRequestError:
@@ -438,7 +420,7 @@ class StageServer(NodeServicer):
                 await self._admit(admitted, int(serialized[0].size[0]))  # size: checked
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(
-                self._executor, self._compute, meta, serialized, caller
+                self._thread, self._compute, meta, serialized, caller
             )
             admitted = None
         except (StageRequestError, TimeoutError) as e:
@@ -519,142 +501,27 @@ class StageServer(NodeServicer):
     def _compute(
         self, meta: StageMeta, serialized: list[runtime_pb2.Tensor], caller: str
     ) -> list[runtime_pb2.Tensor]:
-        """On the compute thread: decode, check, and only then run the stage."""
+        """On the compute thread: decode, check, and only then run the stage. A loss
+        travels exact; activations and gradients with the server's compression."""
         request = parse_request(self.contract, meta, [deserialize(s) for s in serialized])
-        request = self._on_device(request)
-        with self.lock, autocast_for(self.device):
-            if isinstance(request, ForwardRequest):
-                return self._run_forward(request, caller)
-            return self._run_backward(request, caller)
+        outputs = self.executor.run(request, caller)
+        return [
+            serialize(
+                out.detach().float().cpu(),
+                "none" if i == 0 and self.contract.returns_loss else self.compression,
+            )
+            for i, out in enumerate(outputs)
+        ]
 
     @property
     def device(self) -> torch.device:
-        return next(self.stage.parameters()).device
+        return self.executor.device
 
-    def _on_device(self, request: ForwardRequest | BackwardRequest):
-        if self.device.type == "cpu":
-            return request
-        tensors = ("inputs", "targets", "grad_outputs")
-        moved = {f: getattr(request, f).to(self.device) for f in tensors
-                 if getattr(request, f, None) is not None}  # fmt: skip
-        return dataclasses.replace(request, **moved)
-
-    def _finite(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        """``tensor``, if finite. Finite inputs can still overflow a stage (hidden states
-        near the float32 limit): with finite parameters every peer of the stage would do the
-        same, so that is a refusal; with non-finite ones this peer is faulty, not the request."""
-        n_bad = int((~torch.isfinite(tensor)).sum())
-        if not n_bad:
-            return tensor
-        if all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()):
-            raise StageRequestError(
-                f"the request makes the stage's {what} non-finite ({n_bad} values)"
-            )
-        raise RuntimeError(f"this peer's parameters are non-finite ({what}: {n_bad} values)")
-
-    def _send(self, tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
-        return serialize(tensor.detach().float().cpu(), compression)
-
-    def _run_forward(self, request: ForwardRequest, caller: str) -> list[runtime_pb2.Tensor]:
-        x = request.inputs  # (B, T) token ids or (B, T, C) hidden states
-        if not self.contract.returns_loss:
-            if request.meta.train and self.keep_graphs > 0:
-                if not self.contract.takes_tokens:
-                    x.requires_grad_()
-                out = self._finite(self.stage(x), "outputs")  # (B, T, C)
-                self._keep(
-                    (caller, request.meta.micro_batch),
-                    _Kept(x, out, self._versions(), time.monotonic()),
-                )
-            else:
-                with torch.no_grad():
-                    out = self._finite(self.stage(x), "outputs")
-            self._forward += 1
-            return [self._send(out, self.compression)]
-        if not request.meta.train:
-            with torch.no_grad():
-                loss = self._finite(self.stage(x, request.targets), "loss")
-            self._forward += 1
-            return [self._send(loss)]
-        wrt_inputs = not self.contract.takes_tokens
-        if wrt_inputs:
-            x.requires_grad_()
-        loss = self._finite(self.stage(x, request.targets), "loss")
-        key = (caller, request.meta.micro_batch)
-        grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x), key)
-        self._forward += 1
-        self._backward += 1
-        loss_out = [self._send(loss)]  # the loss itself travels exact
-        return loss_out + ([self._send(grad_x, self.compression)] if wrt_inputs else [])
-
-    def _run_backward(self, request: BackwardRequest, caller: str) -> list[runtime_pb2.Tensor]:
-        wrt_inputs = not self.contract.takes_tokens
-        kept = self._kept.pop((caller, request.meta.micro_batch), None)
-        if (
-            kept is not None
-            and kept.versions == self._versions()
-            and torch.equal(kept.inputs.detach(), request.inputs)
-        ):
-            x, out = kept.inputs, kept.outputs
-            self._reused += 1
-        else:  # recomputed: this peer may not have served the forward, or not on these
-            x = request.inputs  # parameters
-            if wrt_inputs:
-                x.requires_grad_()
-            out = self.stage(x)
-        key = (caller, request.meta.micro_batch)
-        inputs = x if wrt_inputs else None
-        grad_x = self._accumulate(out, request.grad_outputs, inputs, len(x), key)
-        self._backward += 1
-        return [self._send(grad_x, self.compression)] if wrt_inputs else []
-
-    def _versions(self) -> tuple[tuple[int, int], ...]:
-        """What changes when any parameter is changed in place (a step, an averaging
-        round, a state download), and then invalidates a kept graph."""
-        return tuple((id(p), p._version) for p in self.stage.parameters())
-
-    def _keep(self, key: tuple[str, int], kept: _Kept) -> None:
-        """Keep ``kept``, dropping graphs that a parameter change made useless, those past
-        ``keep_s``, and then the oldest, so that at most ``keep_graphs`` are held (their
-        activations are the memory they cost)."""
-        self._kept = OrderedDict(
-            (k, g)
-            for k, g in self._kept.items()
-            if k != key and g.versions == kept.versions and g.at >= kept.at - self.keep_s
-        )
-        while len(self._kept) >= self.keep_graphs:
-            self._kept.popitem(last=False)
-        self._kept[key] = kept
-
-    def _accumulate(
-        self,
-        outputs: torch.Tensor,
-        grad_outputs: torch.Tensor | None,
-        inputs: torch.Tensor | None,
-        batch_size: int,
-        key: tuple[str, int] | None = None,
-    ) -> torch.Tensor | None:
-        """Back-propagate into fresh tensors, check them, then add the parameters' share
-        to ``.grad`` and count ``batch_size`` samples, no longer open (``key``). Returns
-        the gradient w.r.t. ``inputs``."""
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        wrt = params + ([inputs] if inputs is not None else [])
-        if grad_outputs is not None:
-            grad_outputs = grad_outputs.to(outputs.dtype)  # bf16 under CUDA autocast
-        grads = torch.autograd.grad(outputs, wrt, grad_outputs=grad_outputs, allow_unused=True)
-        n_bad = sum(int((~torch.isfinite(g)).sum()) for g in grads if g is not None)
-        if n_bad:
-            raise StageRequestError(f"the request's gradients have {n_bad} non-finite values")
-        for p, g in zip(params, grads, strict=False):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.contiguous()
-            else:
-                p.grad.add_(g)
-        with self._gate_lock:  # open to accumulated at once: the gate never sees a dip
+    def _accumulated(self, key: tuple[str, int], batch_size: int) -> None:
+        """The executor added a micro-batch's gradients (compute thread, holding ``lock``):
+        count its samples, no longer open (the gate never sees a dip), and maybe step."""
+        with self._gate_lock:
             self._open.pop(key, None)
             self.optimizer.accumulated(batch_size)
         self.on_accumulated()
         self.gate_changed()
-        return grads[-1] if inputs is not None else None
