@@ -12,8 +12,12 @@ fields:
 - ``placement.chose``: ``stage`` (a joiner's choice); ``placement.moved``: ``from``, ``to``.
 - ``averaging.round``: ``stage``, ``epoch``, ``peers``, ``ok``; ``digest`` (``hash``,
   ``norm``, ``sketch``) when digests are on (``SWARMTRAIN_LOG_DIGESTS``).
-- ``call.failed``: ``stage``, ``peer``, ``error``; ``call.rerouted``: ``stage``, ``peer``.
-- ``peer.banned``: ``peer``, ``service``.
+- ``call.failed``: ``stage``, ``peer``, ``error`` (the exception's class and message): a
+  call of this node's trainer failed; that peer is banned from its calls for a while.
+  ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``
+  (the same one when the stage has no other).
+- ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
+  caller refused too often; every service of this node refuses it for a while.
 - ``checkpoint.written``: ``stage``, ``epoch``, ``path``.
 - ``node.stopped``: no fields.
 
