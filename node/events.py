@@ -6,6 +6,13 @@ fields:
 
 - ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``.
 - ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
+- ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
+  ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer
+  steps of its stages), ``stage_peers`` (peers on its stages, itself included),
+  ``run_peers`` (peers in the run, itself included).
+- ``peer.joined``: ``peer``, ``stage`` (None before it holds one); ``peer.left``: ``peer``,
+  ``announced`` (false: its record has been missing too long). As this node's reads of
+  the run's peers see them.
 - ``stage.held``: ``stage``, ``role`` (``"first"`` or ``"second"``), ``loaded`` (where its
   state came from: ``"peers"``, ``"checkpoint"`` or ``"initial"``).
 - ``stage.released``: ``stage``.
@@ -18,6 +25,10 @@ fields:
   (the same one when the stage has no other).
 - ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
   caller refused too often; every service of this node refuses it for a while.
+- ``record.refused``: ``run``, ``reason``: this node refused to store or read a record of
+  its run's DHT keys (written by the node's DHT process).
+- ``spec.conflict``: ``run``, ``changes`` (phrases): the owner signed two specs for the
+  run; this node keeps the earlier.
 - ``checkpoint.written``: ``stage``, ``epoch``, ``path``.
 - ``node.stopped``: no fields.
 

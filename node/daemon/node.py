@@ -258,6 +258,7 @@ class Node:
         run, signed = resolve_run(settings)
         settings = replace(settings, run=run)
         key, lock_fd = load_or_create_identity(settings.identity_path())
+        events.open_log(settings.events_path(peer_id_of(key.public_key())))  # before the fork
         try:
             dht = SwarmDHT.start(
                 run,
@@ -670,7 +671,12 @@ class Node:
                 seen = self._log_members(peers, seen, loop.time(), grace)
             if loop.time() >= next_beat and self.state is PeerState.SERVING:
                 next_beat = loop.time() + self.settings.heartbeat_s
-                logger.info("%s", self._heartbeat(peers))
+                beat = self._heartbeat(peers)
+                logger.info(
+                    "heartbeat: %s",
+                    " ".join(f"{k}={'-' if v is None else v}" for k, v in beat.items()),
+                )
+                events.emit("node.heartbeat", **beat)
             await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
 
     def _log_members(
@@ -691,6 +697,7 @@ class Node:
             if peer_id not in seen:
                 stage = "no stage yet" if p.stage is None else f"stage {p.stage}"
                 logger.info("peer %s joined the run (%s)", peer_id, stage)
+                events.emit("peer.joined", peer=peer_id, stage=p.stage)
         kept = {}
         for peer_id, last in seen.items():
             if peer_id in present:
@@ -698,11 +705,12 @@ class Node:
             if peer_id in leaving or now - last > grace:
                 why = "announced it" if peer_id in leaving else f"no record for {now - last:.0f} s"
                 logger.info("peer %s left the run (%s)", peer_id, why)
+                events.emit("peer.left", peer=peer_id, announced=peer_id in leaving)
             else:
                 kept[peer_id] = last
         return kept | dict.fromkeys(present, now)
 
-    def _heartbeat(self, peers: list[PeerInfo]) -> str:
+    def _heartbeat(self, peers: list[PeerInfo]) -> dict[str, int | None]:
         servers = [s for s in (self.server, self.second_server) if s is not None]
         mine = {self.stage, self.second}
         stage_peers = {
@@ -711,13 +719,14 @@ class Node:
             if p.state is not PeerState.LEAVING and ({p.stage, p.second_stage} & mine) - {None}
         } | {self.peer_id}
         run_peers = {p.peer_id for p in peers if p.state is not PeerState.LEAVING}
-        return (
-            f"heartbeat: stage={self.stage} "
-            f"second_stage={'-' if self.second_server is None else self.second} "
-            f"served={self.micro_batches_served()} "
-            f"steps={sum(s.counters.steps for s in servers)} "
-            f"stage_peers={len(stage_peers)} run_peers={len(run_peers | {self.peer_id})}"
-        )
+        return {
+            "stage": self.stage,
+            "second_stage": None if self.second_server is None else self.second,
+            "served": self.micro_batches_served(),
+            "steps": sum(s.counters.steps for s in servers),
+            "stage_peers": len(stage_peers),
+            "run_peers": len(run_peers | {self.peer_id}),
+        }
 
     async def _announce_loop(self) -> None:
         while True:

@@ -3,7 +3,8 @@
 Peers are killed at seeded random moments, each one a peer of a stage that still has
 another (killing a stage's sole peer stalls training by design), and a replacement joins
 while training goes on. Training must complete every micro-batch with finite, falling
-losses, and afterwards no process the test started may be left, however deep it was
+losses, each call that failed (``call.failed`` events of the trainer, which runs in the
+test's process) retried, and afterwards no process the test started may be left, however deep it was
 in the tree (a node's DHT and averager children, every ``p2pd``).
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from node import events
 from node.cli.train import open_trainer
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline.trainer import MicroBatchResult, TrainerSettings
@@ -132,6 +134,8 @@ def test_random_sigkills_during_training(tmp_path, monkeypatch):
     nodes: list[NodeProcess] = []
     stage_of: dict[str, int] = {}
     dht = None
+    log = tmp_path / "trainer.events.jsonl"
+    events.open_log(log)
     try:
         first = launch_node(tmp_path, "p0", "chaos", extra=["--stage", str(STAGES_OF_PEERS[0])])
         nodes.append(first)
@@ -151,6 +155,7 @@ def test_random_sigkills_during_training(tmp_path, monkeypatch):
         n_peers = [STAGES_OF_PEERS.count(s) for s in sorted(set(STAGES_OF_PEERS))]
         trainer, losses = asyncio.run(_train(dht, chaos, n_peers))
     finally:
+        events.close_log()
         if dht is not None:
             dht.shutdown()
         stop_all(nodes)
@@ -162,7 +167,10 @@ def test_random_sigkills_during_training(tmp_path, monkeypatch):
     # The tiny model's loss falls from 5.58 to a plateau near 5.0 in this many samples.
     first, last = sum(losses[:20]) / 20, sum(losses[-40:]) / 40
     assert last < first - 0.2, f"loss fell: {first:.3f} -> {last:.3f}"
-    assert sum(trainer.stats.rerouted.values()) >= 1, "calls to killed peers were retried"
+    failed = events.read_events(log, "call.failed")
+    killed = {n.peer_id for n in chaos.killed}
+    assert killed & {e["peer"] for e in failed}, "calls to the killed peers failed"
+    assert len(events.read_events(log, "call.rerouted")) == len(failed), "and were retried"
 
     children = psutil.Process().children
     _wait_gone(lambda: _alive([p for p in children(recursive=True) if p.pid not in before]),
