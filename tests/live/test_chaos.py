@@ -127,15 +127,13 @@ async def _train(dht: SwarmDHT, chaos: Chaos, n_peers: list[int]):
         await trainer.p2p.shutdown()
 
 
-def test_random_sigkills_during_training(tmp_path, monkeypatch):
+def test_random_sigkills_during_training(tmp_path, monkeypatch, event_log):
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VAR, tag)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     nodes: list[NodeProcess] = []
     stage_of: dict[str, int] = {}
     dht = None
-    log = tmp_path / "trainer.events.jsonl"
-    events.open_log(log)
     try:
         first = launch_node(tmp_path, "p0", "chaos", extra=["--stage", str(STAGES_OF_PEERS[0])])
         nodes.append(first)
@@ -155,7 +153,6 @@ def test_random_sigkills_during_training(tmp_path, monkeypatch):
         n_peers = [STAGES_OF_PEERS.count(s) for s in sorted(set(STAGES_OF_PEERS))]
         trainer, losses = asyncio.run(_train(dht, chaos, n_peers))
     finally:
-        events.close_log()
         if dht is not None:
             dht.shutdown()
         stop_all(nodes)
@@ -167,10 +164,10 @@ def test_random_sigkills_during_training(tmp_path, monkeypatch):
     # The tiny model's loss falls from 5.58 to a plateau near 5.0 in this many samples.
     first, last = sum(losses[:20]) / 20, sum(losses[-40:]) / 40
     assert last < first - 0.2, f"loss fell: {first:.3f} -> {last:.3f}"
-    failed = events.read_events(log, "call.failed")
+    failed = events.read_events(event_log, "call.failed")
     killed = {n.peer_id for n in chaos.killed}
     assert killed & {e["peer"] for e in failed}, "calls to the killed peers failed"
-    assert len(events.read_events(log, "call.rerouted")) == len(failed), "and were retried"
+    assert len(events.read_events(event_log, "call.rerouted")) == len(failed), "and were retried"
 
     children = psutil.Process().children
     _wait_gone(lambda: _alive([p for p in children(recursive=True) if p.pid not in before]),

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import signal
 import time
 from pathlib import Path
 
 from node.averaging.averager import ParamDigest
 from protocol.identity import resolve_peer_prefix
-from tests.swarm import launch_node, stop_all, swarmtrain, wait_until
-
-# What each command prints on stderr before its one-line error (cli.main).
-ERROR = re.compile(r"^swarmtrain (\w+): error: (.*)$", re.MULTILINE)
+from tests.swarm import cli_error, launch_node, stop_all, swarmtrain, wait_until
 
 
 def _error(stderr: str) -> tuple[str, str]:
-    m = ERROR.search(stderr)
-    assert m, stderr[-3000:]
-    return m[1], m[2]
+    error = cli_error(stderr)
+    assert error, stderr[-3000:]
+    return error
 
 
 def _finish(proc, timeout: float) -> tuple[int, str, str, float]:

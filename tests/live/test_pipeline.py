@@ -7,11 +7,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-
-import pytest
 
 from models.config import preset
 from models.training import train_baseline
@@ -47,17 +43,6 @@ def swarm(tmp_path, run, stages_of_peers):
         stop_all(nodes)
 
 
-@pytest.fixture
-def log(tmp_path: Path) -> Iterator[Path]:
-    """The event log of the trainers this test runs in its process."""
-    path = tmp_path / "trainer.events.jsonl"
-    events.open_log(path)
-    try:
-        yield path
-    finally:
-        events.close_log()
-
-
 async def _trainer(dht, calls: StageCalls | None = None, **settings) -> Trainer:
     base = await open_trainer(dht, TrainerSettings(call_timeout_s=10, **settings))
     if calls is None:
@@ -76,7 +61,7 @@ def _wait_for_view(trainer: Trainer, per_stage: list[int]) -> None:
     return asyncio.wait_for(ready(), 30)
 
 
-def test_sigkill_during_training_is_rerouted(tmp_path, log):
+def test_sigkill_during_training_is_rerouted(tmp_path, event_log):
     with swarm(tmp_path, "chaos", [0, 1, 0, 1]) as (nodes, dht):
         stage1 = [n for n in nodes if n.stage() == 1]
 
@@ -100,10 +85,10 @@ def test_sigkill_during_training_is_rerouted(tmp_path, log):
         assert stage1[0].proc.wait(10) == -signal.SIGKILL
         assert trainer.stats.micro_batches == 200, "every micro-batch completed"
         survivor, killed = stage1[1].peer_id, stage1[0].peer_id
-        failed = events.read_events(log, "call.failed")
+        failed = events.read_events(event_log, "call.failed")
         assert (1, killed) in {(e["stage"], e["peer"]) for e in failed}, failed
         assert {e["stage"] for e in failed} == {1}, failed
-        rerouted = events.read_events(log, "call.rerouted")
+        rerouted = events.read_events(event_log, "call.rerouted")
         assert len(rerouted) == len(failed), "each failed call was sent again"
         assert (1, survivor) in {(e["stage"], e["peer"]) for e in rerouted}, rerouted
         late_calls = trainer.stats.calls[(1, survivor)]
@@ -111,7 +96,7 @@ def test_sigkill_during_training_is_rerouted(tmp_path, log):
         assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.3, "loss kept falling"
 
 
-def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_path, log):
+def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_path, event_log):
     """SIGSTOP one of stage 1's two peers: like a machine that lost its link, it neither
     answers nor closes its connections. The calls stuck there end after the stage's
     adaptive timeout (a few typical calls, at least 5 s), not after the 60 s ceiling, and
@@ -138,13 +123,13 @@ def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_
             f"({trainer.stats.rerouted[1]} calls rerouted; timeout ceiling 60 s)"
         )
         assert trainer.stats.micro_batches == 60
-        failed = events.read_events(log, "call.failed")
+        failed = events.read_events(event_log, "call.failed")
         assert failed and {(e["stage"], e["peer"]) for e in failed} == {(1, victim.peer_id)}
         assert all(e["error"].startswith("StageTimeout") for e in failed), failed
         assert took < 30, f"training was held {took:.0f} s: stuck calls waited the ceiling"
 
 
-def test_backward_runs_on_another_peer_after_forward_peer_dies(tmp_path, log):
+def test_backward_runs_on_another_peer_after_forward_peer_dies(tmp_path, event_log):
     """Fault: SIGKILL the stage-0 peer that served the forward of the first micro-batch,
     before that micro-batch's backward is sent (to that peer first: it kept the graph)."""
     with swarm(tmp_path, "stateless", [0, 1, 0]) as (nodes, dht):
@@ -170,8 +155,8 @@ def test_backward_runs_on_another_peer_after_forward_peer_dies(tmp_path, log):
 
         trainer = asyncio.run(main())
         assert killed and trainer.stats.micro_batches == 3
-        (failed,) = events.read_events(log, "call.failed")
-        (rerouted,) = events.read_events(log, "call.rerouted")
+        (failed,) = events.read_events(event_log, "call.failed")
+        (rerouted,) = events.read_events(event_log, "call.rerouted")
         (other,) = set(pids) - {killed[0]} - {nodes[1].peer_id}
         assert (failed["stage"], failed["peer"]) == (0, killed[0]), "the backward went there"
         assert (rerouted["stage"], rerouted["peer"]) == (0, other), "and then to the other"

@@ -15,14 +15,12 @@ from protocol.run_spec import make_run_spec, sign_run_spec
 from tests.swarm import LOCAL
 
 
-def test_peers_keep_the_first_of_two_specs_for_one_run_id(tmp_path):
+def test_peers_keep_the_first_of_two_specs_for_one_run_id(tmp_path, event_log):
     key = load_or_create_key(tmp_path / "owner.key")
     owner = peer_id_of(key.public_key())
     first = sign_run_spec(make_run_spec("twice", "tiny", 2, owner=owner, created=1000.0), key)
     later = sign_run_spec(make_run_spec("twice", "tiny", 3, owner=owner, created=2000.0), key)
     run = first.spec.run
-    log = tmp_path / "events.jsonl"
-    events.open_log(log)
     dht = SwarmDHT.start(run, host_maddrs=[LOCAL])
     other = None
     try:
@@ -34,7 +32,7 @@ def test_peers_keep_the_first_of_two_specs_for_one_run_id(tmp_path):
             assert await dht.publish_spec(later)
             assert await dht.publish_spec(first), "the earlier one is stored next to it"
             assert (await dht.spec()).raw == first.raw
-            (conflict,) = events.read_events(log, "spec.conflict")
+            (conflict,) = events.read_events(event_log, "spec.conflict")
             assert conflict["run"] == run and "2 -> 3 stages" in conflict["changes"]
             # Another peer makes the same choice, and an owner's tool that would publish
             # the later one there is refused.
@@ -48,4 +46,3 @@ def test_peers_keep_the_first_of_two_specs_for_one_run_id(tmp_path):
         if other is not None:
             other.shutdown()
         dht.shutdown()
-        events.close_log()

@@ -5,7 +5,6 @@ a ``call.failed`` event, its retry on another peer of the stage a ``call.reroute
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,16 +87,6 @@ def _trainer(stages: _Stages, stage_of_peers: list[int]) -> tuple[Trainer, list[
     return trainer, peers
 
 
-@pytest.fixture
-def log(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "events.jsonl"
-    events.open_log(path)
-    try:
-        yield path
-    finally:
-        events.close_log()
-
-
 @pytest.mark.parametrize("failing_stage", [0, 1])
 @pytest.mark.parametrize(
     ("error", "reason"),
@@ -105,40 +94,40 @@ def log(tmp_path: Path) -> Iterator[Path]:
     ids=["unavailable", "moved"],
 )
 def test_a_failed_call_is_an_event_and_is_rerouted_to_the_stages_other_peer(
-    log: Path, failing_stage: int, error: type[StageCallError], reason: str
+    event_log: Path, failing_stage: int, error: type[StageCallError], reason: str
 ) -> None:
     stages = _Stages(failing_stage, error, reason)
     trainer, peers = _trainer(stages, [0, 0, 1, 1])
     asyncio.run(trainer.train(2))
 
     assert trainer.stats.micro_batches == 2
-    (failed,) = events.read_events(log, "call.failed")
+    (failed,) = events.read_events(event_log, "call.failed")
     (bad,) = stages.failed
     assert failed["stage"] == failing_stage and failed["peer"] == bad
     assert failed["error"].startswith(error.__name__) and reason in failed["error"]
-    (rerouted,) = events.read_events(log, "call.rerouted")
+    (rerouted,) = events.read_events(event_log, "call.rerouted")
     same_stage = {p for p, s in zip(peers, [0, 0, 1, 1], strict=True) if s == failing_stage}
     assert rerouted["stage"] == failing_stage and rerouted["peer"] == (same_stage - {bad}).pop()
     assert bad not in {p for _, s, p in stages.served if s == failing_stage}, "banned since"
     assert [c.peer_id for c in trainer.view[failing_stage]] == [rerouted["peer"]]
 
 
-def test_a_refusal_that_is_no_peer_failure_is_an_event_and_stops_training(log: Path) -> None:
+def test_a_refusal_that_is_no_peer_failure_is_an_event_and_stops_training(event_log: Path) -> None:
     stages = _Stages(1, StageRefused, "the request is malformed")
     trainer, _ = _trainer(stages, [0, 1, 1])
     with pytest.raises(TrainerError, match="refused our request"):
         asyncio.run(trainer.train(1))
-    (failed,) = events.read_events(log, "call.failed")
+    (failed,) = events.read_events(event_log, "call.failed")
     assert failed["stage"] == 1 and "malformed" in failed["error"]
-    assert events.read_events(log, "call.rerouted") == []
+    assert events.read_events(event_log, "call.rerouted") == []
 
 
-def test_a_stage_whose_only_peer_failed_retries_that_peer(log: Path) -> None:
+def test_a_stage_whose_only_peer_failed_retries_that_peer(event_log: Path) -> None:
     """Banned, the stage's only peer is still called (rather than none): it may be back."""
     stages = _Stages(1, StageUnavailable)
     trainer, peers = _trainer(stages, [0, 1])
     asyncio.run(trainer.train(1))
-    (failed,) = events.read_events(log, "call.failed")
-    (rerouted,) = events.read_events(log, "call.rerouted")
+    (failed,) = events.read_events(event_log, "call.failed")
+    (rerouted,) = events.read_events(event_log, "call.rerouted")
     assert failed["peer"] == rerouted["peer"] == peers[1]
     assert ("loss", 1, peers[1]) in stages.served
