@@ -6,8 +6,16 @@ fields:
 
 - ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``.
 - ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
+- ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
+  ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer
+  steps of its stages), ``stage_peers`` (peers on its stages, itself included),
+  ``run_peers`` (peers in the run, itself included).
+- ``peer.joined``: ``peer``, ``stage`` (None before it holds one); ``peer.left``: ``peer``,
+  ``announced`` (false: its record has been missing too long). As this node's reads of
+  the run's peers see them.
 - ``stage.held``: ``stage``, ``role`` (``"first"`` or ``"second"``), ``loaded`` (where its
-  state came from: ``"peers"``, ``"checkpoint"`` or ``"initial"``).
+  state came from: ``"peers"``, ``"checkpoint"`` or ``"initial"``), ``step`` (the
+  optimizer steps that state holds).
 - ``stage.released``: ``stage``.
 - ``placement.chose``: ``stage`` (a joiner's choice); ``placement.moved``: ``from``, ``to``.
 - ``averaging.round``: ``stage``, ``epoch`` (the one the copy is at now), ``peers`` (whose
@@ -17,9 +25,17 @@ fields:
   ``"loaded"``); ``digest`` (``hash``: 8 hex digits, ``norm``, ``sketch``: 4 floats) of
   the parameters the copies agree on, when digests are on (``SWARMTRAIN_LOG_DIGESTS``),
   except for ``"abandoned"``.
-- ``call.failed``: ``stage``, ``peer``, ``error``; ``call.rerouted``: ``stage``, ``peer``.
-- ``peer.banned``: ``peer``, ``service``.
-- ``checkpoint.written``: ``stage``, ``epoch``, ``path``.
+- ``call.failed``: ``stage``, ``peer``, ``error`` (the exception's class and message): a
+  call of this node's trainer failed; that peer is banned from its calls for a while.
+  ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``
+  (the same one when the stage has no other).
+- ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
+  caller refused too often; every service of this node refuses it for a while.
+- ``record.refused``: ``run``, ``reason``: this node refused to store or read a record of
+  its run's DHT keys (written by the node's DHT process).
+- ``spec.conflict``: ``run``, ``changes`` (phrases): the owner signed two specs for the
+  run; this node keeps the earlier.
+- ``checkpoint.written``: ``stage``, ``step`` (the optimizer steps it holds), ``path``.
 - ``node.stopped``: no fields.
 
 A process holds at most one open log (``open_log``); ``emit`` anywhere in the process

@@ -46,6 +46,20 @@ def reap_session_children():
     psutil.wait_procs(left, timeout=10)
 
 
+@pytest.fixture
+def event_log(tmp_path):
+    """This process's event log (``node.events``), open for the test: what the node code a
+    test runs in-process (a trainer, a service, a DHT) reports there."""
+    from node import events
+
+    path = tmp_path / "events.jsonl"
+    events.open_log(path)
+    try:
+        yield path
+    finally:
+        events.close_log()
+
+
 @pytest.fixture(scope="session")
 def corpus():
     """The default corpus (the standard library's sources), read once per session."""

@@ -1,10 +1,11 @@
-"""Helpers to run real local swarms in tests (node processes come from ``node.harness.local_swarm``)
-and to read ``swarmtrain status`` as JSON."""
+"""Helpers for tests on real local swarms: node processes (from
+``node.harness.local_swarm``), ``swarmtrain status`` as JSON, a command's one-line error."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from subprocess import Popen
@@ -14,12 +15,24 @@ from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, 
 __all__ = [
     "LOCAL",
     "NodeProcess",
+    "cli_error",
     "launch_node",
     "status",
     "stop_all",
     "swarmtrain",
     "wait_until",
 ]
+
+
+# What a command prints on stderr when it fails (``node.cli.main``): its one-line error.
+_ERROR = re.compile(r"^swarmtrain (\w+): error: (.*)$", re.MULTILINE)
+
+
+def cli_error(output: str) -> tuple[str, str] | None:
+    """The command and message of the last one-line error in ``output`` (a command's
+    stderr, or a node's output), or None if there is none."""
+    found = _ERROR.findall(output)
+    return found[-1] if found else None
 
 
 def swarmtrain(*args: str, home: str | None = None) -> Popen:

@@ -127,6 +127,5 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     check_before_start(settings)
-    node = Node.start(settings)
-    events.open_log(settings.events_path(node.peer_id))
+    node = Node.start(settings)  # opens the node's event log
     return uvloop.run(serve(node, args.maddrs_file))

@@ -240,6 +240,7 @@ class Node:
         run, signed = resolve_run(settings)
         settings = replace(settings, run=run)
         key, lock_fd = load_or_create_identity(settings.identity_path())
+        events.open_log(settings.events_path(peer_id_of(key.public_key())))  # before the fork
         try:
             dht = SwarmDHT.start(
                 run,
@@ -511,7 +512,14 @@ class Node:
         self.held[stage] = HeldStage(stage, role, averager, server)
         if role == "second":
             logger.info("serving stage %d as well (a second stage)", stage)
-        events.emit("stage.held", stage=stage, role=role, loaded=str(loaded))
+        source = (
+            "initial"
+            if not loaded.loaded
+            else "checkpoint"
+            if saved and loaded.source == saved[2]
+            else "peers"
+        )
+        events.emit("stage.held", stage=stage, role=role, loaded=source, step=loaded.step)
 
     async def _release(self, stage: int) -> None:
         """Stop serving and averaging ``stage`` (before taking another, or on close)."""

@@ -13,6 +13,8 @@ from protocol.records import PeerInfo, PeerState
 
 logger = logging.getLogger(__name__)
 
+ANNOUNCED = "announced it"  # why a peer that said it leaves has left
+
 
 @dataclass
 class Members:
@@ -41,7 +43,7 @@ class Members:
             if peer_id in present:
                 continue
             if peer_id in leaving or now - last > self.grace_s:
-                why = "announced it" if peer_id in leaving else f"no record for {now - last:.0f} s"
+                why = ANNOUNCED if peer_id in leaving else f"no record for {now - last:.0f} s"
                 self.left.append((peer_id, why))
             else:
                 kept[peer_id] = last
@@ -57,7 +59,7 @@ class Members:
             events.emit("peer.joined", peer=p.peer_id, stage=p.stage)
         for peer_id, why in self.left:
             logger.info("peer %s left the run (%s)", peer_id, why)
-            events.emit("peer.left", peer=peer_id, why=why)
+            events.emit("peer.left", peer=peer_id, announced=why == ANNOUNCED, why=why)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,13 @@ Each micro-batch takes its own route (``protocol.routing``): forward through sta
 backward runs back through the same stages, each on any peer of that stage (backward is
 stateless: the saved stage input is re-sent). A call that fails because the peer is gone,
 times out or errs on its side is retried on another peer of the same stage, and that peer
-is banned for a while. The timeout follows how long the stage's calls take
-(``protocol.routing.CallTimer``): a peer cut off mid-call holds its micro-batches for a
-few typical calls, not for ``call_timeout_s``. Several micro-batches are in flight at once
-so that stages overlap.
+is banned for a while (events ``call.failed``, then ``call.rerouted``). The timeout
+follows how long the stage's calls take (``protocol.routing.CallTimer``): a peer cut off
+mid-call holds its micro-batches for a few typical calls, not for ``call_timeout_s``.
+Several micro-batches are in flight at once so that stages overlap.
+
+The stage RPCs go through ``StageCalls`` (``node.pipeline.client``'s functions unless
+given): a test puts its faults there, between the trainer and the swarm.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from models.data import eval_batches, sample_batches, stream_seed
+from node import events
 from node.pipeline import client as stage_client
 from node.pipeline.client import StageRefused, StageTimeout, StageUnavailable
 from node.pipeline.server import StageServer
@@ -63,6 +67,16 @@ class MicroBatchResult:
     route: tuple[str, ...]  # the peer of each stage that served the forward
 
 
+@dataclass(frozen=True)
+class StageCalls:
+    """The stage RPCs a trainer makes, with ``node.pipeline.client``'s signatures (its
+    functions by default)."""
+
+    forward: Callable[..., Awaitable[torch.Tensor]] = stage_client.forward
+    loss: Callable[..., Awaitable[tuple[torch.Tensor, torch.Tensor | None]]] = stage_client.loss
+    backward: Callable[..., Awaitable[torch.Tensor | None]] = stage_client.backward
+
+
 class MembershipRefused(Exception):
     """A peer did not take our invite (or could not be asked)."""
 
@@ -97,12 +111,14 @@ class Trainer:
         *,
         membership: str | None = None,
         local: Callable[[int], StageServer | None] | None = None,
+        calls: StageCalls | None = None,
     ) -> None:
         self.dht, self.p2p, self.spec, self.settings = dht, p2p, spec, settings
         # This node's own server of a stage, if it serves it: our calls to our own peer id
         # run in-process (libp2p does not dial itself).
         self._local = local or (lambda stage: None)
         self._own_id = p2p.peer_id.to_base58()
+        self._calls = calls or StageCalls()
         self.corpus = corpus
         self.membership = membership  # private runs: our proof, shown to each peer we call
         self._presented: set[str] = set()
@@ -135,6 +151,12 @@ class Trainer:
         recent = [p for p, _ in self._seen.values()]
         self._view = candidates_by_stage(recent, self.spec.n_stages)
 
+    @property
+    def view(self) -> tuple[tuple[Candidate, ...], ...]:
+        """The peers of each stage that calls may go to now, as the last ``refresh`` read
+        them less those that failed since."""
+        return tuple(tuple(stage) for stage in self._view)
+
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.refresh_s)
@@ -147,8 +169,11 @@ class Trainer:
         ``TrainerError`` (not a group of them) when training cannot go on."""
         try:
             await self._train(n_micro_batches, on_result)
-        except* TrainerError as group:
-            raise group.exceptions[0] from None
+        except* TrainerError as group:  # nested: the workers' group is in the refresher's
+            error: BaseException = group
+            while isinstance(error, BaseExceptionGroup):
+                error = error.exceptions[0]
+            raise error from None
 
     async def _train(
         self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None
@@ -185,7 +210,7 @@ class Trainer:
         for s in reversed(range(last)):
             grad, _ = await self._call(
                 s,
-                lambda peer, opts, s=s, g=grad: stage_client.backward(
+                lambda peer, opts, s=s, g=grad: self._calls.backward(
                     self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **opts
                 ),
                 prefer=route[s],  # it kept the forward's graph: no recompute there
@@ -211,7 +236,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, str]:
         return await self._call(
             stage,
-            lambda peer, opts: stage_client.forward(
+            lambda peer, opts: self._calls.forward(
                 self.p2p, peer, x, stage=stage, micro_batch=index, train=train, **opts
             ),
         )
@@ -220,7 +245,7 @@ class Trainer:
         last = self.spec.n_stages - 1
         return await self._call(
             last,
-            lambda peer, opts: stage_client.loss(
+            lambda peer, opts: self._calls.loss(
                 self.p2p, peer, x, y, stage=last, train=train, micro_batch=index, **opts
             ),
         )
@@ -230,8 +255,9 @@ class Trainer:
     ) -> tuple[R, str]:
         """``call(peer, opts)`` on a peer of ``stage`` (``prefer`` first, if it is there
         and not banned; ``opts``: ``_opts``'s keywords); on a peer failure, ban it and try
-        another."""
+        another. Each failure is a ``call.failed`` event, each retry a ``call.rerouted``."""
         deadline = time.monotonic() + self.settings.stage_wait_s
+        retry = False
         while True:
             candidates = [
                 Candidate(c.peer_id, c.throughput, c.load + self._in_flight[c.peer_id])
@@ -250,6 +276,8 @@ class Trainer:
             there = prefer not in banned and any(c.peer_id == prefer for c in candidates)
             peer = prefer if there else self._choose(candidates, banned)
             prefer = ""  # a retry goes where the rule sends it
+            if retry:
+                events.emit("call.rerouted", stage=stage, peer=peer)
             self._in_flight[peer] += 1
             try:
                 await self._present(peer)
@@ -258,25 +286,31 @@ class Trainer:
                 result = await call(PeerID.from_base58(peer), opts)
                 self._timer.succeeded(stage, time.monotonic() - started)
             except StageRefused as e:
+                self._failed(stage, peer, e)
                 if NOT_A_MEMBER in str(e):
                     self._presented.discard(peer)  # it forgot us (restarted?): present again
                 elif WRONG_STAGE not in str(e):  # else: it moved to another stage since
                     raise TrainerError(f"stage {stage} peer {peer} refused our request: {e}") from e
-                self._bans.ban(peer, time.monotonic())
-                self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
+                retry = True
                 continue
             except (StageUnavailable, MembershipRefused) as e:
                 if isinstance(e, StageTimeout):
                     self._timer.timed_out(stage)
                 logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)
-                self._bans.ban(peer, time.monotonic())
+                self._failed(stage, peer, e)
                 self.stats.rerouted[stage] += 1
-                self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
+                retry = True
                 continue
             finally:
                 self._in_flight[peer] -= 1
             self.stats.calls[(stage, peer)] += 1
             return result, peer
+
+    def _failed(self, stage: int, peer: str, error: Exception) -> None:
+        """A call to ``peer`` of ``stage`` failed: ban the peer and leave it out of the view."""
+        events.emit("call.failed", stage=stage, peer=peer, error=f"{type(error).__name__}: {error}")
+        self._bans.ban(peer, time.monotonic())
+        self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
 
     async def _present(self, peer: str) -> None:
         """In a private run, show our invite to ``peer`` before our first call there."""

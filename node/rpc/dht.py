@@ -25,6 +25,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
+from node import events
 from node.cli.maddrs import (
     check_announce_maddr,
     check_can_listen,
@@ -182,6 +183,7 @@ class RunRecordValidator(RecordValidatorBase):
                     )
         except Exception as e:  # anything a peer sends that we cannot read is refused
             logger.warning("refused a DHT record of run %s: %s", self.run, e)
+            events.emit("record.refused", run=self.run, reason=str(e))
             return False
         return True
 
@@ -416,6 +418,7 @@ class SwarmDHT:
             if other.raw != first.raw and other.raw not in self._conflicts:
                 self._conflicts.add(other.raw)
                 changes = spec_differences(first.spec, other.spec) or ["its signature"]
+                events.emit("spec.conflict", run=self.run, changes=changes)
                 logger.warning(
                     "run %s has two specs signed by its owner: keeping the first, ignoring "
                     "one created later that changes %s",

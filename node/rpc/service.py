@@ -32,6 +32,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.servicer import RPCHandler
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from node import events
 from node.rpc.hivemind_compat import DETACH_TIMEOUT_S, PinnedHandleNames, p2pd_running
 from protocol.routing import BanList
 
@@ -216,12 +217,14 @@ class NodeServicer(PinnedHandleNames):
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
         """Log a refused request and count it against its caller, which is banned (logged
-        once) after ``callers.strikes`` refusals within ``callers.window_s``."""
+        once, and a ``peer.banned`` event) after ``callers.strikes`` refusals within
+        ``callers.window_s``."""
         logger.warning(f"refused {what} from {context.remote_id}: {reason}")
         if self.callers is None:
             return
         caller = context.remote_id.to_base58()
         if self.callers.strike(caller, time.monotonic(), cause) is not None:
+            events.emit("peer.banned", peer=caller, service=self.service_name)
             logger.warning(
                 f"banned {context.remote_id} for {self.callers.duration_s:.0f} s: "
                 f"{self.callers.strikes} refused requests within {self.callers.window_s:.0f} s"

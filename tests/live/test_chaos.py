@@ -3,7 +3,8 @@
 Peers are killed at seeded random moments, each one a peer of a stage that still has
 another (killing a stage's sole peer stalls training by design), and a replacement joins
 while training goes on. Training must complete every micro-batch with finite, falling
-losses, and afterwards no process the test started may be left, however deep it was
+losses, each call that failed (``call.failed`` events of the trainer, which runs in the
+test's process) retried, and afterwards no process the test started may be left, however deep it was
 in the tree (a node's DHT and averager children, every ``p2pd``).
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from node import events
 from node.cli.train import open_trainer
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline.trainer import MicroBatchResult, TrainerSettings
@@ -125,7 +127,7 @@ async def _train(dht: SwarmDHT, chaos: Chaos, n_peers: list[int]):
         await trainer.p2p.shutdown()
 
 
-def test_random_sigkills_during_training(tmp_path, monkeypatch):
+def test_random_sigkills_during_training(tmp_path, monkeypatch, event_log):
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VAR, tag)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -162,7 +164,10 @@ def test_random_sigkills_during_training(tmp_path, monkeypatch):
     # The tiny model's loss falls from 5.58 to a plateau near 5.0 in this many samples.
     first, last = sum(losses[:20]) / 20, sum(losses[-40:]) / 40
     assert last < first - 0.2, f"loss fell: {first:.3f} -> {last:.3f}"
-    assert sum(trainer.stats.rerouted.values()) >= 1, "calls to killed peers were retried"
+    failed = events.read_events(event_log, "call.failed")
+    killed = {n.peer_id for n in chaos.killed}
+    assert killed & {e["peer"] for e in failed}, "calls to the killed peers failed"
+    assert len(events.read_events(event_log, "call.rerouted")) == len(failed), "and were retried"
 
     children = psutil.Process().children
     _wait_gone(lambda: _alive([p for p in children(recursive=True) if p.pid not in before]),

@@ -6,7 +6,8 @@ trainer calls its own stages in-process: libp2p does not dial itself) and keep s
 for minutes; a Ctrl-C in its terminal (SIGINT to the whole process group, ``p2pd`` and
 the averager processes included) must stop it within seconds, leaving no process, and
 with its stages checkpointed: the model exports (from the live node too) and samples,
-and the node restarted resumes where it stopped.
+and the node restarted resumes where it stopped. What the node did is read from its
+events, in the default place (beside its identity).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from node.events import read_events
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import decode_progress, progress_key
 from tests.swarm import LOCAL, status, wait_until
@@ -35,6 +37,12 @@ def _epochs(dht: SwarmDHT, run: str, stage: int) -> dict[str, int]:
         return {}
     records = (decode_progress(k, v.value) for k, v in found.value.items())
     return {p.peer_id: p.epoch for p in records}
+
+
+def _events(home: Path, kind: str) -> list[dict]:
+    """The node's events of ``kind`` (``HOME`` is ``home``; the run is named "alone")."""
+    return [e for f in sorted((home / ".swarmtrain/alone/events").glob("*.jsonl"))
+            for e in read_events(f, kind)]  # fmt: skip
 
 
 def _group(pgid: int) -> list[psutil.Process]:
@@ -63,7 +71,7 @@ def _start(tmp_path: Path, log: Path, maddrs: Path) -> subprocess.Popen:
         )
 
 
-def _serving_both(proc: subprocess.Popen, log: Path, maddrs: Path) -> tuple[str, str]:
+def _serving_both(proc: subprocess.Popen, home: Path, log: Path, maddrs: Path) -> tuple[str, str]:
     """Wait until the node serves both stages; its run id and address."""
 
     def started() -> str | None:
@@ -72,7 +80,7 @@ def _serving_both(proc: subprocess.Popen, log: Path, maddrs: Path) -> tuple[str,
         return words[0] if words else None
 
     maddr = wait_until(started, 90, "the node to start")
-    run = next(line.split("'")[1] for line in log.read_text().splitlines() if "in run '" in line)
+    run = _events(home, "node.started")[-1]["run"]
 
     def both_stages_served() -> bool:
         assert proc.poll() is None, log.read_text()[-3000:]
@@ -83,15 +91,19 @@ def _serving_both(proc: subprocess.Popen, log: Path, maddrs: Path) -> tuple[str,
     return run, maddr
 
 
-def _ctrl_c(proc: subprocess.Popen, log: Path) -> None:
+def _ctrl_c(proc: subprocess.Popen, home: Path, log: Path) -> None:
     """SIGINT to the node's process group, as Ctrl-C in its terminal: it must exit 0
-    within 10 s, and every process of the group with it."""
+    within 10 s, and every process of the group with it, having checkpointed both stages
+    and closed."""
     pgid = os.getpgid(proc.pid)
+    sent = time.time()
     os.killpg(pgid, signal.SIGINT)
     stopped = time.monotonic()
     assert proc.wait(timeout=10) == 0, log.read_text()[-3000:]
     left = 10 - (time.monotonic() - stopped)
     wait_until(lambda: not _group(pgid), left, "every process of the node to exit")
+    assert [e for e in _events(home, "node.stopped") if e["t"] >= sent]
+    assert {e["stage"] for e in _events(home, "checkpoint.written") if e["t"] >= sent} == {0, 1}
 
 
 def _cli(tmp_path: Path, *args: str) -> str:
@@ -110,7 +122,7 @@ def test_a_lone_default_node_trains_for_minutes_stops_on_ctrl_c_and_resumes(tmp_
     proc = _start(tmp_path, log, maddrs)
     dht = None
     try:
-        run, maddr = _serving_both(proc, log, maddrs)
+        run, maddr = _serving_both(proc, tmp_path, log, maddrs)
         began = time.monotonic()
         dht = SwarmDHT.start(run, initial_peers=[maddr], host_maddrs=[LOCAL], client_mode=True)
         first = [_epochs(dht, run, s) for s in range(2)]
@@ -129,7 +141,7 @@ def test_a_lone_default_node_trains_for_minutes_stops_on_ctrl_c_and_resumes(tmp_
             assert last[stage][peer] > first[stage].get(peer, 0) + 50, (stage, first, last)
         dht.shutdown()
         dht = None
-        _ctrl_c(proc, log)
+        _ctrl_c(proc, tmp_path, log)
 
         # The stop checkpointed both stages: the model exports and samples deterministically.
         name = run.partition("@")[0]
@@ -143,7 +155,7 @@ def test_a_lone_default_node_trains_for_minutes_stops_on_ctrl_c_and_resumes(tmp_
 
         # Restarted with the same identity, it resumes where it stopped, not from scratch.
         proc = _start(tmp_path, log, maddrs)
-        run, maddr = _serving_both(proc, log, maddrs)
+        run, maddr = _serving_both(proc, tmp_path, log, maddrs)
         dht = SwarmDHT.start(run, initial_peers=[maddr], host_maddrs=[LOCAL], client_mode=True)
         for stage in range(2):
             (stopped_at,) = last[stage].values()
@@ -151,7 +163,7 @@ def test_a_lone_default_node_trains_for_minutes_stops_on_ctrl_c_and_resumes(tmp_
             assert min(resumed.values()) >= stopped_at, (stage, stopped_at, resumed)
         dht.shutdown()
         dht = None
-        _ctrl_c(proc, log)
+        _ctrl_c(proc, tmp_path, log)
     finally:
         if dht is not None:
             dht.shutdown()

@@ -3,7 +3,7 @@ our validator stores bad peer records next to a real node's, and ``swarmtrain st
 lists only what validates.
 
 The honest node refuses bad records when asked to store them (its ``RunRecordValidator``
-logs "refused a DHT record"), and that matters beyond tidiness: hivemind validates a
+writes a ``record.refused`` event), and that matters beyond tidiness: hivemind validates a
 dictionary value as a whole when it is read from a peer, so one bad entry held by an
 honest node would hide every record that node holds from every reader."""
 
@@ -25,6 +25,11 @@ from tests.unit.test_node_records import _fresh
 
 def _present(view: dict) -> dict[str, dict]:
     return {p["peer_id"]: p for p in view["peers"]}
+
+
+def _refusals(node) -> list[str]:
+    """Why the node refused each DHT record of its run it refused so far."""
+    return [e["reason"] for e in node.events("record.refused") if e["run"] == node.run_id]
 
 
 def _attacker(maddr: str) -> hivemind.DHT:
@@ -99,13 +104,11 @@ def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
 
         for what, reason in refusals.items():
             wait_until(
-                lambda reason=reason: reason in node.output(),
+                lambda reason=reason: any(reason in r for r in _refusals(node)),
                 10,
                 f"the honest node to refuse the {what} record ({reason!r})",
             )
-        assert "refused a DHT record of run attacked" in node.output()
-        refused = [line for line in node.output().splitlines() if "refused" in line]
-        assert not [line for line in refused if good_id in line], "the good record was refused"
+        assert not [r for r in _refusals(node) if good_id in r], "the good record was refused"
         assert node.stop() == 0  # unharmed: it still stops cleanly (and removes its sockets)
     finally:
         if attacker is not None:
@@ -141,7 +144,9 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
             "the record that expires with its freshness to be listed",
         )
         assert long_id not in present
-        assert f"record of peer {long_id} expires 720 s after it is dated" in node.output()
+        assert f"record of peer {long_id} expires 720 s after it is dated" in " ".join(
+            _refusals(node)
+        )
 
         wait_until(lambda: get_dht_time() > dated + MAX_RECORD_AGE_S + 1, 20, "staleness")
         present = _present(status(run, node.maddr))

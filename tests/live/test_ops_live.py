@@ -1,30 +1,25 @@
 """What a person running the commands sees, on real local swarms whose nodes run in their
 default configuration (training on): fast, uniform failures for a run that does not
 exist; ``train``'s exit status, startup and CSV; ``status`` of a node holding two stages,
-and ``--watch``; a node's log of who joins and leaves, its heartbeat, and no parameter
-digests at INFO."""
+and ``--watch``; a node's events of who joins and leaves and its heartbeat, and no
+parameter digests in its log at INFO."""
 
 from __future__ import annotations
 
 import csv
 import json
-import re
 import signal
 import time
 from pathlib import Path
 
-from node.averaging.averager import ParamDigest
 from protocol.identity import resolve_peer_prefix
-from tests.swarm import launch_node, stop_all, swarmtrain, wait_until
-
-# What each command prints on stderr before its one-line error (cli.main).
-ERROR = re.compile(r"^swarmtrain (\w+): error: (.*)$", re.MULTILINE)
+from tests.swarm import cli_error, launch_node, stop_all, swarmtrain, wait_until
 
 
 def _error(stderr: str) -> tuple[str, str]:
-    m = ERROR.search(stderr)
-    assert m, stderr[-3000:]
-    return m[1], m[2]
+    error = cli_error(stderr)
+    assert error, stderr[-3000:]
+    return error
 
 
 def _finish(proc, timeout: float) -> tuple[int, str, str, float]:
@@ -174,9 +169,10 @@ def test_status_of_a_two_stage_node_and_watch(tmp_path):
         stop_all([node])
 
 
-def test_a_node_logs_joins_departures_and_a_heartbeat_but_no_digests(tmp_path):
-    """The owner's node logs a member joining and leaving (by peer id), and a heartbeat
-    every --heartbeat seconds; the per-epoch parameter digests are not in its log (DEBUG)."""
+def test_a_node_reports_joins_departures_and_a_heartbeat_but_logs_no_digests(tmp_path):
+    """The owner's node reports a member joining and leaving (events ``peer.joined``,
+    ``peer.left``), and a ``node.heartbeat`` every --heartbeat seconds; the per-epoch
+    parameter digests are not in its log for people (they are DEBUG)."""
     extra = ["--stage", "0", "--heartbeat", "5"]  # 60 s by default
     owner = launch_node(tmp_path, "owner", "logged", train=True, extra=extra)
     nodes = [owner]
@@ -186,19 +182,21 @@ def test_a_node_logs_joins_departures_and_a_heartbeat_but_no_digests(tmp_path):
                              train=True, extra=["--stage", "1"])  # fmt: skip
         nodes.append(member)
         member.wait_serving()
-        joined = re.compile(rf"peer {member.peer_id} joined the run")
-        wait_until(lambda: joined.search(owner.output()), 30, "the owner to log the join")
+
+        def seen(kind: str) -> dict | None:
+            return next((e for e in owner.events(kind) if e["peer"] == member.peer_id), None)
+
+        joined = wait_until(lambda: seen("peer.joined"), 30, "the owner to see the join")
+        assert joined["stage"] in (None, 1)
         assert member.stop(signal.SIGTERM) == 0
-        left = re.compile(rf"peer {member.peer_id} left the run")
-        wait_until(lambda: left.search(owner.output()), 30, "the owner to log the departure")
+        left = wait_until(lambda: seen("peer.left"), 30, "the owner to see the departure")
+        assert isinstance(left["announced"], bool)  # seen leaving, or missing too long
 
-        def heartbeat() -> dict | None:
-            m = re.search(r"heartbeat: (.*)", owner.output())
-            return m and dict(kv.split("=") for kv in m[1].split())
-
-        beat = wait_until(heartbeat, 30, "a heartbeat", every=1)
-        assert beat["stage"] == "0" and int(beat["run_peers"]) >= 1
-        assert int(beat["served"]) >= 0 and int(beat["steps"]) >= 0
-        assert not ParamDigest.PATTERN.search(owner.output() + member.output())
+        beats = wait_until(lambda: owner.events("node.heartbeat"), 30, "a heartbeat", every=1)
+        assert beats[0]["stage"] == 0 and beats[0]["second_stage"] is None
+        assert beats[0]["run_peers"] >= 1 and beats[0]["stage_peers"] >= 1
+        assert beats[0]["served"] >= 0 and beats[0]["steps"] >= 0
+        rounds = owner.events("averaging.round") + member.events("averaging.round")
+        assert not any("digest" in r for r in rounds), "digests are off by default"
     finally:
         stop_all(nodes)

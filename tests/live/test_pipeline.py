@@ -1,5 +1,7 @@
 """Pipeline training through a real local swarm: reroutes around killed peers, stateless
-backward on another peer, and learning parity with the single-process baseline."""
+backward on another peer, and learning parity with the single-process baseline. The
+trainer runs in the test's process and writes its events (``call.failed``,
+``call.rerouted``) to a log the test opens."""
 
 import asyncio
 import os
@@ -7,13 +9,13 @@ import signal
 import time
 from contextlib import contextmanager
 
-import torch
-
 from models.config import preset
 from models.training import train_baseline
+from node import events
 from node.cli.train import open_trainer
 from node.harness.local_swarm import LOCAL, launch_node, stop_all
-from node.pipeline.trainer import Trainer, TrainerSettings
+from node.pipeline import client as stage_client
+from node.pipeline.trainer import StageCalls, Trainer, TrainerSettings
 from node.rpc.dht import SwarmDHT
 
 
@@ -41,25 +43,25 @@ def swarm(tmp_path, run, stages_of_peers):
         stop_all(nodes)
 
 
-async def _trainer(dht, trainer_cls=Trainer, **settings) -> Trainer:
+async def _trainer(dht, calls: StageCalls | None = None, **settings) -> Trainer:
     base = await open_trainer(dht, TrainerSettings(call_timeout_s=10, **settings))
-    if trainer_cls is Trainer:
+    if calls is None:
         return base
-    return trainer_cls(base.dht, base.p2p, base.spec, base.corpus, base.settings)
+    return Trainer(base.dht, base.p2p, base.spec, base.corpus, base.settings, calls=calls)
 
 
 def _wait_for_view(trainer: Trainer, per_stage: list[int]) -> None:
     async def ready():
         while True:
             await trainer.refresh()
-            if [len(v) for v in trainer._view] == per_stage:
+            if [len(v) for v in trainer.view] == per_stage:
                 return
             await asyncio.sleep(0.3)
 
     return asyncio.wait_for(ready(), 30)
 
 
-def test_sigkill_during_training_is_rerouted(tmp_path):
+def test_sigkill_during_training_is_rerouted(tmp_path, event_log):
     with swarm(tmp_path, "chaos", [0, 1, 0, 1]) as (nodes, dht):
         stage1 = [n for n in nodes if n.stage() == 1]
 
@@ -82,14 +84,19 @@ def test_sigkill_during_training_is_rerouted(tmp_path):
         trainer, losses = asyncio.run(main())
         assert stage1[0].proc.wait(10) == -signal.SIGKILL
         assert trainer.stats.micro_batches == 200, "every micro-batch completed"
-        assert trainer.stats.rerouted[1] >= 1, "calls to the killed peer were retried"
-        survivor = stage1[1].peer_id
+        survivor, killed = stage1[1].peer_id, stage1[0].peer_id
+        failed = events.read_events(event_log, "call.failed")
+        assert (1, killed) in {(e["stage"], e["peer"]) for e in failed}, failed
+        assert {e["stage"] for e in failed} == {1}, failed
+        rerouted = events.read_events(event_log, "call.rerouted")
+        assert len(rerouted) == len(failed), "each failed call was sent again"
+        assert (1, survivor) in {(e["stage"], e["peer"]) for e in rerouted}, rerouted
         late_calls = trainer.stats.calls[(1, survivor)]
         assert late_calls > 180 / 2, "the surviving peer of stage 1 took over"
         assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.3, "loss kept falling"
 
 
-def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_path):
+def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_path, event_log):
     """SIGSTOP one of stage 1's two peers: like a machine that lost its link, it neither
     answers nor closes its connections. The calls stuck there end after the stage's
     adaptive timeout (a few typical calls, at least 5 s), not after the 60 s ceiling, and
@@ -116,34 +123,29 @@ def test_a_peer_cut_off_mid_call_holds_training_for_seconds_not_the_timeout(tmp_
             f"({trainer.stats.rerouted[1]} calls rerouted; timeout ceiling 60 s)"
         )
         assert trainer.stats.micro_batches == 60
-        assert trainer.stats.rerouted[1] >= 1, "a call stuck on the stopped peer was retried"
+        failed = events.read_events(event_log, "call.failed")
+        assert failed and {(e["stage"], e["peer"]) for e in failed} == {(1, victim.peer_id)}
+        assert all(e["error"].startswith("StageTimeout") for e in failed), failed
         assert took < 30, f"training was held {took:.0f} s: stuck calls waited the ceiling"
 
 
-class KillAfterForward(Trainer):
-    """Fault injection: SIGKILL the stage-0 peer that served the forward of one micro-batch,
+def test_backward_runs_on_another_peer_after_forward_peer_dies(tmp_path, event_log):
+    """Fault: SIGKILL the stage-0 peer that served the forward of the first micro-batch,
     before that micro-batch's backward is sent (to that peer first: it kept the graph)."""
-
-    victims: dict = {}
-    killed: str | None = None
-    after_kill: list = []
-
-    async def _call(self, stage, call, prefer=""):
-        result, peer = await super()._call(stage, call, prefer)
-        if stage == 0 and self.killed is not None and not self.after_kill:
-            self.after_kill.append(peer)  # the next stage-0 call: the backward
-        if stage == 0 and self.killed is None and isinstance(result, torch.Tensor):
-            os.kill(self.victims[peer], signal.SIGKILL)
-            self.killed = peer
-        return result, peer
-
-
-def test_backward_runs_on_another_peer_after_forward_peer_dies(tmp_path):
     with swarm(tmp_path, "stateless", [0, 1, 0]) as (nodes, dht):
+        pids = {n.peer_id: n.proc.pid for n in nodes}
+        killed: list[str] = []
+
+        async def forward_then_kill(p2p, peer, x, **kw):
+            result = await stage_client.forward(p2p, peer, x, **kw)
+            if kw["stage"] == 0 and not killed:
+                killed.append(peer.to_base58())
+                os.kill(pids[killed[0]], signal.SIGKILL)
+            return result
 
         async def main():
-            KillAfterForward.victims = {n.peer_id: n.proc.pid for n in nodes}
-            trainer = await _trainer(dht, KillAfterForward, in_flight=1)
+            calls = StageCalls(forward=forward_then_kill)
+            trainer = await _trainer(dht, calls, in_flight=1)
             try:
                 await _wait_for_view(trainer, [2, 1])
                 await trainer.train(3)
@@ -152,11 +154,12 @@ def test_backward_runs_on_another_peer_after_forward_peer_dies(tmp_path):
                 await trainer.p2p.shutdown()
 
         trainer = asyncio.run(main())
-        assert trainer.killed is not None
-        assert trainer.after_kill and trainer.after_kill[0] != trainer.killed, (
-            "the backward was served by the other peer of stage 0"
-        )
-        assert trainer.stats.micro_batches == 3
+        assert killed and trainer.stats.micro_batches == 3
+        (failed,) = events.read_events(event_log, "call.failed")
+        (rerouted,) = events.read_events(event_log, "call.rerouted")
+        (other,) = set(pids) - {killed[0]} - {nodes[1].peer_id}
+        assert (failed["stage"], failed["peer"]) == (0, killed[0]), "the backward went there"
+        assert (rerouted["stage"], rerouted["peer"]) == (0, other), "and then to the other"
 
 
 def test_swarm_matches_baseline_loss_curve(tmp_path, corpus):

@@ -38,7 +38,7 @@ from protocol.run_spec import (
     sign_run_spec,
 )
 from tests.records import peer_info
-from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
+from tests.swarm import LOCAL, cli_error, launch_node, status, stop_all, wait_until
 
 
 def _cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -57,9 +57,12 @@ def _peers(run: str, maddr: str) -> dict[str, dict]:
     return {p["peer_id"]: p for p in status(run, maddr)["peers"]}
 
 
-def _refused_at_start(node, reason: str) -> None:
+def _stopped_saying(node, reason: str) -> None:
+    """``node`` exits 2 and its one-line error (what the person who started it reads)
+    says ``reason``."""
     assert node.proc.wait(120) == 2, node.output()
-    assert reason in node.output(), node.output()
+    error = cli_error(node.output())
+    assert error and error[0] == "node" and reason in error[1], node.output()
 
 
 def test_a_private_run_admits_its_invited_peers_only(tmp_path):
@@ -93,16 +96,16 @@ def test_a_private_run_admits_its_invited_peers_only(tmp_path):
         stolen = launch_node(tmp_path, "e", run, initial_peers=[a.maddr], wait=False,
                              extra=["--invite", invite_b.stdout.strip()])  # fmt: skip
         nodes += [uninvited, late, stolen]
-        _refused_at_start(uninvited, "is private: start with --invite")
-        _refused_at_start(late, "expired")
-        _refused_at_start(stolen, "this invite is for peer")
+        _stopped_saying(uninvited, "is private: start with --invite")
+        _stopped_saying(late, "expired")
+        _stopped_saying(stolen, "this invite is for peer")
 
         # A spec for this run id signed by anyone but the owner is refused.
         forged = tmp_path / "forged.spec.json"
         forged.write_text(_forged_spec_text(spec_file))
         impostor = launch_node(tmp_path, "f", run, wait=False, extra=["--spec", forged])
         nodes.append(impostor)
-        _refused_at_start(impostor, "does not belong to owner")
+        _stopped_saying(impostor, "does not belong to owner")
 
         asyncio.run(_stranger_and_member(run, a, b, bearer.stdout.strip()))
         peers = _peers(run, a.maddr)
@@ -111,8 +114,8 @@ def test_a_private_run_admits_its_invited_peers_only(tmp_path):
         # The owner revokes b: b stops, saying why, and drops out of the run's view.
         _cli("run", "revoke", "--run", run, "--owner-key", owner_key, "--peer", b_id,
              "--initial-peers", a.maddr, "--host-maddrs", LOCAL)  # fmt: skip
-        assert b.proc.wait(60) == 2, b.output()
-        assert "no longer a member" in b.output() and "revoked" in b.output()
+        _stopped_saying(b, "no longer a member")
+        assert "revoked" in cli_error(b.output())[1]
         wait_until(lambda: b.peer_id not in _peers(run, a.maddr), 30, "b to leave the view")
     finally:
         stop_all(nodes)
@@ -220,8 +223,7 @@ def test_a_bearer_invite_admits_one_peer_even_when_two_use_it_at_once(tmp_path):
         loser = wait_until(lambda: next((n for n in pair if not n.alive()), None), 180,
                            "one of the two nodes with the same bearer token to stop")  # fmt: skip
         winner = next(n for n in pair if n is not loser)
-        assert loser.proc.returncode == 2, loser.output()
-        assert "already used by peer" in loser.output(), loser.output()
+        _stopped_saying(loser, "already used by peer")
         # ... and the other serves, admitted by the owner's node (listed in the run).
         winner.wait_serving(180)
         wait_until(lambda: winner.peer_id in _peers(run, owner.maddr), 60, "the winner listed")

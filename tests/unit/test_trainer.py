@@ -1,0 +1,133 @@
+"""The trainer's rerouting, driven without a swarm: the swarm view comes from a stub DHT and
+the stage calls go through ``StageCalls`` stubs that fail as a test says. A failed call is
+a ``call.failed`` event, its retry on another peer of the stage a ``call.rerouted``."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import PeerID
+
+from node import events
+from node.pipeline.client import StageCallError, StageRefused, StageUnavailable
+from node.pipeline.trainer import StageCalls, Trainer, TrainerError, TrainerSettings
+from protocol.identity import peer_id_of
+from protocol.records import PeerInfo
+from protocol.run_spec import make_run_spec
+from protocol.stage_messages import WRONG_STAGE
+from tests.records import peer_info
+
+OWNER = peer_id_of(Ed25519PrivateKey.generate().public_key())
+SPEC = make_run_spec("rerouted", "tiny", 2, owner=OWNER)
+
+
+def _peer_id() -> str:
+    return peer_id_of(Ed25519PrivateKey.generate().public_key())
+
+
+@dataclass
+class _DHT:
+    """A swarm view that never changes."""
+
+    infos: list[PeerInfo]
+
+    async def peers(self) -> list[PeerInfo]:
+        return self.infos
+
+
+@dataclass
+class _Stages:
+    """Stage calls that compute nothing; the first call to ``failing_stage`` raises
+    ``error(peer)``. Records who served what."""
+
+    failing_stage: int
+    error: type[StageCallError]
+    reason: str = "gone"
+    served: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, stage, peer)
+    failed: list[str] = field(default_factory=list)
+
+    def calls(self) -> StageCalls:
+        return StageCalls(forward=self.forward, loss=self.loss, backward=self.backward)
+
+    def _serve(self, kind: str, peer: PeerID, stage: int) -> None:
+        if stage == self.failing_stage and not self.failed:
+            self.failed.append(peer.to_base58())
+            raise self.error(peer, self.reason)
+        self.served.append((kind, stage, peer.to_base58()))
+
+    async def forward(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        self._serve("forward", peer, kw["stage"])
+        return torch.zeros(*x.shape, SPEC.model.n_embd)
+
+    async def loss(self, p2p: Any, peer: PeerID, x: torch.Tensor, y: torch.Tensor, **kw: Any):
+        self._serve("loss", peer, kw["stage"])
+        return torch.tensor(1.0), torch.zeros_like(x)
+
+    async def backward(self, p2p: Any, peer: PeerID, x: torch.Tensor, g: torch.Tensor, **kw: Any):
+        self._serve("backward", peer, kw["stage"])
+        return None if kw["stage"] == 0 else torch.zeros_like(x)
+
+
+def _trainer(stages: _Stages, stage_of_peers: list[int]) -> tuple[Trainer, list[str]]:
+    peers = [_peer_id() for _ in stage_of_peers]
+    dht = _DHT(
+        [peer_info(SPEC.run, p, stage=s) for p, s in zip(peers, stage_of_peers, strict=True)]
+    )
+    p2p = SimpleNamespace(peer_id=PeerID.from_base58(_peer_id()))
+    corpus = SimpleNamespace(train=torch.randint(256, (4 * SPEC.model.block_size,)))
+    settings = TrainerSettings(in_flight=1, refresh_s=60.0)  # the view: as the test leaves it
+    trainer = Trainer(dht, p2p, SPEC, corpus, settings, calls=stages.calls())  # type: ignore[arg-type]
+    return trainer, peers
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1])
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [(StageUnavailable, "gone"), (StageRefused, f"{WRONG_STAGE}it serves stage 0 now")],
+    ids=["unavailable", "moved"],
+)
+def test_a_failed_call_is_an_event_and_is_rerouted_to_the_stages_other_peer(
+    event_log: Path, failing_stage: int, error: type[StageCallError], reason: str
+) -> None:
+    stages = _Stages(failing_stage, error, reason)
+    trainer, peers = _trainer(stages, [0, 0, 1, 1])
+    asyncio.run(trainer.train(2))
+
+    assert trainer.stats.micro_batches == 2
+    (failed,) = events.read_events(event_log, "call.failed")
+    (bad,) = stages.failed
+    assert failed["stage"] == failing_stage and failed["peer"] == bad
+    assert failed["error"].startswith(error.__name__) and reason in failed["error"]
+    (rerouted,) = events.read_events(event_log, "call.rerouted")
+    same_stage = {p for p, s in zip(peers, [0, 0, 1, 1], strict=True) if s == failing_stage}
+    assert rerouted["stage"] == failing_stage and rerouted["peer"] == (same_stage - {bad}).pop()
+    assert bad not in {p for _, s, p in stages.served if s == failing_stage}, "banned since"
+    assert [c.peer_id for c in trainer.view[failing_stage]] == [rerouted["peer"]]
+
+
+def test_a_refusal_that_is_no_peer_failure_is_an_event_and_stops_training(event_log: Path) -> None:
+    stages = _Stages(1, StageRefused, "the request is malformed")
+    trainer, _ = _trainer(stages, [0, 1, 1])
+    with pytest.raises(TrainerError, match="refused our request"):
+        asyncio.run(trainer.train(1))
+    (failed,) = events.read_events(event_log, "call.failed")
+    assert failed["stage"] == 1 and "malformed" in failed["error"]
+    assert events.read_events(event_log, "call.rerouted") == []
+
+
+def test_a_stage_whose_only_peer_failed_retries_that_peer(event_log: Path) -> None:
+    """Banned, the stage's only peer is still called (rather than none): it may be back."""
+    stages = _Stages(1, StageUnavailable)
+    trainer, peers = _trainer(stages, [0, 1])
+    asyncio.run(trainer.train(1))
+    (failed,) = events.read_events(event_log, "call.failed")
+    (rerouted,) = events.read_events(event_log, "call.rerouted")
+    assert failed["peer"] == rerouted["peer"] == peers[1]
+    assert ("loss", 1, peers[1]) in stages.served
