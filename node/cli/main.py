@@ -33,7 +33,7 @@ COMMANDS = {
     "node": Command(
         "run a node daemon: join (or start) a run and serve a stage",
         "node.cli.args:node_arguments",
-        "node.cli.serve:run",
+        "node.cli.node:run",
     ),
     "run": Command(
         "create a run; invite machines to a private run, or revoke them",

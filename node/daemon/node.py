@@ -61,6 +61,7 @@ REVOCATIONS_REFRESH_S = 10.0
 OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
 HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
+P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
 MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
 
 
@@ -381,7 +382,7 @@ class Node:
                 tasks.create_task(self._announce_loop(), name="announce"),
                 tasks.create_task(self._spec_loop(), name="refresh-spec"),
                 tasks.create_task(self._revocations_loop(), name="revocations"),
-                tasks.create_task(self.placement.follow(), name="gossip"),
+                tasks.create_task(self._follow_gossip(stop), name="gossip"),
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
                 tasks.create_task(self._watch_loop(), name="watch"),
             ]
@@ -404,6 +405,20 @@ class Node:
             await stop.wait()
             for task in background:
                 task.cancel()
+
+    async def _follow_gossip(self, stop: asyncio.Event) -> None:
+        """Follow the run's gossip topic. When ``p2pd`` goes away, a Ctrl-C in a terminal
+        (which signals ``p2pd`` too) is the usual reason: if a stop follows within
+        ``P2PD_GONE_GRACE_S`` this task just ends, else the node stops with a
+        ``NodeError``."""
+        try:
+            await self.placement.follow()
+        except GossipUnavailable as e:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(P2PD_GONE_GRACE_S):
+                    await stop.wait()
+            if not stop.is_set():
+                raise NodeError(f"this node's p2pd stopped: {e}") from None
 
     async def _join(self) -> None:
         """Take a stage, load it, and decide on a second one."""

@@ -20,7 +20,7 @@ import pytest
 
 from tests.unit.test_cli import PEER
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 RUN_ID = "x@abcdefghijklmnopqrstuvwx"

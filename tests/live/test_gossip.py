@@ -34,7 +34,7 @@ from protocol.gossip import (
 from protocol.identity import encode_private_key
 from tests.unit.test_gossip import RUN, _join, _key, _pid
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_protocol_gossip_does_not_import_hivemind():

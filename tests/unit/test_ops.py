@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from node.cli.main import build_parser
+from node.cli.node import settings_from
 from node.cli.progress import Progress, format_duration
-from node.cli.serve import settings_from
 from node.cli.status import render, summarize
 from node.cli.train import CsvLog
 from node.measure import capacity
