@@ -1,4 +1,4 @@
-"""Stage assignment and rebalancing on real local swarms (issue 6, item 5): node processes
+"""Stage assignment and rebalancing on real local swarms: node processes
 with their own ``p2pd`` running GossipSub, real DHT records, real state downloads.
 
 - a wave of joiners spreads over every stage;

@@ -1,11 +1,6 @@
-"""Hostile input, fuzzed: every decoder of bytes from the network and the stage server's
-RPC handlers either accept what they get or refuse it with their own typed error and a
-message; they never raise anything else, never hang, never allocate what a declared size
-asks for, and never change a stage's parameters, gradients or optimizer state on the way.
-
-The first part drives the decoders (and the server's handler code) directly, with no
-network; the last two send malformed streams (and a frame declaring 2**62 bytes) to real
-stage servers over real ``p2pd`` daemons. Examples are derandomized, so a run is reproducible."""
+"""Hostile streams against real stage servers over real ``p2pd`` daemons: malformed
+streams are refused and the server keeps serving; a frame declaring 2**62 bytes is
+refused unread."""
 
 from __future__ import annotations
 

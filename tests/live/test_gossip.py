@@ -1,11 +1,6 @@
-"""Gossip: the pure message filter (``protocol.gossip``), the daemon wrapper
-(``node.rpc.gossip``) on real ``p2pd`` daemons, and a third-party py-libp2p client
-(``python -m scripts.watch_gossip``) following a swarm's topic.
-
-The unit tests drive ``GossipView`` directly with no network and no clock. The live tests
-start hivemind DHT processes on 127.0.0.1 whose daemons run GossipSub, wait on conditions
-with deadlines, and re-publish until received (a message sent before the mesh forms can
-be lost)."""
+"""Gossip on real ``p2pd`` daemons (``node.rpc.gossip``), and a third-party py-libp2p
+client (``python -m scripts.watch_gossip``) following a swarm's topic, its forgeries
+ignored."""
 
 from __future__ import annotations
 

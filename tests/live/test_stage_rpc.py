@@ -1,7 +1,6 @@
 """Stage servers on real hivemind P2P daemons (loopback): the pipeline they compute is the
 local one, gradients accumulate as in ``models.training``, and bad requests are refused
-without touching state, and callers refused again and again are banned for a while. The
-last part tests ``protocol.stage_messages`` alone."""
+without touching state, and callers refused again and again are banned for a while."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Bandwidth probes between two real hivemind P2P daemons on loopback: figures come out
-positive and finite, requests over the limits are refused with a clear error, and the
-probe keeps serving after them."""
+"""Bandwidth probe settings are checked before anything is sent."""
 
 from __future__ import annotations
 

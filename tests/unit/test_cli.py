@@ -1,6 +1,5 @@
-"""The ``swarmtrain`` command line as a person meets it: help, version, bad input and
-network errors. Commands run as subprocesses; bad input must give one line on stderr,
-exit status 2, and leave nothing behind (no daemon socket, no key written)."""
+"""What the ``swarmtrain`` command line decides without starting anything: verbosity
+flags and the light argument module."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Records written into a live run's DHT by a hostile peer: a raw ``hivemind.DHT`` without
-our validator stores bad peer records next to a real node's, and ``swarmtrain status``
-lists only what validates.
-
-The honest node refuses bad records when asked to store them (its ``RunRecordValidator``
-logs "refused a DHT record"), and that matters beyond tidiness: hivemind validates a
-dictionary value as a whole when it is read from a peer, so one bad entry held by an
-honest node would hide every record that node holds from every reader."""
+"""The DHT validator of a run's records: its verdicts do not change as records age, and
+it refuses what it cannot read without raising."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Stage assignment and rebalancing on real local swarms (issue 6, item 5): node processes
-with their own ``p2pd`` running GossipSub, real DHT records, real state downloads.
-
-- a wave of joiners spreads over every stage;
-- when every peer of a stage is SIGKILLed, a peer of another stage moves to refill it
-  (never emptying its own) and a trainer completes micro-batches again;
-- gossip with a bad signature, an old sequence number, another run or another peer's
-  name is ignored by the nodes: a joiner that believed it would take another stage.
-
-Nodes re-announce every second and check for a move every 3 s on average (60 s by
-default), so that each test fits in about a minute and a half on two loaded cores. Each
-prints what it measured (seconds to spread, to refill, to train again)."""
+"""The node's gossip view and arrival count, without a swarm: gossip overrides records
+only when newer, and arrivals are counted per peer-hour over a window."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A private run on a real local swarm: invited nodes serve and train; an uninvited node,
-an expired invite, a forged spec and a stranger's calls are refused; a revoked peer leaves."""
+"""Private runs without a swarm: the owner's node invites itself with the key at the
+default path, and ``run invite`` refuses bad input in one line."""
 
 from __future__ import annotations
 

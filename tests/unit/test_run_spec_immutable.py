@@ -1,5 +1,5 @@
-"""A run's spec never changes: the owner's tools refuse a different spec under an existing
-run id, and peers that see two specs signed for one id all keep the first."""
+"""A run's spec never changes: the owner's tools refuse a different spec under an
+existing run name."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Stage servers on real hivemind P2P daemons (loopback): the pipeline they compute is the
-local one, gradients accumulate as in ``models.training``, and bad requests are refused
-without touching state, and callers refused again and again are banned for a while. The
-last part tests ``protocol.stage_messages`` alone."""
+"""The parts of stage RPCs that need no daemon: the chunk assembler's limits, ban
+lists, call timeouts, membership forgiveness, and ``protocol.stage_messages`` alone."""
 
 from __future__ import annotations
 
