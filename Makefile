@@ -18,13 +18,13 @@ demo: $(STAMP)
 	$(BIN)/swarmtrain demo --baseline
 
 # Everything: ruff, the unit tier, then the live tier (real p2pd daemons and swarms) in
-# two workers, a test file per worker at a time: most live tests wait on timers and peers,
-# not on the cores.
+# two workers (the groups are in tests/live/conftest.py): most live tests wait on timers
+# and peers, not on the cores.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest tests/unit --durations=10
-	$(BIN)/pytest tests/live -n 2 --dist loadfile --durations=10
+	$(BIN)/pytest tests/live -n 2 --dist loadgroup --durations=10
 
 # The unit tier alone: no processes, no sockets, under a minute.
 test-fast: $(STAMP)
