@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 # Whole minutes of node processes each; together about as long as the rest of the tier.
-LONG = {"test_lone_node.py", "test_chaos.py", "test_parity_live.py", "test_node.py"}
+LONG = {
+    "test_lone_node.py",
+    "test_chaos.py",
+    "test_parity_live.py",
+    "test_node.py",
+    "test_resume.py",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

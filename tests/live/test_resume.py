@@ -1,0 +1,93 @@
+"""A whole swarm stopped at once resumes from its checkpoints: 2 stages x 2 peers train,
+every node process is stopped at once (SIGTERM: a clean stop; SIGKILL: none), the same
+nodes (same identities, same
+checkpoint folders) start again, and the run goes on from where the checkpoints left it
+instead of from the initial weights."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from node.cli.train import open_trainer
+from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
+from node.pipeline.trainer import TrainerSettings
+from node.rpc.dht import SwarmDHT
+
+STAGES = [0, 1, 0, 1]
+EVERY_S = 2.0  # --checkpoint-every
+
+
+def _launch(tmp_path, run: str, peers: list[str] | None = None) -> list[NodeProcess]:
+    """The 2 x 2 swarm, pinned to its stages, checkpointing every ``EVERY_S``; started
+    again under the same names, each node finds its identity and checkpoints."""
+    nodes: list[NodeProcess] = []
+    for i, stage in enumerate(STAGES):
+        extra = ["--stage", str(stage), "--checkpoint-every", str(EVERY_S)]
+        initial = [nodes[0].maddr] if nodes else []
+        nodes.append(launch_node(tmp_path, f"r{i}", run, initial_peers=initial, extra=extra))
+        run = nodes[0].run_id
+    for n in nodes:
+        n.wait_serving(90)
+    return nodes
+
+
+async def _train_and_validate(run: str, maddr: str, micro_batches: int) -> tuple[float, int]:
+    dht = SwarmDHT.start(run, initial_peers=[maddr], host_maddrs=[LOCAL], client_mode=True)
+    try:
+        trainer = await open_trainer(dht, TrainerSettings(in_flight=2, call_timeout_s=10))
+        try:
+            if micro_batches:
+                await trainer.train(micro_batches)
+            return await trainer.evaluate(), trainer.stats.samples
+        finally:
+            await trainer.p2p.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def _checkpointed_steps(nodes: list[NodeProcess], after: float) -> dict[int, int]:
+    """The most steps of each stage in a checkpoint written after ``after``."""
+    steps: dict[int, int] = {}
+    for n in nodes:
+        for e in n.events("checkpoint.written"):
+            if e["t"] > after:
+                steps[e["stage"]] = max(steps.get(e["stage"], 0), e["step"])
+    return steps
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+def test_a_whole_swarm_stopped_at_once_resumes_from_its_checkpoints(tmp_path, sig):
+    nodes: list[NodeProcess] = []
+    try:
+        nodes = _launch(tmp_path, "resume")
+        run = nodes[0].run_id
+        initial, _ = asyncio.run(_train_and_validate(run, nodes[0].maddr, 0))
+        before, samples = asyncio.run(_train_and_validate(run, nodes[0].maddr, 120))
+        assert samples >= 120 * 8 and before < initial - 0.5, (initial, before)
+        trained = time.time()
+        # Every node checkpoints what it holds at least once after training stopped.
+        wait_until(lambda: all(
+            any(e["t"] > trained for e in n.events("checkpoint.written")) for n in nodes
+        ), 30, "a checkpoint of every node after training")  # fmt: skip
+        steps = _checkpointed_steps(nodes, trained)
+        assert set(steps) == {0, 1} and min(steps.values()) > 0, steps
+
+        for n in nodes:  # the whole swarm at once
+            n.proc.send_signal(sig)
+        for n in nodes:
+            n.proc.wait(30)
+
+        nodes = _launch(tmp_path, "resume")
+        for n in nodes:
+            held = n.events("stage.held")
+            assert held and held[-1]["loaded"] in ("checkpoint", "peers"), held
+            stage = held[-1]["stage"]
+            assert held[-1]["step"] >= steps[stage], (n.name, held[-1], steps)
+        after, _ = asyncio.run(_train_and_validate(nodes[0].run_id, nodes[0].maddr, 0))
+        assert abs(after - before) < 0.05, f"validation {before:.3f} before, {after:.3f} after"
+    finally:
+        stop_all(nodes)
