@@ -7,8 +7,10 @@ PNG). Exit status 0 only if the validation loss fell and the peers of each stage
 equal copies at every epoch they shared (their averagers emit a digest per epoch in
 their ``averaging.round`` events, on in the demo's nodes). With ``--baseline`` it also
 trains the single-process baseline on the same samples, prints the ratio of the two
-validation losses, and fails if the swarm's is more than 2% above. Every process it
-started is stopped on the way out, also on Ctrl-C.
+validation losses, and fails if the swarm's is more than 2% above. Last, it exports the
+trained model from the live swarm to ``OUT/model`` (Hugging Face GPT-2 format) and prints
+a sample of what it writes; a failed export fails the demo. Every process it started is
+stopped on the way out, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import time
 import uuid
+from pathlib import Path
 
 from models.data import load_corpus
+from models.hf_export import save_gpt2
 from models.training import train_baseline
 from node.averaging.digests import DIGESTS_ENV, compare_copies
+from node.cli.export import from_swarm
+from node.cli.generate import sample_text
 from node.cli.train import Curve, open_trainer, train_with_progress
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerSettings
@@ -154,11 +161,27 @@ async def _train(demo: Demo, dht: SwarmDHT) -> int:
         print(f"baseline (one process, the same {trainer.stats.samples} samples in the same "
               f"order): {base:.3f}; swarm / baseline: {after / base:.3f}")  # fmt: skip
         as_one_process = after <= PARITY * base
+    await take_home(dht, a.out / "model")
     return 0 if after < before and equal and as_one_process else 1
+
+
+async def take_home(dht: SwarmDHT, model_dir: Path) -> None:
+    """Export the trained model from the live swarm (``swarmtrain export``'s way) and
+    print a sample of what it writes (``swarmtrain generate``'s way)."""
+    spec, state, _ = await from_swarm(dht, EXPORT_TIMEOUT_S)
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    save_gpt2(model_dir, state, spec.model)
+    text = b"".join(sample_text(model_dir, SAMPLE_PROMPT, 160, temperature=0.8))
+    print(f"model exported to {model_dir} (GPT2LMHeadModel); it writes, after "
+          f"{SAMPLE_PROMPT!r}:")  # fmt: skip
+    print(SAMPLE_PROMPT + text.decode(errors="replace"))
 
 
 # With --baseline, the swarm's validation loss may be at most this times the baseline's.
 PARITY = 1.02
+EXPORT_TIMEOUT_S = 60.0  # for each stage's state to come from a live peer
+SAMPLE_PROMPT = "def "
 
 
 def baseline_loss(spec: RunSpec, samples: int) -> float:
