@@ -17,7 +17,8 @@ fields:
   state came from: ``"peers"``, ``"checkpoint"`` or ``"initial"``), ``step`` (the
   optimizer steps that state holds).
 - ``stage.released``: ``stage``.
-- ``placement.chose``: ``stage`` (a joiner's choice); ``placement.moved``: ``from``, ``to``.
+- ``placement.chose``: ``stage`` (a joiner's choice), ``resumed`` (true: the stage of its own
+  checkpoint, taken without choosing); ``placement.moved``: ``from``, ``to``.
 - ``averaging.round``: ``stage``, ``epoch`` (the one the copy is at now), ``peers`` (whose
   contributions the step took, us included; 0 for a state loaded), ``ok`` (false: the
   round failed and the copy stepped on its own contribution, or took no step), ``how``

@@ -89,7 +89,13 @@ def settle_period(update_period_s: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Join:
+    """The peer starts. ``resume``: the stage whose state it kept from an earlier run of
+    its own (a checkpoint): it takes that stage at once, without listening or choosing, so
+    that a swarm restarted as a whole comes back on the stages its checkpoints hold.
+    Checks may move it later like any serving peer."""
+
     now: float
+    resume: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +150,9 @@ class Announce:
 @dataclass(frozen=True, slots=True)
 class Chose:
     stage: int
-    totals: tuple[float, ...]  # the stage totals it chose on, for logs
+    totals: tuple[float, ...]  # the stage totals it chose on, for logs (none: resumed)
     revised: bool = False
+    resumed: bool = False  # the stage of its own checkpoint, taken without choosing
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +260,12 @@ class PeerPlacement:
 
     def _join(self, e: Join) -> list[Action]:
         self._expect(e, Phase.NEW)
+        if e.resume is not None:
+            if not 0 <= e.resume < len(self.throughput):
+                raise PlacementError(f"resume stage {e.resume} is not one of the run's stages")
+            self.stage, self.phase = e.resume, Phase.LOADING
+            return [Chose(e.resume, (), resumed=True), self._claim("join", e.resume),
+                    Load(e.resume)]  # fmt: skip
         self.phase = Phase.LISTENING
         return [Wake(e.now + check_delay(f"{self.seed}/listen", self._settle))]
 

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 SPEC_FILE = "spec.json"
 KEEP = 3
+MAX_HEADER_BYTES = 1 << 24  # a checkpoint's header is a tensor index and a few KiB of ours
 _NAME = re.compile(r"^(\d{10})\.safetensors$")
 
 
@@ -120,13 +121,21 @@ def _files(directory: Path) -> list[Path]:
     return sorted((p for p in directory.iterdir() if _NAME.match(p.name)), reverse=True)
 
 
+def _header(path: Path) -> dict:
+    """Our metadata from a checkpoint file's safetensors header, read without its tensors;
+    ``ValueError`` for a header that declares more than ``MAX_HEADER_BYTES``."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"its header declares {size} bytes")
+        header = json.loads(f.read(size))
+    return json.loads(header["__metadata__"]["swarmtrain"])
+
+
 def read(path: Path, spec: RunSpec, stage: int) -> Checkpoint:
     """One checkpoint file, checked against the run, its spec, the stage and its hash."""
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        meta = json.loads(header["__metadata__"]["swarmtrain"])
+        meta = _header(path)
         loaded = load_file(str(path))
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
@@ -144,6 +153,23 @@ def read(path: Path, spec: RunSpec, stage: int) -> Checkpoint:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} carries no state metadata")
     return Checkpoint(path, stage, int(state.get("epoch", 0)), state, tensors)
+
+
+def resume_stage(root: Path, spec: RunSpec) -> int | None:
+    """The stage this node held last, by its most recent checkpoint file of this run and
+    spec (its header is read, not its tensors); None if it kept none."""
+    found: list[tuple[float, int]] = []
+    for stage in range(spec.n_stages):
+        for path in _files(stage_dir(root, stage))[:1]:
+            try:
+                meta = _header(path)
+                mtime = path.stat().st_mtime
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                logger.warning("cannot read checkpoint %s: %s", path, e)
+                continue
+            if meta.get("run") == spec.run and meta.get("spec") == spec_hash(spec):
+                found.append((mtime, stage))
+    return max(found)[1] if found else None
 
 
 def newest(root: Path, spec: RunSpec, stage: int) -> Checkpoint | None:

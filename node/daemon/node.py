@@ -426,7 +426,8 @@ class Node:
         self.second = await self._second_choice()
 
     async def _take_stage(self) -> None:
-        """Choose a stage (``--stage`` pins it) and load it."""
+        """Choose a stage (``--stage`` pins it; a node that kept a checkpoint takes that
+        checkpoint's stage again) and load it."""
         assert self.spec is not None and self.placement is not None
         if self.settings.stage is not None:
             self.stage = self.settings.stage
@@ -436,7 +437,8 @@ class Node:
                 self.stage = stage
                 self.set_state(PeerState.JOINING)  # the record and the gossip carry the intent
 
-            await self.placement.join(on_choice)
+            resume = await asyncio.to_thread(checkpoint.resume_stage, self.checkpoints, self.spec)
+            await self.placement.join(on_choice, resume)
         self.set_state(PeerState.LOADING)
         await self._hold(self.stage, "first")
         self.set_state(PeerState.SERVING)

@@ -230,11 +230,12 @@ class Placement:
 
     # -- decisions (the node's calls) ----------------------------------------------------
 
-    async def join(self, on_choice: Callable[[int], None]) -> int:
+    async def join(self, on_choice: Callable[[int], None], resume: int | None = None) -> int:
         """Choose a stage, tell ``on_choice`` (which announces it), reconsider once the
-        others' intents had a settle period to arrive; the stage to load."""
+        others' intents had a settle period to arrive; the stage to load. With ``resume``
+        (the stage of this node's own checkpoint) that stage is taken at once."""
         await self._connect(await self.records())
-        return await self.runner.join(on_choice)
+        return await self.runner.join(on_choice, resume)
 
     async def second_stage(self, stage: int) -> int | None:
         """``stage`` serves now: the second stage to take as well (or None)."""

@@ -95,12 +95,14 @@ class PlacementRunner:
         self._wake = math.inf
         self._on_choice: Callable[[int], None] | None = None
 
-    async def join(self, on_choice: Callable[[int], None]) -> int:
-        """Listen, choose, announce, reconsider; ``on_choice`` hears each choice before it
+    async def join(self, on_choice: Callable[[int], None], resume: int | None = None) -> int:
+        """Listen, choose, announce, reconsider (or, with ``resume``, take that stage at
+        once: see ``protocol.placement.Join``); ``on_choice`` hears each choice before it
         is gossiped. Returns the stage to load."""
         self._on_choice = on_choice
         try:
-            actions = await self._carry_out(self.machine.handle(Join(self.clock.now())))
+            join = Join(self.clock.now(), resume=resume)
+            actions = await self._carry_out(self.machine.handle(join))
             while not any(isinstance(a, Load) for a in actions):
                 actions = await self._at_wake(looking=False)
         finally:
@@ -171,9 +173,12 @@ class PlacementRunner:
             elif isinstance(a, Announce):
                 await self.send(a)
             elif isinstance(a, Chose):
-                verb = "reconsidered: stage" if a.revised else "chose stage"
-                logger.info("%s %d; stage totals seen: %s", verb, a.stage, _totals(a.totals))
-                events.emit("placement.chose", stage=a.stage)
+                if a.resumed:
+                    logger.info("resuming stage %d, of which this node kept a checkpoint", a.stage)
+                else:
+                    verb = "reconsidered: stage" if a.revised else "chose stage"
+                    logger.info("%s %d; stage totals seen: %s", verb, a.stage, _totals(a.totals))
+                events.emit("placement.chose", stage=a.stage, resumed=a.resumed)
                 if self._on_choice is not None:
                     self._on_choice(a.stage)
             elif isinstance(a, HoldSecond):

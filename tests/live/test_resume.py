@@ -1,7 +1,7 @@
 """A whole swarm stopped at once resumes from its checkpoints: 2 stages x 2 peers train,
 every node process is stopped at once (SIGTERM: a clean stop; SIGKILL: none), the same
-nodes (same identities, same
-checkpoint folders) start again, and the run goes on from where the checkpoints left it
+nodes (same identities, same checkpoint folders, stages no longer pinned) start again,
+each takes the stage it kept, and the run goes on from where the checkpoints left it
 instead of from the initial weights."""
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ STAGES = [0, 1, 0, 1]
 EVERY_S = 2.0  # --checkpoint-every
 
 
-def _launch(tmp_path, run: str, peers: list[str] | None = None) -> list[NodeProcess]:
-    """The 2 x 2 swarm, pinned to its stages, checkpointing every ``EVERY_S``; started
-    again under the same names, each node finds its identity and checkpoints."""
+def _launch(tmp_path, run: str, pin: bool) -> list[NodeProcess]:
+    """The 2 x 2 swarm checkpointing every ``EVERY_S``, pinned to its stages with
+    ``pin``; started again under the same names, each node finds its identity and its
+    checkpoints (and, not pinned, takes the stage of its checkpoints by itself)."""
     nodes: list[NodeProcess] = []
     for i, stage in enumerate(STAGES):
-        extra = ["--stage", str(stage), "--checkpoint-every", str(EVERY_S)]
+        extra = ["--checkpoint-every", str(EVERY_S)] + (["--stage", str(stage)] if pin else [])
         initial = [nodes[0].maddr] if nodes else []
         nodes.append(launch_node(tmp_path, f"r{i}", run, initial_peers=initial, extra=extra))
         run = nodes[0].run_id
@@ -63,7 +64,7 @@ def _checkpointed_steps(nodes: list[NodeProcess], after: float) -> dict[int, int
 def test_a_whole_swarm_stopped_at_once_resumes_from_its_checkpoints(tmp_path, sig):
     nodes: list[NodeProcess] = []
     try:
-        nodes = _launch(tmp_path, "resume")
+        nodes = _launch(tmp_path, "resume", pin=True)
         run = nodes[0].run_id
         initial, _ = asyncio.run(_train_and_validate(run, nodes[0].maddr, 0))
         before, samples = asyncio.run(_train_and_validate(run, nodes[0].maddr, 120))
@@ -81,13 +82,17 @@ def test_a_whole_swarm_stopped_at_once_resumes_from_its_checkpoints(tmp_path, si
         for n in nodes:
             n.proc.wait(30)
 
-        nodes = _launch(tmp_path, "resume")
-        for n in nodes:
+        nodes = _launch(tmp_path, "resume", pin=False)  # as the README starts a node
+        resumed = {}
+        for n, stage in zip(nodes, STAGES, strict=True):
             held = n.events("stage.held")
-            assert held and held[-1]["loaded"] in ("checkpoint", "peers"), held
-            stage = held[-1]["stage"]
+            assert held and held[-1]["stage"] == stage, (n.name, held, "its checkpoint's stage")
+            assert held[-1]["loaded"] in ("checkpoint", "peers"), held
             assert held[-1]["step"] >= steps[stage], (n.name, held[-1], steps)
+            resumed[n.name] = (stage, held[-1]["loaded"], held[-1]["step"])
         after, _ = asyncio.run(_train_and_validate(nodes[0].run_id, nodes[0].maddr, 0))
+        print(f"validation {initial:.3f} at start, {before:.3f} before the stop, {after:.3f} "
+              f"after; steps checkpointed {steps}; resumed {resumed}")  # fmt: skip
         assert abs(after - before) < 0.05, f"validation {before:.3f} before, {after:.3f} after"
     finally:
         stop_all(nodes)

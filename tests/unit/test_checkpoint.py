@@ -4,6 +4,8 @@ good one stands in."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -82,3 +84,20 @@ def test_another_runs_or_specs_checkpoint_is_refused_naming_both(tmp_path):
     assert checkpoint.spec_hash(OTHER) in str(e.value)
     with pytest.raises(CheckpointError, match="holds stage 0, not 1"):
         checkpoint.read(path, SPEC, 1)
+
+
+def test_a_restarted_node_resumes_the_stage_of_its_newest_checkpoint(tmp_path):
+    assert checkpoint.resume_stage(tmp_path, SPEC) is None
+    for stage in (1, 0):  # stage 0 written last
+        module, optimizer = _trained(stage, steps=1)
+        checkpoint.write(tmp_path, SPEC, stage, *_capture(module, optimizer, epoch=1))
+    newest = checkpoint.stage_dir(tmp_path, 0)
+    older = checkpoint.stage_dir(tmp_path, 1)
+    for f in newest.iterdir():
+        os.utime(f, (2_000_000_000, 2_000_000_000))
+    for f in older.iterdir():
+        os.utime(f, (1_000_000_000, 1_000_000_000))
+    assert checkpoint.resume_stage(tmp_path, SPEC) == 0
+    assert checkpoint.resume_stage(tmp_path, OTHER) is None, "another spec's is no resume"
+    (next(newest.iterdir())).write_bytes(b"garbage")  # unreadable: the other stage's counts
+    assert checkpoint.resume_stage(tmp_path, SPEC) == 1

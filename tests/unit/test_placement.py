@@ -80,6 +80,21 @@ def test_a_joiner_listens_chooses_announces_reconsiders_then_loads():
         m.handle(Join(200.0))
 
 
+def test_a_peer_with_a_checkpoint_takes_its_stage_at_once_and_then_checks_as_usual():
+    m = PeerPlacement("peer", (10.0, 10.0), NO_SECOND, settle_s=5.0)
+    assert m.handle(Join(0.0, resume=0)) == [
+        Chose(0, (), resumed=True),
+        Announce("join", 0),
+        Load(0),
+    ]
+    view = _view([50, 20], [5, 2])
+    loaded = m.handle(Loaded(30.0, view))
+    assert loaded[0] == Announce("serving", 0) and m.phase is Phase.SERVING
+    assert _wake(loaded) > 30.0  # a periodic check: it may still move like anyone
+    with pytest.raises(PlacementError, match="resume stage 2"):
+        PeerPlacement("p", (10.0, 10.0), NO_SECOND, settle_s=5.0).handle(Join(0.0, resume=2))
+
+
 def test_a_fast_joiner_takes_a_second_stage_and_then_never_checks():
     m = PeerPlacement("peer", (10.0, 10.0), Params(), settle_s=5.0)
     view = _view([50, 20], [5, 2])
