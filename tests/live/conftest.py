@@ -3,8 +3,9 @@
 ``make test`` runs this tier in two pytest-xdist workers with ``--dist loadgroup``: the
 long swarm tests in one group, everything else in the other, each group in one worker in
 file order. Which tests share a worker process (and its threads, forked children and
-hivemind's process-wide state) is then the same on every run. ``test_averaging.py`` forks hivemind averagers from the test process itself
-and runs apart, in a plain pytest process (the Makefile says why)."""
+hivemind's process-wide state) is then the same on every run. ``test_averaging.py``
+forks hivemind averagers from the test process itself and runs apart, in a plain pytest
+process (the Makefile says why)."""
 
 from __future__ import annotations
 
