@@ -88,7 +88,6 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             await node.run(stop, on_ready)
     finally:
         await node.close()
-        events.close_log()
     print("node stopped", flush=True)
     return 0
 

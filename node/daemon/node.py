@@ -209,6 +209,7 @@ class Node:
         self.dht = dht
         self.key = key
         self._resources = contextlib.AsyncExitStack()
+        self._resources.callback(self._stopped)  # released last: the event log, opened first
         self._resources.callback(os.close, lock_fd)
         self._resources.push_async_callback(asyncio.to_thread, dht.shutdown)
         self._brought_spec = signed_spec  # a spec this node publishes (a new run, a file)
@@ -253,6 +254,7 @@ class Node:
             )
         except BaseException:
             os.close(lock_fd)
+            events.close_log()
             raise
         return cls(settings, dht, key, lock_fd, signed)
 
@@ -333,10 +335,20 @@ class Node:
             timestamp=get_dht_time(),
             membership=self.membership,
             second_stage=self.second if self.stage is not None else None,
-            second_serving=self.second is not None and self.second in self.held,
+            second_serving=self.serving_second is not None,
             samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
             started=self.started,
         )
+
+    @property
+    def serving_second(self) -> int | None:
+        """The second stage, once it is held (a second stage is announced before)."""
+        return self.second if self.second is not None and self.second in self.held else None
+
+    @staticmethod
+    def _stopped() -> None:
+        events.emit("node.stopped")
+        events.close_log()
 
     def micro_batches_served(self) -> int:
         """Forward passes (train and validation) our stage servers computed, since start."""
@@ -665,12 +677,11 @@ class Node:
             await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
 
     def _heartbeat(self, peers: list[PeerInfo]) -> Heartbeat:
-        second = self.second if self.second is not None and self.second in self.held else None
         return Heartbeat.of(
             self.peer_id,
             peers,
             first=self.stage,
-            second=second,
+            second=self.serving_second,
             served=self.micro_batches_served(),
             steps=sum(h.server.counters.steps for h in self.held.values()),
         )
@@ -731,7 +742,6 @@ class Node:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
             await self._resources.aclose()
-            events.emit("node.stopped")
 
 
 async def until_stopped(stop: asyncio.Event, work: Awaitable[object]) -> bool:
