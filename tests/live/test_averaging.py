@@ -337,7 +337,9 @@ def _huge(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
     """(d) An honest peer that averages with a peer sending NaN (or huge values) discards
     every such result (its reducer also drops the sender's parts) and, at the round's
-    timeout, applies its own gradient alone: finite, exactly its own step."""
+    timeout, applies its own gradient alone: finite, exactly its own step. When the faulty
+    peer stepped alone first, the honest one may instead download that state: finite, and
+    exactly the other peer's parameters."""
     spec = make_spec(f"avg-{fault.__name__.strip('_')}")
     honest, faulty = (
         Peer(SwarmDHT(dhts[0], spec.run), spec),
@@ -356,9 +358,16 @@ def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
                 faulty.feed(seed)
             await _until(lambda: _at_epoch(1, honest), FAST["round_timeout_s"] + 5, "a step")
             h = honest.averager.stats
-            assert h.discarded >= 1 and h.rounds == 0 and h.fallbacks == 1, h
+            assert h.discarded >= 1 and h.rounds == 0, h
             assert _finite(honest.params())
-            assert _close(honest.params(), _reference([1, 2]))
+            if h.catch_ups:
+                # The faulty peer stepped alone first; the honest one, now behind,
+                # downloaded its state: that download carries no part of a round.
+                assert h.fallbacks == 0, h
+                assert _close(honest.params(), faulty.params())
+            else:
+                assert h.fallbacks == 1, h
+                assert _close(honest.params(), _reference([1, 2]))
         finally:
             await _shutdown(honest, faulty)
 
