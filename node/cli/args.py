@@ -243,6 +243,13 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where checkpoints go (default: ~/.swarmtrain/NAME/checkpoints/PEER_ID)",
     )
+    p.add_argument(
+        "--archive",
+        type=Path,
+        metavar="DIR",
+        help="serve no stage: keep checkpoints of every stage in DIR, pulled from their "
+        "peers every --checkpoint-every seconds, for joiners of a stage no peer holds",
+    )
     p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
     p.add_argument(
         "--events",

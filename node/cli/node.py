@@ -53,6 +53,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         heartbeat_s=args.heartbeat,
         checkpoint_every_s=args.checkpoint_every,
         checkpoint_dir=args.checkpoint_dir,
+        archive=args.archive,
         events=args.events,
     )
 

@@ -99,6 +99,7 @@ class NodeSettings:
     # id), and how often; 0: never (a clean stop still writes one).
     checkpoint_dir: Path | None = None
     checkpoint_every_s: float = 300.0
+    archive: Path | None = None  # an archive node: serves no stage, keeps all of them here
     events: Path | None = None  # the structured event log (default: in the run's folder)
     heartbeat_s: float = HEARTBEAT_S
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
