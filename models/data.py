@@ -6,6 +6,7 @@ machine that runs this project, so nothing is downloaded. Tokens are bytes (voca
 
 from __future__ import annotations
 
+import itertools
 import sysconfig
 import zlib
 from collections.abc import Iterator
@@ -99,13 +100,16 @@ def stream_seed(seed: int, stream: int) -> int:
 
 
 def sample_batches(
-    data: torch.Tensor, block_size: int, batch_size: int, seed: int
+    data: torch.Tensor, block_size: int, batch_size: int, seed: int, start: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless random windows: inputs (B, T) and next-byte targets (B, T), as int64."""
+    """Endless random windows: inputs (B, T) and next-byte targets (B, T), as int64, from
+    batch ``start`` on. Batch ``i`` depends on ``seed`` and ``i`` alone, so a reader that
+    drew ``n`` batches goes on where it stopped with ``start=n``."""
     if len(data) <= block_size + 1:
         raise DataError(f"{len(data)} bytes are too few for windows of {block_size + 1}")
-    gen = torch.Generator().manual_seed(seed)
-    while True:
+    gen = torch.Generator()
+    for i in itertools.count(start):
+        gen.manual_seed(zlib.crc32(f"{seed}#{i}".encode()))
         starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=gen)
         yield _windows(data, starts, block_size)
 

@@ -14,8 +14,9 @@ fields:
   ``announced`` (false: its record has been missing too long). As this node's reads of
   the run's peers see them.
 - ``stage.held``: ``stage``, ``role`` (``"first"`` or ``"second"``), ``loaded`` (where its
-  state came from: ``"peers"``, ``"checkpoint"`` or ``"initial"``), ``step`` (the
-  optimizer steps that state holds).
+  state came from: ``"peers"``, ``"archive"``, ``"checkpoint"`` or ``"initial"``),
+  ``source`` (the peer or archive node's id, or the checkpoint's path; null for
+  ``"initial"``), ``step`` (the optimizer steps that state holds).
 - ``stage.released``: ``stage``.
 - ``placement.chose``: ``stage`` (a joiner's choice), ``resumed`` (true: the stage of its own
   checkpoint, taken without choosing); ``placement.moved``: ``from``, ``to``.

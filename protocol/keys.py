@@ -18,3 +18,8 @@ def peers_key(run: str) -> str:
 def revocations_key(run: str) -> str:
     """The owner's latest ``Revocations`` (private runs)."""
     return f"swarmtrain/{check_run_name(run)}/revoked"
+
+
+def archives_key(run: str) -> str:
+    """The run's ``ArchiveRecord``s (protocol.archive), one subkey per archive node."""
+    return f"swarmtrain/{check_run_name(run)}/archives"

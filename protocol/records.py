@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol, TypeVar
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -116,8 +116,7 @@ class PeerInfo(BaseModel):
 
 def encode_peer_info(info: PeerInfo, key: Ed25519PrivateKey) -> bytes:
     """Sign and pack ``info`` for the DHT."""
-    payload = info.model_dump_json().encode()
-    return msgpack.packb({"record": payload, "sig": sign(key, _PEER_DOMAIN, payload)})
+    return encode_signed(info, _PEER_DOMAIN, key)
 
 
 def decode_peer_info(
@@ -129,30 +128,76 @@ def decode_peer_info(
     max_age_s: float,
 ) -> PeerInfo:
     """Validate bytes read from the DHT under ``subkey``; ``RecordError`` if anything is off."""
+    return decode_signed(
+        raw,
+        PeerInfo,
+        _PEER_DOMAIN,
+        kind="peer",
+        subkey=subkey,
+        run=run,
+        now=now,
+        max_age_s=max_age_s,
+    )
+
+
+class SignedRecord(Protocol):
+    """What ``decode_signed`` checks of a record: whose it is, for which run, when."""
+
+    peer_id: str
+    run: str
+    version: int
+    timestamp: float
+
+
+_R = TypeVar("_R", bound=BaseModel)
+
+
+def encode_signed(record: BaseModel, domain: bytes, key: Ed25519PrivateKey) -> bytes:
+    """Sign ``record`` (its JSON) in ``domain`` and pack it for the DHT."""
+    payload = record.model_dump_json().encode()
+    return msgpack.packb({"record": payload, "sig": sign(key, domain, payload)})
+
+
+def decode_signed(
+    raw: bytes,
+    cls: type[_R],
+    domain: bytes,
+    *,
+    kind: str,
+    subkey: str | None,
+    run: str,
+    now: float,
+    max_age_s: float,
+) -> _R:
+    """A record of ``cls`` signed in ``domain`` by the peer it names, read from the DHT
+    under ``subkey`` (``kind`` names it in errors): checked in size, signature, binding to
+    the subkey, protocol version, run and age, in that order; ``RecordError`` naming what
+    was wrong."""
+    what = f"{kind} record"
     envelope = unpack_signed(raw, ("record", "sig"), "record")
     payload, signature = envelope["record"], envelope["sig"]
     try:
-        info = PeerInfo.model_validate_json(payload)
+        info = cls.model_validate_json(payload)
     except ValidationError as e:
-        raise RecordError(f"malformed peer record: {first_error(e)}") from None
+        raise RecordError(f"malformed {what}: {first_error(e)}") from None
     if subkey is not None and subkey != info.peer_id:
-        raise RecordError(f"record of peer {info.peer_id} stored under another peer's key {subkey}")
-    if not verify(info.peer_id, _PEER_DOMAIN, payload, signature):
-        raise RecordError(f"bad signature on the record of peer {info.peer_id}")
+        raise RecordError(f"{what} of peer {info.peer_id} stored under another peer's key {subkey}")
+    if not verify(info.peer_id, domain, payload, signature):
+        raise RecordError(f"bad signature on the record of peer {info.peer_id} ({kind})")
     if info.version != PROTOCOL_VERSION:
         raise RecordError(
             f"peer {info.peer_id} speaks protocol version {info.version}, we speak "
             f"{PROTOCOL_VERSION}"
         )
     if info.run != run:
-        raise RecordError(f"record of peer {info.peer_id} is for run {info.run!r}, not {run!r}")
+        raise RecordError(f"{what} of peer {info.peer_id} is for run {info.run!r}, not {run!r}")
     if info.timestamp > now + MAX_CLOCK_SKEW_S:
         raise RecordError(
-            f"record of peer {info.peer_id} is dated {info.timestamp - now:.0f} s in the future"
+            f"{what} of peer {info.peer_id} is dated {info.timestamp - now:.0f} s in the future"
         )
     if info.timestamp < now - max_age_s:
         raise RecordError(
-            f"record of peer {info.peer_id} is {now - info.timestamp:.0f} s old "
+            f"{what} of peer {info.peer_id} is {now - info.timestamp:.0f} s old "
             f"(limit {max_age_s:.0f} s): stale or replayed"
         )
     return info

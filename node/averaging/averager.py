@@ -47,7 +47,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 from hivemind.utils import get_dht_time
@@ -251,10 +251,14 @@ class StageAverager:
     # -- state ----------------------------------------------------------------------------
 
     async def load_state(
-        self, timeout_s: float | None = None, saved: Saved | None = None
+        self,
+        timeout_s: float | None = None,
+        saved: Saved | None = None,
+        archived: Callable[[], Awaitable[dict[str, int]]] | None = None,
     ) -> LoadedState:
-        """Load the stage's state (``download.initial_state``: from a live peer, else from
-        ``saved``, else the initial weights), then start averaging. Raises
+        """Load the stage's state (``download.initial_state``: from a live peer, else the
+        newer of ``saved`` and the archives' (``archived``), else the initial weights), then
+        start averaging. Raises
         ``StateDownloadError`` if peers exist but none hands over a valid state within
         ``timeout_s`` (default: twice the round timeout)."""
         if self.running:
@@ -267,6 +271,7 @@ class StageAverager:
             retry_s=self.settings.report_period_s,
             saved=saved,
             name=self._name,
+            archived=archived,
         )
         await self._announce(how="loaded", peers=0, ok=True)
         await self.board.refresh()
@@ -283,6 +288,14 @@ class StageAverager:
         if self.running:
             raise RuntimeError("fetch() is for an averager that does not average")
         return await download(self.transport, self.strategy, timeout_s, name=self._name)
+
+    async def keep(self, state: StageState) -> None:
+        """Make ``state`` this copy's (one that does not average: an archive's) and hand it
+        to peers that download the stage, at its epoch's priority."""
+        if self.running:
+            raise RuntimeError("keep() is for an averager that does not average")
+        await asyncio.to_thread(self.strategy.apply_state, state)
+        self.transport.share_state(self.epoch)
 
     def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
         """A copy of the stage's state, as a joiner would download it (blocking: takes

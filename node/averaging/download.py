@@ -1,5 +1,6 @@
 """A stage's state for a peer that takes the stage: downloaded from a peer of it, else
-resumed from a state kept on disk, else the initial weights.
+the newer of a state kept on disk and an archive's, else the initial weights
+(``protocol.archive.start_from``).
 
 Everything that arrives is checked against the local stage (``node.averaging.state``)
 before it replaces anything.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ from node.averaging.progress import ProgressBoard
 from node.averaging.state import StageState, StateError
 from node.averaging.strategies import Strategy
 from node.averaging.transport import HivemindTransport
+from protocol.archive import Start, start_from
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +35,15 @@ class StateDownloadError(RuntimeError):
 
 @dataclass(frozen=True)
 class LoadedState:
-    loaded: bool  # from a peer or from disk; False: the initial weights
+    origin: Start  # where the state came from (``protocol.archive.start_from``)
     step: int
     epoch: int
-    source: str | None = None  # the peer, or the path of the saved state
+    source: str | None = None  # the peer (a stage peer or an archive), or the saved path
+
+    @property
+    def loaded(self) -> bool:
+        """From a peer, an archive or disk; False: the initial weights."""
+        return self.origin is not Start.INITIAL
 
 
 async def download(
@@ -61,49 +69,70 @@ async def initial_state(
     retry_s: float,
     saved: Saved | None,
     name: str,
+    archived: Callable[[], Awaitable[dict[str, int]]] | None = None,
 ) -> LoadedState:
-    """Load the state a copy starts from into ``strategy``.
+    """Load the state a copy starts from into ``strategy``, by ``start_from``'s rule.
 
     While the stage has live peers (progress records), download from one of them, trying
     again every ``retry_s``; ``StateDownloadError`` if none hands over a valid state within
-    ``timeout_s``. With no live peer, start from ``saved`` if it fits the stage, else keep
-    the initial weights."""
+    ``timeout_s``. With no live peer: the newer of ``saved`` (if it fits the stage) and the
+    newest state the archives hold (``archived()``: archive peer -> epoch of the stage),
+    else the initial weights. An archive's claim is only a claim: its download is checked,
+    and taken only if it is newer than ``saved``."""
     deadline = time.monotonic() + timeout_s
     while others := await board.refresh():
         state = await download(
             transport, strategy, max(1.0, deadline - time.monotonic()), name=name
         )
         if state is not None:
-            await asyncio.to_thread(strategy.apply_state, state)
-            logger.info(
-                "%s: loaded step %d (epoch %d) from %s",
-                name,
-                strategy.optimizer.step_count,
-                strategy.epoch,
-                state.source,
-            )
-            return LoadedState(True, strategy.optimizer.step_count, strategy.epoch, state.source)
+            # The records of peers just killed outlive them: the state may be an archive's.
+            archives = await archived() if archived is not None else {}
+            origin = Start.ARCHIVE if state.source in archives else Start.PEERS
+            return await _take(strategy, state, origin, name, "")
         if time.monotonic() > deadline:
             raise StateDownloadError(
                 f"{name} has {len(others)} live peers, but none of them handed over a valid "
                 f"state within {timeout_s:.0f} s"
             )
         await asyncio.sleep(retry_s)
+    kept = None
     if saved is not None:
         metadata, tensors, where = saved
         try:
-            state = stage_state.parse(metadata, tensors, strategy.module, mode=strategy.mode)
+            kept = stage_state.parse(metadata, tensors, strategy.module, mode=strategy.mode)
         except StateError as e:
             logger.warning("%s: cannot resume from %s: %s", name, where, e)
-        else:
-            await asyncio.to_thread(strategy.apply_state, state)
-            logger.info(
-                "%s: no peer holds it, resumed step %d (epoch %d) from %s",
-                name,
-                strategy.optimizer.step_count,
-                strategy.epoch,
-                where,
-            )
-            return LoadedState(True, strategy.optimizer.step_count, strategy.epoch, where)
+    archives = await archived() if archived is not None else {}
+    if start_from(0, None if kept is None else kept.epoch, archives.values()) is Start.ARCHIVE:
+        state = await download(
+            transport, strategy, max(1.0, deadline - time.monotonic()), name=name
+        )
+        if state is not None and (kept is None or state.epoch > kept.epoch):
+            origin = Start.ARCHIVE if state.source in archives else Start.PEERS
+            return await _take(strategy, state, origin, name, "no live peer holds it; ")
+        logger.warning(
+            "%s: an archive holds epoch %d of it, but no newer state than ours came",
+            name,
+            max(archives.values()),
+        )
+    if kept is not None:
+        return await _take(strategy, kept, Start.CHECKPOINT, name, "no peer holds it; ", saved[2])
     logger.info("%s: no peer holds it, starting from initial weights", name)
-    return LoadedState(False, strategy.optimizer.step_count, strategy.epoch)
+    return LoadedState(Start.INITIAL, strategy.optimizer.step_count, strategy.epoch)
+
+
+async def _take(
+    strategy: Strategy,
+    state: StageState,
+    origin: Start,
+    name: str,
+    why: str,
+    where: str | None = None,
+) -> LoadedState:
+    await asyncio.to_thread(strategy.apply_state, state)
+    source = where or state.source
+    step, epoch = strategy.optimizer.step_count, strategy.epoch
+    logger.info(
+        "%s: %sloaded step %d (epoch %d) from %s %s", name, why, step, epoch, origin, source
+    )
+    return LoadedState(origin, step, epoch, source)

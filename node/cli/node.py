@@ -27,6 +27,12 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         raise ValueError("--second-stage needs --stage: a pinned node pins both")
     if args.second_stage is not None and args.second_stage == args.stage:
         raise ValueError(f"--second-stage {args.second_stage} is the node's --stage already")
+    if args.archive is not None:
+        pinned = "--stage" if args.stage is not None else None
+        if pinned:
+            raise ValueError(f"--archive serves no stage: drop {pinned}")
+        if args.checkpoint_every <= 0:
+            raise ValueError("--archive pulls every --checkpoint-every seconds: give more than 0")
     return NodeSettings(
         run=args.run,
         spec_file=args.spec,
@@ -81,10 +87,13 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
                 write_maddrs(maddrs_file, maddrs)
 
             def on_ready() -> None:
-                print(
-                    f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}",
-                    flush=True,
-                )
+                if settings.archive is not None:
+                    line = f"archiving the {node.spec.n_stages} stages in {settings.archive}"
+                else:
+                    line = (
+                        f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}"
+                    )
+                print(line, flush=True)
 
             await node.run(stop, on_ready)
     finally:

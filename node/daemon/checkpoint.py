@@ -6,9 +6,11 @@ momentum) in one safetensors file, ``<root>/stage<S>/<epoch>.safetensors``. Its 
 names the run, a hash of the run's spec and the stage, and carries a SHA-256 of the
 tensors' bytes, so a file from another run or spec is refused by name and a truncated or
 corrupted one is detected; the newest readable checkpoint wins, and the last ``keep`` are
-kept. Each file is written beside its place and renamed over it, so a crash mid-write
-leaves the previous checkpoints as they were. The run's signed spec is kept in
-``<root>/spec.json`` so that an export needs no swarm.
+kept. A node's checkpoints also record where its trainer is in its data stream, so a
+restarted node reads on instead of from the start. Each file is written beside its
+place and renamed over it, so a crash mid-write leaves the previous checkpoints as they
+were. The run's signed spec is kept in ``<root>/spec.json`` so that an export needs no
+swarm.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ class Checkpoint:
     tensors: list[torch.Tensor]
 
 
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a node's trainer is in its data stream (``models.data.sample_batches``)."""
+
+    stream: int
+    position: int  # the next micro-batch it reads
+
+
 def spec_hash(spec: RunSpec) -> str:
     """What a checkpoint records of the spec it was trained under."""
     return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:32]
@@ -87,9 +97,11 @@ def write(
     metadata: dict,
     tensors: list[torch.Tensor],
     keep: int = KEEP,
+    data: DataPosition | None = None,
 ) -> Path:
     """Write one stage's captured state (blocking: run it off the event loop) and drop
-    all but the newest ``keep`` checkpoints of the stage. Returns the file written."""
+    all but the newest ``keep`` checkpoints of the stage. Returns the file written.
+    ``data``: where the writing node's trainer is in its data stream."""
     epoch = int(metadata["epoch"])
     header = {
         "run": spec.run,
@@ -98,6 +110,8 @@ def write(
         "state": metadata,
         "sha256": _digest(tensors),
     }
+    if data is not None:
+        header["data"] = {"stream": data.stream, "position": data.position}
     directory = stage_dir(root, stage)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{epoch:010d}.safetensors"
@@ -181,3 +195,26 @@ def newest(root: Path, spec: RunSpec, stage: int) -> Checkpoint | None:
         except CheckpointError as e:
             logger.warning("%s; trying an older checkpoint", e)
     return None
+
+
+def data_position(root: Path, spec: RunSpec, stream: int) -> int:
+    """Where a trainer on ``stream`` goes on: the furthest position recorded in the
+    newest checkpoint of each stage under ``root`` (headers only); 0 if none records one."""
+    position = 0
+    for stage in range(spec.n_stages):
+        for path in _files(stage_dir(root, stage))[:1]:
+            try:
+                meta = _header(path)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # ``resume_stage`` and ``newest`` say why
+            data = meta.get("data")
+            if (
+                meta.get("run") == spec.run
+                and meta.get("spec") == spec_hash(spec)
+                and isinstance(data, dict)
+                and data.get("stream") == stream
+                and isinstance(data.get("position"), int)
+                and 0 <= data["position"] < 2**62
+            ):
+                position = max(position, data["position"])
+    return position

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -28,6 +29,7 @@ from node import events
 from node.averaging.averager import AveragedStageServer, StageAverager
 from node.cli.args import DEFAULT_OWNER_KEY
 from node.daemon import checkpoint
+from node.daemon.archive import Archive
 from node.daemon.join import Joined, NodeError, join_run, owned_spec
 from node.daemon.watch import Heartbeat, Members
 from node.files import (
@@ -234,6 +236,7 @@ class Node:
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
         self.started = get_dht_time()  # for the uptime in our record
         self._served_before = 0  # micro-batches served by stage servers since unloaded
+        self.trainer: Trainer | None = None  # this node's own trainer, once it trains
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -292,8 +295,10 @@ class Node:
                 raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
         if s.second_stage is not None and s.second_stage == s.stage:
             raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
-        self.checkpoints = s.checkpoint_root(self.peer_id)
+        self.checkpoints = s.archive or s.checkpoint_root(self.peer_id)
         await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.joined.signed)
+        if s.archive is not None:
+            return  # an archive serves no stage: nothing to measure, no data to read
         self._measure()
         if s.train:
             self.corpus = await asyncio.to_thread(load_corpus, spec.data)
@@ -362,7 +367,11 @@ class Node:
         self._changed.set()
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
-        """Announce, take a stage, serve, until ``stop`` is set; then cancel every task."""
+        """Announce, take a stage, serve, until ``stop`` is set; then cancel every task.
+        An archive node (``settings.archive``) keeps every stage instead."""
+        if self.settings.archive is not None:
+            await self._run_archive(stop, on_ready)
+            return
         add = self._resources.push_async_callback
         self.p2p = await self.dht.replicate_p2p()
         add(self.p2p.shutdown)
@@ -388,6 +397,28 @@ class Node:
             await self._run_tasks(stop, on_ready)
         except* NodeError as group:  # a task's reason to stop, for the person running us
             raise group.exceptions[0] from None
+
+    async def _run_archive(self, stop: asyncio.Event, on_ready: Callable[[], None] | None) -> None:
+        archive = await Archive.open(
+            self.dht,
+            self.joined,
+            self.settings.archive,
+            self.key,
+            period_s=self.settings.checkpoint_every_s,
+            record_ttl_s=self.settings.record_ttl_s,
+        )
+        self._resources.push_async_callback(archive.close)
+        async with asyncio.TaskGroup() as tasks:
+            background = [
+                tasks.create_task(archive.run(), name="archive"),
+                tasks.create_task(self._spec_loop(), name="refresh-spec"),
+                tasks.create_task(self._revocations_loop(), name="revocations"),
+            ]
+            if on_ready is not None:
+                on_ready()
+            await stop.wait()
+            for task in background:
+                task.cancel()
 
     async def _run_tasks(self, stop: asyncio.Event, on_ready: Callable[[], None] | None) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -523,7 +554,9 @@ class Node:
         try:
             kept = await asyncio.to_thread(checkpoint.newest, self.checkpoints, self.spec, stage)
             saved = None if kept is None else (kept.metadata, kept.tensors, str(kept.path))
-            loaded = await averager.load_state(saved=saved)
+            loaded = await averager.load_state(
+                saved=saved, archived=functools.partial(self._archived, stage)
+            )
             logger.info("stage %d state: %s", stage, loaded)
             server = await AveragedStageServer.create(
                 self.p2p,
@@ -542,14 +575,23 @@ class Node:
         self.held[stage] = HeldStage(stage, role, averager, server)
         if role == "second":
             logger.info("serving stage %d as well (a second stage)", stage)
-        source = (
-            "initial"
-            if not loaded.loaded
-            else "checkpoint"
-            if saved and loaded.source == saved[2]
-            else "peers"
+        events.emit(
+            "stage.held",
+            stage=stage,
+            role=role,
+            loaded=str(loaded.origin),
+            source=loaded.source,
+            step=loaded.step,
         )
-        events.emit("stage.held", stage=stage, role=role, loaded=source, step=loaded.step)
+
+    async def _archived(self, stage: int) -> dict[str, int]:
+        """The archive nodes that hold ``stage``, and the epoch of their newest copy."""
+        held = {}
+        for record in await self.dht.archives():
+            epoch = record.epoch_of(stage)
+            if epoch is not None and record.peer_id != self.peer_id:
+                held[record.peer_id] = epoch
+        return held
 
     async def _release(self, stage: int) -> None:
         """Stop serving and averaging ``stage`` (before taking another, or on close)."""
@@ -578,7 +620,13 @@ class Node:
             try:
                 metadata, tensors = await asyncio.to_thread(held.averager.snapshot)
                 path = await asyncio.to_thread(
-                    checkpoint.write, self.checkpoints, self.spec, held.stage, metadata, tensors
+                    checkpoint.write,
+                    self.checkpoints,
+                    self.spec,
+                    held.stage,
+                    metadata,
+                    tensors,
+                    data=self._data_position(),
                 )
             except Exception as e:  # a full disk must not stop the node
                 logger.warning("could not checkpoint stage %d: %s", held.stage, e)
@@ -593,6 +641,11 @@ class Node:
                 time.monotonic() - started,
                 path,
             )
+
+    def _data_position(self) -> checkpoint.DataPosition | None:
+        if self.trainer is None:
+            return None
+        return checkpoint.DataPosition(self.trainer.settings.stream, self.trainer.data_position)
 
     async def _checkpoint_loop(self) -> None:
         while True:
@@ -624,8 +677,14 @@ class Node:
     async def _train_loop(self) -> None:
         """Drive micro-batches through the swarm for as long as the node runs."""
         assert self.spec is not None and self.p2p is not None
-        settings = replace(self.settings.trainer, stream=zlib.crc32(self.peer_id.encode()))
-        trainer = Trainer(
+        stream = zlib.crc32(self.peer_id.encode())
+        start = await asyncio.to_thread(
+            checkpoint.data_position, self.checkpoints, self.spec, stream
+        )
+        if start:
+            logger.info("training resumes its data stream at micro-batch %d", start)
+        settings = replace(self.settings.trainer, stream=stream, start=start)
+        self.trainer = trainer = Trainer(
             self.dht,
             self.p2p,
             self.spec,

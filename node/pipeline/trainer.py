@@ -94,6 +94,7 @@ class TrainerSettings:
     ban_s: float = 15.0
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
+    start: int = 0  # the micro-batch of its stream it reads first (a resumed data position)
     seed: int = 0  # of the routing draws
     # "fixed": micro-batch i always takes route i mod n (GPipe-like), the baseline that
     # benchmarks compare stochastic wiring against; a failed peer is still routed around.
@@ -134,7 +135,15 @@ class Trainer:
             spec.model.block_size,
             spec.optim.micro_batch_size,
             stream_seed(spec.seed, settings.stream),
+            start=settings.start,
         )
+        self._drawn = 0  # micro-batches read from the stream
+
+    @property
+    def data_position(self) -> int:
+        """The next micro-batch of the stream this trainer reads (``settings.start`` plus
+        those read): where a trainer restarted on this stream goes on."""
+        return self.settings.start + self._drawn
 
     async def refresh(self) -> None:
         """Re-read the swarm's peers from the DHT (keeping, for ``view_grace_s``, those a
@@ -184,6 +193,7 @@ class Trainer:
         async def worker() -> None:
             for index in counter:
                 x, y = next(self._data)
+                self._drawn += 1
                 result = await self._micro_batch(index, x, y)
                 self.stats.micro_batches += 1
                 self.stats.samples += result.samples

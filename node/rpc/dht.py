@@ -41,7 +41,8 @@ from node.rpc.hivemind_compat import (
     p2pd_options,
     routing_table_size,
 )
-from protocol.keys import peers_key, revocations_key, spec_key
+from protocol.archive import ArchiveRecord, decode_archive, encode_archive
+from protocol.keys import archives_key, peers_key, revocations_key, spec_key
 from protocol.membership import (
     Claim,
     MembershipPolicy,
@@ -153,9 +154,11 @@ class RunRecordValidator(RecordValidatorBase):
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
         self._claims_id = DHTID.generate(source=claims_key(run)).to_bytes()
+        self._archives_id = DHTID.generate(source=archives_key(run)).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._peers_id, self._spec_id, self._revoked_id, self._claims_id):
+        ours = (self._peers_id, self._spec_id, self._revoked_id, self._claims_id, self._archives_id)
+        if record.key not in ours:
             return True  # other subsystems' keys (e.g. averaging) are theirs to check
         try:
             value = DHTProtocol.serializer.loads(record.value)
@@ -172,7 +175,8 @@ class RunRecordValidator(RecordValidatorBase):
                     raise RecordError("an invite claim would outlive its invite")
             else:
                 subkey = DHTProtocol.serializer.loads(record.subkey)
-                info = decode_peer_info(
+                decode = decode_archive if record.key == self._archives_id else decode_peer_info
+                info = decode(
                     value, subkey=subkey, run=self.run, now=get_dht_time(), max_age_s=math.inf
                 )
                 if record.expiration_time > info.timestamp + MAX_RECORD_AGE_S:
@@ -321,6 +325,38 @@ class SwarmDHT:
                 if self.policy is not None:
                     self.policy.check(info.peer_id, info.membership, now)
                 result.append(info)
+            except RecordError as e:
+                self._log_dropped(e)
+        return result
+
+    async def publish_archive(
+        self, record: ArchiveRecord, key: Ed25519PrivateKey, ttl_s: float
+    ) -> bool:
+        """Store this archive node's record (as ``publish_peer`` stores a peer's)."""
+        expiration = min(get_dht_time() + ttl_s, record.timestamp + MAX_RECORD_AGE_S)
+        return await self.dht.store(
+            archives_key(self.run),
+            subkey=record.peer_id,
+            value=encode_archive(record, key),
+            expiration_time=expiration,
+            return_future=True,
+        )
+
+    async def archives(self) -> list[ArchiveRecord]:
+        """The run's archive records that validate (in a private run, of members only);
+        the rest are logged and dropped."""
+        found = await self.dht.get(archives_key(self.run), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now, result = get_dht_time(), []
+        for subkey, item in found.value.items():
+            try:
+                record = decode_archive(
+                    item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
+                )
+                if self.policy is not None:
+                    self.policy.check(record.peer_id, record.membership, now)
+                result.append(record)
             except RecordError as e:
                 self._log_dropped(e)
         return result

@@ -101,3 +101,17 @@ def test_a_restarted_node_resumes_the_stage_of_its_newest_checkpoint(tmp_path):
     assert checkpoint.resume_stage(tmp_path, OTHER) is None, "another spec's is no resume"
     (next(newest.iterdir())).write_bytes(b"garbage")  # unreadable: the other stage's counts
     assert checkpoint.resume_stage(tmp_path, SPEC) == 1
+
+
+def test_a_checkpoint_records_the_data_position_of_its_stream(tmp_path):
+    module, optimizer = _trained(0, steps=1)
+    metadata, tensors = _capture(module, optimizer, epoch=1)
+    assert checkpoint.data_position(tmp_path, SPEC, stream=5) == 0  # nothing kept
+    position = checkpoint.DataPosition(stream=5, position=40)
+    checkpoint.write(tmp_path, SPEC, 0, metadata, tensors, data=position)
+    module, optimizer = _trained(1, steps=1)
+    metadata, tensors = _capture(module, optimizer, epoch=1)
+    checkpoint.write(tmp_path, SPEC, 1, metadata, tensors, data=checkpoint.DataPosition(5, 42))
+    assert checkpoint.data_position(tmp_path, SPEC, stream=5) == 42  # the furthest
+    assert checkpoint.data_position(tmp_path, SPEC, stream=6) == 0  # another stream's
+    assert checkpoint.data_position(tmp_path, OTHER, stream=5) == 0  # another spec's

@@ -24,6 +24,14 @@ def test_streams_are_reproducible_and_distinct(corpus):
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
 
 
+def test_a_stream_read_from_a_position_goes_on_where_it_stopped(corpus):
+    whole = sample_batches(corpus.train, 32, 4, 7)
+    read = [next(whole)[0] for _ in range(5)]
+    resumed = sample_batches(corpus.train, 32, 4, 7, start=3)
+    assert torch.equal(next(resumed)[0], read[3]) and torch.equal(next(resumed)[0], read[4])
+    assert not torch.equal(read[0], read[1])
+
+
 def test_eval_batches_are_fixed(corpus):
     a = eval_batches(corpus.val, 16, 4, 3)
     b = eval_batches(corpus.val, 16, 4, 3)

@@ -1,0 +1,70 @@
+"""An archive node keeps a stage whose every peer died: 2 stages (one peer on stage 0,
+two on stage 1) train while an archive node (``--archive DIR``) pulls every stage; both
+peers of stage 1 are killed at once; a new node takes stage 1, loads it from the archive
+(its ``stage.held`` event names the archive and the step), and the run goes on from there
+instead of from the initial weights."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+
+from node.daemon import checkpoint
+from node.harness.local_swarm import NodeProcess, launch_node, stop_all, wait_until
+from tests.live.test_resume import _train_and_validate
+
+EVERY_S = 2.0  # the archive's --checkpoint-every
+STEPS = 10  # of stage 1 that the archive holds before its peers die
+FRESH = 5.5  # validation loss of the initial weights (bytes: about ln 256)
+
+
+def _archived_step(archive: NodeProcess, stage: int, until: float = math.inf) -> int:
+    """The newest step of ``stage`` the archive wrote (by time ``until``); -1: none."""
+    written = archive.events("checkpoint.written")
+    return max((e["step"] for e in written if e["stage"] == stage and e["t"] <= until), default=-1)
+
+
+def test_a_stage_whose_peers_all_died_comes_back_from_the_archive(tmp_path):
+    nodes: list[NodeProcess] = []
+    try:
+        first = launch_node(tmp_path, "s0", "archived", extra=["--stage", "0"], train=True)
+        nodes.append(first)
+        run, peers = first.run_id, [first.maddr]
+        for name in ("s1a", "s1b"):
+            nodes.append(launch_node(
+                tmp_path, name, run, initial_peers=peers, extra=["--stage", "1"], train=True
+            ))  # fmt: skip
+        for n in nodes:
+            n.wait_serving(90)
+        directory = tmp_path / "archive"
+        extra = ["--archive", str(directory), "--checkpoint-every", str(EVERY_S)]
+        archive = launch_node(tmp_path, "archive", run, initial_peers=peers, extra=extra)
+        nodes.append(archive)
+
+        # The nodes train (as the README starts them); the archive pulls stage 1 as it goes.
+        wait_until(lambda: _archived_step(archive, 1) >= STEPS, 120, "stage 1 trained")
+        before, _ = asyncio.run(_train_and_validate(run, first.maddr, 0))
+        assert before < FRESH - 1.0, before
+        for n in nodes[1:3]:  # every peer of stage 1 at once
+            n.proc.send_signal(signal.SIGKILL)
+        for n in nodes[1:3]:
+            n.proc.wait(30)
+
+        joiner = launch_node(tmp_path, "s1new", run, initial_peers=peers, extra=["--stage", "1"])
+        nodes.append(joiner)
+        joiner.wait_serving(120)
+        loaded = joiner.events("stage.held")[-1]
+        assert loaded["loaded"] == "archive" and loaded["source"] == archive.peer_id, loaded
+        archived = _archived_step(archive, 1, until=loaded["t"])
+        assert loaded["step"] == archived >= STEPS, (loaded, archived)
+
+        after, _ = asyncio.run(_train_and_validate(run, first.maddr, 0))
+        print(f"validation {before:.3f} before the kill, {after:.3f} after; stage 1 "
+              f"loaded at step {loaded['step']} from the archive")  # fmt: skip
+        assert after < before + 0.1, f"validation {before:.3f} before, {after:.3f} after"
+        # What the archive keeps exports like any node's checkpoints.
+        kept = checkpoint.newest(directory, checkpoint.read_spec(directory).spec, 1)
+        assert kept is not None and kept.metadata["step"] >= archived
+    finally:
+        stop_all(nodes)
