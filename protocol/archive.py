@@ -7,9 +7,8 @@ its peer id). A record is a claim: a peer that acts on one still checks the stat
 downloads like any other, and takes it only if it is newer than what it has.
 
 ``start_from`` is the one rule, for every peer that takes a stage, of where its state
-comes from: live peers of the stage first (they are the run as it is now), else the
-newest of its own checkpoint and the archives' (its own on a tie: no download), else the
-initial weights.
+comes from: the newest of what the stage's live peers, its own checkpoint and the
+archives hold.
 """
 
 from __future__ import annotations
@@ -87,13 +86,18 @@ class Start(StrEnum):
     INITIAL = "initial"  # the initial weights
 
 
-def start_from(live_peers: int, saved_epoch: int | None, archived: Iterable[int]) -> Start:
-    """Where a peer taking a stage gets its state: live peers first; with none, the newer
-    of its own checkpoint (``saved_epoch``) and the archives' epochs of the stage (its own
-    on a tie); with neither, the initial weights."""
-    if live_peers > 0:
-        return Start.PEERS
-    newest_archived = max(archived, default=None)
-    if newest_archived is not None and (saved_epoch is None or newest_archived > saved_epoch):
-        return Start.ARCHIVE
-    return Start.CHECKPOINT if saved_epoch is not None else Start.INITIAL
+def start_from(
+    live_epochs: Iterable[int], saved_epoch: int | None, archived: Iterable[int]
+) -> Start:
+    """Where a peer taking a stage gets its state: the newest of the live peers' epochs,
+    its own checkpoint's (``saved_epoch``) and the archives' wins; on a tie live peers
+    first (they are the run as it is now), then its own checkpoint (no download), then
+    an archive. Nothing anywhere: the initial weights. A peer whose own checkpoint is
+    newer than every live peer's keeps it, and they catch up from it."""
+    ranked = [
+        (max(live_epochs, default=-1), 3, Start.PEERS),
+        (-1 if saved_epoch is None else saved_epoch, 2, Start.CHECKPOINT),
+        (max(archived, default=-1), 1, Start.ARCHIVE),
+    ]
+    epoch, _, start = max(ranked)
+    return start if epoch >= 0 else Start.INITIAL

@@ -71,30 +71,15 @@ async def initial_state(
     name: str,
     archived: Callable[[], Awaitable[dict[str, int]]] | None = None,
 ) -> LoadedState:
-    """Load the state a copy starts from into ``strategy``, by ``start_from``'s rule.
+    """Load the state a copy starts from into ``strategy``, by ``start_from``'s rule over
+    the live peers' progress records, ``saved`` (if it fits the stage) and what the
+    archives hold (``archived()``: archive peer -> epoch of the stage).
 
-    While the stage has live peers (progress records), download from one of them, trying
-    again every ``retry_s``; ``StateDownloadError`` if none hands over a valid state within
-    ``timeout_s``. With no live peer: the newer of ``saved`` (if it fits the stage) and the
-    newest state the archives hold (``archived()``: archive peer -> epoch of the stage),
-    else the initial weights. An archive's claim is only a claim: its download is checked,
-    and taken only if it is newer than ``saved``."""
-    deadline = time.monotonic() + timeout_s
-    while others := await board.refresh():
-        state = await download(
-            transport, strategy, max(1.0, deadline - time.monotonic()), name=name
-        )
-        if state is not None:
-            # The records of peers just killed outlive them: the state may be an archive's.
-            archives = await archived() if archived is not None else {}
-            origin = Start.ARCHIVE if state.source in archives else Start.PEERS
-            return await _take(strategy, state, origin, name, "")
-        if time.monotonic() > deadline:
-            raise StateDownloadError(
-                f"{name} has {len(others)} live peers, but none of them handed over a valid "
-                f"state within {timeout_s:.0f} s"
-            )
-        await asyncio.sleep(retry_s)
+    From live peers: download from one of them, trying again every ``retry_s``;
+    ``StateDownloadError`` if none hands over a valid state within ``timeout_s``. From an
+    archive: its claim is only a claim; the download is checked, and taken only if it is
+    newer than ``saved``. A ``saved`` newer than every live peer's state is kept: they
+    catch up from this copy."""
     kept = None
     if saved is not None:
         metadata, tensors, where = saved
@@ -102,21 +87,40 @@ async def initial_state(
             kept = stage_state.parse(metadata, tensors, strategy.module, mode=strategy.mode)
         except StateError as e:
             logger.warning("%s: cannot resume from %s: %s", name, where, e)
-    archives = await archived() if archived is not None else {}
-    if start_from(0, None if kept is None else kept.epoch, archives.values()) is Start.ARCHIVE:
+    kept_epoch = None if kept is None else kept.epoch
+    deadline = time.monotonic() + timeout_s
+    while True:
+        others = await board.refresh()
+        archives = await archived() if archived is not None else {}
+        start = start_from([p.epoch for p in others], kept_epoch, archives.values())
+        if start not in (Start.PEERS, Start.ARCHIVE):
+            break
         state = await download(
             transport, strategy, max(1.0, deadline - time.monotonic()), name=name
         )
-        if state is not None and (kept is None or state.epoch > kept.epoch):
+        if state is not None and (
+            start is Start.PEERS or kept_epoch is None or state.epoch > kept_epoch
+        ):
+            # The records of peers just killed outlive them: the state may be an archive's.
             origin = Start.ARCHIVE if state.source in archives else Start.PEERS
-            return await _take(strategy, state, origin, name, "no live peer holds it; ")
-        logger.warning(
-            "%s: an archive holds epoch %d of it, but no newer state than ours came",
-            name,
-            max(archives.values()),
-        )
+            why = "" if others else "no live peer holds it; "
+            return await _take(strategy, state, origin, name, why)
+        if start is Start.ARCHIVE:
+            logger.warning(
+                "%s: an archive holds epoch %d of it, but no newer state than ours came",
+                name,
+                max(archives.values()),
+            )
+            break
+        if time.monotonic() > deadline:
+            raise StateDownloadError(
+                f"{name} has {len(others)} live peers, but none of them handed over a valid "
+                f"state within {timeout_s:.0f} s"
+            )
+        await asyncio.sleep(retry_s)
     if kept is not None:
-        return await _take(strategy, kept, Start.CHECKPOINT, name, "no peer holds it; ", saved[2])
+        why = "its peers are behind it; " if others else "no peer holds it; "
+        return await _take(strategy, kept, Start.CHECKPOINT, name, why, saved[2])
     logger.info("%s: no peer holds it, starting from initial weights", name)
     return LoadedState(Start.INITIAL, strategy.optimizer.step_count, strategy.epoch)
 

@@ -45,16 +45,19 @@ def _decode(raw: bytes, subkey: str | None = PEER, now: float = NOW) -> ArchiveR
 @pytest.mark.parametrize(
     "live, saved, archived, start",
     [
-        (1, 9, [20], Start.PEERS),  # live peers are the run as it is now
-        (0, None, [], Start.INITIAL),
-        (0, 3, [], Start.CHECKPOINT),
-        (0, None, [0], Start.ARCHIVE),
-        (0, 3, [2, 5], Start.ARCHIVE),
-        (0, 5, [5], Start.CHECKPOINT),  # a tie: our own, no download
-        (0, 6, [2, 5], Start.CHECKPOINT),
+        ([], None, [], Start.INITIAL),
+        ([0], None, [], Start.PEERS),
+        ([7, 9], 9, [9], Start.PEERS),  # a tie: live peers are the run as it is now
+        ([7, 9], 10, [], Start.CHECKPOINT),  # ours is newer: they catch up from us
+        ([7], 3, [8], Start.ARCHIVE),
+        ([], 3, [], Start.CHECKPOINT),
+        ([], None, [0], Start.ARCHIVE),
+        ([], 3, [2, 5], Start.ARCHIVE),
+        ([], 5, [5], Start.CHECKPOINT),  # a tie: our own, no download
+        ([], 6, [2, 5], Start.CHECKPOINT),
     ],
 )
-def test_a_stage_starts_from_live_peers_else_the_newest_of_checkpoint_and_archive(
+def test_a_stage_starts_from_the_newest_of_live_peers_checkpoint_and_archives(
     live, saved, archived, start
 ):
     assert start_from(live, saved, archived) is start
