@@ -79,6 +79,11 @@ COMMANDS = {
         "node.cli.config:config_arguments",
         "node.cli.config:run",
     ),
+    "service": Command(
+        "write a systemd unit that runs a node from its settings file",
+        "node.cli.service:service_arguments",
+        "node.cli.service:run",
+    ),
 }
 
 # Errors that say what is wrong and what to do in their message: shown as one line, exit
