@@ -4,6 +4,7 @@ and the same line as plain text every few seconds when the output is a file or a
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -38,9 +39,20 @@ class Progress:
         self._started = clock()
         self._last_plain = -float("inf")
         self._unwritten: str | None = None
-        # smoothing=0: the mean pace since the start, as the plain lines show it
+        # smoothing=0: the mean pace since the start, as the plain lines show it. A terminal
+        # that reports no size (some containers' pseudo-terminals) is taken as 80 x 24:
+        # tqdm would fit the bar into 0 x 0 and show nothing.
+        sized = _has_size(self.stream)
         self._bar = (
-            tqdm(total=total, desc=label, file=self.stream, dynamic_ncols=True, smoothing=0)
+            tqdm(
+                total=total,
+                desc=label,
+                file=self.stream,
+                smoothing=0,
+                dynamic_ncols=sized,
+                ncols=None if sized else 80,
+                nrows=None if sized else 24,
+            )
             if self.tty
             else None
         )
@@ -75,6 +87,15 @@ class Progress:
         self._unwritten = None
         self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def _has_size(stream: TextIO) -> bool:
+    """Whether the terminal ``stream`` writes to reports its size."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
+    return size.columns > 0 and size.lines > 0
 
 
 def _fmt(v: float | str) -> str:
