@@ -47,8 +47,11 @@ class Setting:
 
     @property
     def is_list(self) -> bool:
+        """A flag that takes several values (``nargs``), or is given several times: a
+        TOML list in a file."""
         nargs = self.action.nargs
-        return nargs in ("*", "+") or (isinstance(nargs, int) and nargs > 1)
+        repeated = isinstance(self.action, argparse._AppendAction)
+        return repeated or nargs in ("*", "+") or (isinstance(nargs, int) and nargs > 1)
 
 
 def settings_of(parser: argparse.ArgumentParser) -> dict[str, Setting]:
@@ -146,7 +149,7 @@ def _convert(setting: Setting, value: Any, base: Path) -> Any:
         if isinstance(action, argparse.BooleanOptionalAction):
             return value
         return action.const if value else _NOT_GIVEN
-    if setting.is_list or isinstance(action, argparse._AppendAction):
+    if setting.is_list:
         if not isinstance(value, list):
             raise TypeError(f"expected a list, [...], got {_toml(value)}")
         if action.nargs == "+" and not value:

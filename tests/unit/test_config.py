@@ -161,3 +161,19 @@ def test_config_init_prints_the_template(capsys):
     assert "\ncheckpoint-every = 300.0\n" in out and '\n# spec = "SPEC"\n' in out
     assert main(["config", "init", "train"]) == 0
     assert "\n# run = " in capsys.readouterr().out  # required, no default: to fill in
+
+
+def test_other_kinds_of_flag_read_as_argparse_would_take_them(tmp_path):
+    parser = CommandParser(prog="swarmtrain x")
+    parser.add_argument("--tag", action="append", type=int, help="repeatable")
+    parser.add_argument("--pair", nargs=2, help="two values")
+    parser.add_argument("--watch", nargs="?", type=float, const=5.0, help="optional value")
+    parser.add_argument("--color", action=argparse.BooleanOptionalAction, default=True)
+    path = tmp_path / "x.toml"
+    text = 'tag = [1, 2]\npair = ["a", "b"]\nwatch = true\ncolor = false\n'
+    values = parse_config(parser, text, path)
+    assert values == {"tag": [1, 2], "pair": ["a", "b"], "watch": 5.0, "color": False}
+    assert parse_config(parser, "watch = 2\n", path) == {"watch": 2.0}
+    with pytest.raises(ConfigError, match=r"line 1: pair: expected 2 values, got 1"):
+        parse_config(parser, 'pair = ["a"]\n', path)
+    assert "\ncolor = true\n" in template(parser, "x")
