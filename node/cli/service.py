@@ -45,6 +45,9 @@ class Unit:
         service = [
             "Type=exec",
             f"ExecStart={command}",
+            # What the file names relative to the working directory (--invite @FILE) is
+            # found beside it, as its path settings are.
+            f"WorkingDirectory={_escape(str(self.config.parent))}",
             *([f"User={_escape(self.run_as)}"] if self.run_as else []),
             "Environment=PYTHONUNBUFFERED=1",
             "Restart=on-failure",

@@ -32,7 +32,7 @@ def test_the_unit_runs_the_node_with_its_config_restarts_it_and_stops_it_with_si
     assert (s["Restart"], s["KillSignal"], s["KillMode"]) == ("on-failure", "SIGTERM", "mixed")
     assert 10 <= int(s["TimeoutStopSec"]) <= 300
     assert s["RestartPreventExitStatus"] == "2"  # bad settings: no restart loop
-    assert s["User"] == "ada"
+    assert s["User"] == "ada" and s["WorkingDirectory"] == "/etc/swarm"
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     assert unit["Unit"]["After"] == "network-online.target"
 
