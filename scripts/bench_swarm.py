@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.cli.plot import write_line_chart
+from node.cli.plot import PlotUnavailable, write_line_chart
 from scripts.netem.network import ROOT, NetemUnavailable, Network
 from scripts.netem.profiles import profile
 from scripts.swarm_bench.swarm import BenchSwarm
@@ -400,20 +400,13 @@ class Bench:
         path = self.out / f"{name}{'-' + self.args.netem if self.args.netem else ''}.png"
         series = {"samples/s (2 s bins)": rec.series(), **(extra or {})}
         where = f"netem {self.args.netem}" if self.args.netem else "loopback"
-        series = {_plain(k): v for k, v in series.items()}
-        markers = [(x, _plain(label)) for x, label in markers]
-        write_line_chart(path, series, title=_plain(f"{title} ({where})"), x_label="seconds",
-                         y_label="samples/s", markers=markers)  # fmt: skip
+        try:
+            write_line_chart(path, series, title=f"{title} ({where})", x_label="seconds",
+                             y_label="samples/s", markers=markers)  # fmt: skip
+        except PlotUnavailable as e:
+            print(f"  no plot: {e}")
+            return
         print(f"  plot: {path}")
-
-
-# What node/plot.py's bitmap font draws (lower case as upper case); anything else would
-# come out as '?', so labels are reduced to these first.
-_FONT = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 .-_/:()%=,+")
-
-
-def _plain(text: str) -> str:
-    return "".join(c if c in _FONT else "" if c in "'`\"" else " " for c in text)
 
 
 def _stalls(rec: Record, lo: float, hi: float, gap: float = 2.0) -> list[tuple[float, float]]:

@@ -120,7 +120,9 @@ class Demo:
         return text, all(c.equal for c in checks)
 
     def write_curve(self, curve: Curve) -> None:
-        from node.cli.plot import write_line_chart
+        """The loss curve as CSV, and as a PNG where matplotlib is installed (else one
+        line says how to get it)."""
+        from node.cli.plot import PlotUnavailable, write_line_chart
 
         out = self.args.out
         curve.write_csv(out / "loss.csv")
@@ -128,14 +130,18 @@ class Demo:
         for s, v in curve.train:
             ema = v if ema is None else 0.95 * ema + 0.05 * v
             smooth.append((s, ema))
-        write_line_chart(
-            out / "loss.png",
-            {"train loss (EMA)": smooth, "validation loss": curve.val},
-            title=f"swarmtrain demo: {self.args.stages} stages x {self.args.peers} peers",
-            x_label="samples",
-            y_label="loss",
-            markers=self.events,
-        )
+        try:
+            write_line_chart(
+                out / "loss.png",
+                {"train loss (EMA)": smooth, "validation loss": curve.val},
+                title=f"swarmtrain demo: {self.args.stages} stages x {self.args.peers} peers",
+                x_label="samples",
+                y_label="loss",
+                markers=self.events,
+            )
+        except PlotUnavailable as e:
+            print(f"loss curve written to {out / 'loss.csv'}; no PNG: {e}")
+            return
         print(f"loss curve written to {out / 'loss.csv'} and {out / 'loss.png'}")
 
 

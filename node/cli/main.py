@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from node.cli.args import CommandParser, add_verbose, version
+from node.cli.config import ConfigError, add_config_argument, config_file_in, use_config_file
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Command:
     summary: str
     arguments: str  # "module:function" that adds the subcommand's arguments to a parser
     handler: str  # "module:function" that runs it, given the parsed arguments
+    config: bool = False  # its settings may come from a file too (--config FILE)
 
 
 COMMANDS = {
@@ -34,6 +36,7 @@ COMMANDS = {
         "run a node daemon: join (or start) a run and serve a stage",
         "node.cli.args:node_arguments",
         "node.cli.node:run",
+        config=True,
     ),
     "run": Command(
         "create a run; invite machines to a private run, or revoke them",
@@ -49,6 +52,7 @@ COMMANDS = {
         "train through a run's swarm without serving a stage",
         "node.cli.args:train_arguments",
         "node.cli.train:run",
+        config=True,
     ),
     "export": Command(
         "write a run's model in the Hugging Face format, from checkpoints or a live run",
@@ -69,6 +73,16 @@ COMMANDS = {
         "print this machine's peer id in a run (what an invite is bound to)",
         "node.cli.args:id_arguments",
         "node.cli.whoami:run",
+    ),
+    "config": Command(
+        "print a commented settings file (swarmtrain config init > node.toml)",
+        "node.cli.config:config_arguments",
+        "node.cli.config:run",
+    ),
+    "service": Command(
+        "write a systemd unit that runs a node from its settings file",
+        "node.cli.service:service_arguments",
+        "node.cli.service:run",
     ),
 }
 
@@ -98,7 +112,9 @@ def _command_in(argv: Sequence[str]) -> str | None:
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser for ``argv``: every subcommand is listed, but only the one ``argv`` names
-    gets its arguments (all of them do with ``argv`` None)."""
+    gets its arguments (all of them do with ``argv`` None). If ``argv`` gives that
+    subcommand ``--config FILE``, the file's settings are its defaults; a file it cannot
+    use is a one-line error (exit status 2) before anything starts."""
     parser = CommandParser(
         prog="swarmtrain", description="Peer-to-peer volunteer training of pipelined models."
     )
@@ -109,10 +125,30 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.summary, description=command.summary)
         if argv is None or name == chosen:
-            add_verbose(p, default=argparse.SUPPRESS)
-            _load(command.arguments)(p)
-            _verbose_in_subcommands(p)
+            _define(p, command)
+        if argv is not None and name == chosen and command.config:
+            path = config_file_in(argv[argv.index(name) + 1 :])
+            if path is not None:
+                try:
+                    use_config_file(p, path)
+                except ConfigError as e:
+                    p.error(str(e))
     return parser
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of ``swarmtrain NAME``'s own arguments, on its own."""
+    p = CommandParser(prog=f"swarmtrain {name}", description=COMMANDS[name].summary)
+    _define(p, COMMANDS[name])
+    return p
+
+
+def _define(p: argparse.ArgumentParser, command: Command) -> None:
+    add_verbose(p, default=argparse.SUPPRESS)
+    _load(command.arguments)(p)
+    if command.config:
+        add_config_argument(p)
+    _verbose_in_subcommands(p)
 
 
 def _verbose_in_subcommands(parser: argparse.ArgumentParser) -> None:

@@ -84,11 +84,14 @@ def _cpu_time(*args: str) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-COMMANDS = ["baseline", "node", "run", "status", "train", "export", "generate", "demo", "id"]
+COMMANDS = ["baseline", "node", "run", "status", "train", "export", "generate", "demo", "id",
+            "config", "service"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "args", [["--help"], *([c, "--help"] for c in COMMANDS), ["run", "invite", "--help"]],
+    "args",
+    [["--help"], *([c, "--help"] for c in COMMANDS), ["run", "invite", "--help"],
+     ["config", "init"], ["service", "install", "--help"]],
     ids=" ".join,
 )  # fmt: skip
 def test_help_takes_under_a_second(args):

@@ -1,4 +1,4 @@
-"""What a person running the tools sees, without a network: the progress line's ETA,
+"""What a person running the tools sees, without a network: the progress bar and lines,
 ``status``'s table of a run (stage totals with two-stage peers, peer ids that can be
 passed back), the peer record's served samples and uptime, and when a cached throughput
 is measured again."""
@@ -14,7 +14,7 @@ from hivemind.utils import get_dht_time
 
 from node.cli.main import build_parser
 from node.cli.node import settings_from
-from node.cli.progress import Progress, format_duration
+from node.cli.progress import Progress
 from node.cli.status import render, summarize
 from node.cli.train import CsvLog
 from node.measure import capacity
@@ -30,17 +30,51 @@ IDS = [peer_id_of(k.public_key()) for k in KEYS]
 RUN = make_run_id("ops", IDS[0])
 
 
-def test_progress_line_shows_an_eta():
-    stream = io.StringIO()
-    p = Progress("training", 100, stream=stream, every_s=0)
+class Clock:
+    """A monotonic clock that moves when told."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_in_a_log_is_plain_lines_with_an_eta_every_few_seconds():
+    stream, clock = io.StringIO(), Clock()
+    p = Progress("training", 100, stream=stream, every_s=5, clock=clock)
     p.update(0)
-    assert "eta=?" in stream.getvalue().splitlines()[-1]
-    p._started -= 10.0  # 10 s for the first 20 items: 40 s for the other 80
-    p.update(20, loss=1.0)
-    assert "eta=0:40" in stream.getvalue().splitlines()[-1]
-    p.update(100)
-    assert "eta" not in stream.getvalue().splitlines()[-1]  # done: nothing left to wait for
-    assert format_duration(3725) == "1:02:05" and format_duration(59.6) == "1:00"
+    assert "0/100 [00:00<?" in stream.getvalue()  # no pace yet: no time left to show
+    for done in range(1, 21):  # an item every 0.5 s: a line at 5 s and at 10 s
+        clock.now = done / 2
+        p.update(done, loss=1.0)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
+    assert "20/100 [00:10<00:40" in lines[-1] and "loss=1" in lines[-1]
+    clock.now = 11.0
+    p.update(21)  # within 5 s of the last line: held back, until close
+    assert len(stream.getvalue().splitlines()) == 3
+    p.close()
+    assert "21/100 [00:11<" in stream.getvalue().splitlines()[-1]
+    clock.now = 12.0
+    p.update(100)  # done: written at once
+    assert "100/100 [00:12<00:00" in stream.getvalue().splitlines()[-1]
+
+
+def test_progress_on_a_terminal_is_one_line_redrawn_in_place():
+    stream = Terminal()
+    p = Progress("training", 10, stream=stream)
+    for done in range(1, 11):
+        p.update(done, loss=2.0)
+    p.close()
+    text = stream.getvalue()
+    assert text.count("\n") <= 1 and "\r" in text  # redrawn, not appended
+    assert "training" in text and "10/10" in text and "loss=2" in text
 
 
 def test_csv_log_has_a_whole_line_per_row(tmp_path):
