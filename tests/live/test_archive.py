@@ -10,7 +10,7 @@ import asyncio
 import math
 import signal
 
-from node.daemon import checkpoint
+from node.cli.export import newest_of_each_stage
 from node.harness.local_swarm import NodeProcess, launch_node, stop_all, wait_until
 from tests.live.test_resume import _train_and_validate
 
@@ -63,8 +63,8 @@ def test_a_stage_whose_peers_all_died_comes_back_from_the_archive(tmp_path):
         print(f"validation {before:.3f} before the kill, {after:.3f} after; stage 1 "
               f"loaded at step {loaded['step']} from the archive")  # fmt: skip
         assert after < before + 0.1, f"validation {before:.3f} before, {after:.3f} after"
-        # What the archive keeps exports like any node's checkpoints.
-        kept = checkpoint.newest(directory, checkpoint.read_spec(directory).spec, 1)
-        assert kept is not None and kept.metadata["step"] >= archived
+        # What the archive keeps is a whole model: it exports like nodes' checkpoints.
+        _, chosen = newest_of_each_stage([directory])
+        assert [c.stage for c in chosen] == [0, 1] and chosen[1].metadata["step"] >= archived
     finally:
         stop_all(nodes)
