@@ -15,8 +15,9 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -67,6 +68,7 @@ from protocol.run_spec import (
 )
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", PeerInfo, ArchiveRecord)
 
 SPEC_TTL_S = 3600.0  # every node re-stores the spec (and revocations), so they outlive
 # their creator
@@ -289,28 +291,49 @@ class SwarmDHT:
         return await self.dht.replicate_p2p()
 
     async def publish_peer(self, info: PeerInfo, key: Ed25519PrivateKey, ttl_s: float) -> bool:
-        """Store ``info`` for ``ttl_s`` seconds, but never past ``MAX_RECORD_AGE_S`` after its
-        timestamp (peers refuse to store a record that would go stale before it expires)."""
-        expiration = min(get_dht_time() + ttl_s, info.timestamp + MAX_RECORD_AGE_S)
-        return await self.dht.store(
-            peers_key(self.run),
-            subkey=info.peer_id,
-            value=encode_peer_info(info, key),
-            expiration_time=expiration,
-            return_future=True,
-        )
+        """Store this node's record for ``ttl_s`` seconds (``_store``)."""
+        raw = encode_peer_info(info, key)
+        return await self._store(peers_key(self.run), info.peer_id, raw, info.timestamp, ttl_s)
 
     async def peers(self) -> list[PeerInfo]:
         """The run's peer records that validate (and, in a private run, whose peers show a
         valid invite); the rest are logged and dropped."""
-        found = await self.dht.get(peers_key(self.run), latest=True, return_future=True)
+        return await self._read(peers_key(self.run), decode_peer_info)
+
+    async def publish_archive(
+        self, record: ArchiveRecord, key: Ed25519PrivateKey, ttl_s: float
+    ) -> bool:
+        """Store this archive node's record for ``ttl_s`` seconds (``_store``)."""
+        raw = encode_archive(record, key)
+        return await self._store(
+            archives_key(self.run), record.peer_id, raw, record.timestamp, ttl_s
+        )
+
+    async def archives(self) -> list[ArchiveRecord]:
+        """The run's archive records that validate (in a private run, of members only);
+        the rest are logged and dropped."""
+        return await self._read(archives_key(self.run), decode_archive)
+
+    async def _store(self, key: str, peer_id: str, raw: bytes, dated: float, ttl_s: float) -> bool:
+        """Store a peer's signed record (dated ``dated``) under its peer id for ``ttl_s``
+        seconds, but never past ``MAX_RECORD_AGE_S`` after its date (peers refuse to store
+        a record that would go stale before it expires)."""
+        expiration = min(get_dht_time() + ttl_s, dated + MAX_RECORD_AGE_S)
+        return await self.dht.store(
+            key, subkey=peer_id, value=raw, expiration_time=expiration, return_future=True
+        )
+
+    async def _read(self, key: str, decode: Callable[..., R]) -> list[R]:
+        """The signed per-peer records under ``key`` that ``decode`` accepts and, in a
+        private run, whose peers show a valid invite; the rest are logged and dropped."""
+        found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        now, infos, result = get_dht_time(), [], []
+        now, records, result = get_dht_time(), [], []
         for subkey, item in found.value.items():
             try:
-                infos.append(
-                    decode_peer_info(
+                records.append(
+                    decode(
                         item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
                     )
                 )
@@ -319,41 +342,9 @@ class SwarmDHT:
         if self.policy is not None and self.policy.private:
             # Each bearer proof is a claim on its invite: learn them all before judging any,
             # so that of two peers using one token at once, the later is dropped right away.
-            self._learn_claims(self._claim_in(i) for i in infos)
-        for info in infos:
+            self._learn_claims(self._claim_in(r) for r in records)
+        for record in records:
             try:
-                if self.policy is not None:
-                    self.policy.check(info.peer_id, info.membership, now)
-                result.append(info)
-            except RecordError as e:
-                self._log_dropped(e)
-        return result
-
-    async def publish_archive(
-        self, record: ArchiveRecord, key: Ed25519PrivateKey, ttl_s: float
-    ) -> bool:
-        """Store this archive node's record (as ``publish_peer`` stores a peer's)."""
-        expiration = min(get_dht_time() + ttl_s, record.timestamp + MAX_RECORD_AGE_S)
-        return await self.dht.store(
-            archives_key(self.run),
-            subkey=record.peer_id,
-            value=encode_archive(record, key),
-            expiration_time=expiration,
-            return_future=True,
-        )
-
-    async def archives(self) -> list[ArchiveRecord]:
-        """The run's archive records that validate (in a private run, of members only);
-        the rest are logged and dropped."""
-        found = await self.dht.get(archives_key(self.run), latest=True, return_future=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        now, result = get_dht_time(), []
-        for subkey, item in found.value.items():
-            try:
-                record = decode_archive(
-                    item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
-                )
                 if self.policy is not None:
                     self.policy.check(record.peer_id, record.membership, now)
                 result.append(record)
@@ -361,7 +352,7 @@ class SwarmDHT:
                 self._log_dropped(e)
         return result
 
-    def _claim_in(self, info: PeerInfo) -> Claim | None:
+    def _claim_in(self, info: PeerInfo | ArchiveRecord) -> Claim | None:
         """The (verified) claim on a bearer invite that ``info``'s proof makes, if any.
         Remembered per proof: records are re-read every second or so."""
         if info.membership is None:
