@@ -24,6 +24,7 @@ from protocol.records import (
     MAX_MEMBERSHIP_CHARS,
     MAX_STAGES,
     PeerId,
+    RecordTTL,
     RunName,
     decode_signed,
     encode_signed,
@@ -46,6 +47,7 @@ class ArchiveRecord(BaseModel):
     steps: Annotated[tuple[Epoch | None, ...], Field(min_length=1, max_length=MAX_STAGES)]
     timestamp: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     membership: Annotated[str, Field(max_length=MAX_MEMBERSHIP_CHARS)] | None = None
+    ttl_s: RecordTTL | None = None
 
     def model_post_init(self, _context) -> None:
         if len(self.steps) != len(self.epochs):

@@ -29,6 +29,15 @@ MAX_MEMBERSHIP_CHARS = 2048  # a private run's membership proof, base64 (about 5
 _PEER_DOMAIN = b"swarmtrain/peer-info"
 
 Rate = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+# How long a record lives in the DHT after its timestamp. A record that names it must be
+# stored to expire exactly then (``expires_at``), so a peer's newer record always outlives
+# its older ones: a replayed old record cannot displace a fresh one.
+RecordTTL = Annotated[float, Field(gt=0.0, le=MAX_RECORD_AGE_S, allow_inf_nan=False)]
+
+
+def expires_at(timestamp: float, ttl_s: float) -> float:
+    """When a record dated ``timestamp`` that lives ``ttl_s`` seconds expires."""
+    return timestamp + ttl_s
 
 
 class RecordError(ValueError):
@@ -92,6 +101,7 @@ class PeerInfo(BaseModel):
     # and validation calls, over both its stages), and when the peer started (DHT time).
     samples_served: Annotated[int, Field(ge=0, le=2**62)] = 0
     started: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    ttl_s: RecordTTL | None = None
 
     def model_post_init(self, _context) -> None:
         n = len(self.throughput)

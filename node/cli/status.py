@@ -31,7 +31,8 @@ SPEC_TIMEOUT_S = 15.0  # while no peer is reached at all
 
 
 def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
-    """Peers (all but those leaving) and per-stage totals.
+    """Peers (all but those leaving, and with ``n_stages`` known, all but those whose
+    records name another number of stages) and per-stage totals.
 
     A stage's ``serving`` counts the peers that serve it, as their first stage or (the
     number is also in ``also_served_by``) their second; its ``throughput`` is what
@@ -39,7 +40,12 @@ def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
     the share of its time routing gives that stage (``protocol.routing.candidates_by_stage``).
     The bottleneck is the stage with the least throughput, the pace of the whole pipeline."""
     present = sorted(
-        (p for p in peers if p.state is not PeerState.LEAVING),
+        (
+            p
+            for p in peers
+            if p.state is not PeerState.LEAVING
+            and (n_stages is None or len(p.throughput) == n_stages)
+        ),
         key=lambda p: (p.stage if p.stage is not None else -1, p.peer_id),
     )
     n = n_stages or max((len(p.throughput) for p in present), default=0)

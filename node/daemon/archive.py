@@ -146,6 +146,7 @@ class Archive:
             steps=tuple(h.step for h in self.stages),
             timestamp=get_dht_time(),
             membership=self.membership,
+            ttl_s=self.record_ttl_s,
         )
 
     async def run(self) -> None:
@@ -156,7 +157,7 @@ class Archive:
 
     async def _announce_loop(self) -> None:
         while True:
-            if not await self.dht.publish_archive(self.record(), self.key, self.record_ttl_s):
+            if not await self.dht.publish_archive(self.record(), self.key):
                 logger.warning("archive: could not store its record in the DHT")
             await asyncio.sleep(self.record_ttl_s / 3)
 

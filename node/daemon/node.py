@@ -344,6 +344,7 @@ class Node:
             second_serving=self.serving_second is not None,
             samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
             started=self.started,
+            ttl_s=self.settings.record_ttl_s,
         )
 
     @property
@@ -750,7 +751,7 @@ class Node:
         while True:
             self._changed.clear()
             info = self.info()
-            await self._publish(info, self.settings.record_ttl_s)
+            await self._publish(info)
             await self.placement.announce(info.stage, info.state, info.load)
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
             # that lands as the event fires (seen: a node that ignored SIGTERM).
@@ -758,9 +759,9 @@ class Node:
                 async with asyncio.timeout(self.settings.update_period_s):
                     await self._changed.wait()
 
-    async def _publish(self, info: PeerInfo, ttl_s: float) -> None:
+    async def _publish(self, info: PeerInfo) -> None:
         try:
-            if not await self.dht.publish_peer(info, self.key, ttl_s):
+            if not await self.dht.publish_peer(info, self.key):
                 logger.warning("the DHT did not store our record (no reachable peer?)")
         except Exception as e:  # a DHT hiccup must not stop the node; the next period retries
             logger.warning("publishing our record failed: %s", e)
@@ -797,7 +798,7 @@ class Node:
                 async with asyncio.timeout(grace_s):
                     if self.placement is not None:  # gossip first: it arrives in milliseconds
                         await self.placement.announce(self.stage, PeerState.LEAVING, 0)
-                    await self._publish(leaving, self.settings.record_ttl_s)
+                    await self._publish(leaving)
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:

@@ -59,6 +59,7 @@ from protocol.records import (
     RecordError,
     decode_peer_info,
     encode_peer_info,
+    expires_at,
 )
 from protocol.run_spec import (
     SignedSpec,
@@ -181,6 +182,16 @@ class RunRecordValidator(RecordValidatorBase):
                 info = decode(
                     value, subkey=subkey, run=self.run, now=get_dht_time(), max_age_s=math.inf
                 )
+                ttl_s = info.ttl_s
+                if (
+                    ttl_s is not None
+                    and abs(record.expiration_time - expires_at(info.timestamp, ttl_s)) > 1e-3
+                ):
+                    raise RecordError(
+                        f"record of peer {info.peer_id} is stored to expire at "
+                        f"{record.expiration_time:.3f}, not {ttl_s:.1f} s after it is dated: "
+                        "a replayed or altered record"
+                    )
                 if record.expiration_time > info.timestamp + MAX_RECORD_AGE_S:
                     raise RecordError(
                         f"record of peer {info.peer_id} expires "
@@ -216,6 +227,7 @@ class SwarmDHT:
         self.run = run
         self._socket_dir = socket_dir  # removed at shutdown
         self.policy: MembershipPolicy | None = None
+        self.n_stages: int | None = None  # the run's, once its spec is known
         self._dropped: set[str] = set()  # reasons already logged
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
@@ -290,37 +302,57 @@ class SwarmDHT:
         """A P2P handle in this process on the DHT's daemon: same peer id, for RPCs."""
         return await self.dht.replicate_p2p()
 
-    async def publish_peer(self, info: PeerInfo, key: Ed25519PrivateKey, ttl_s: float) -> bool:
-        """Store this node's record for ``ttl_s`` seconds (``_store``)."""
+    async def publish_peer(
+        self, info: PeerInfo, key: Ed25519PrivateKey, ttl_s: float | None = None
+    ) -> bool:
+        """Store this node's record (``_store``)."""
         raw = encode_peer_info(info, key)
-        return await self._store(peers_key(self.run), info.peer_id, raw, info.timestamp, ttl_s)
+        return await self._store(peers_key(self.run), info, raw, ttl_s)
 
     async def peers(self) -> list[PeerInfo]:
         """The run's peer records that validate (and, in a private run, whose peers show a
-        valid invite); the rest are logged and dropped."""
-        return await self._read(peers_key(self.run), decode_peer_info)
+        valid invite; once the spec is known, whose throughput per stage covers exactly
+        its stages, so that every stage they name is one of the run's); the rest are
+        logged and dropped."""
+        result = []
+        for info in await self._read(peers_key(self.run), decode_peer_info):
+            if self.n_stages is None or len(info.throughput) == self.n_stages:
+                result.append(info)
+            else:
+                self._log_dropped(
+                    RecordError(
+                        f"record of peer {info.peer_id} names {len(info.throughput)} stages; "
+                        f"the run has {self.n_stages}"
+                    )
+                )
+        return result
 
-    async def publish_archive(
-        self, record: ArchiveRecord, key: Ed25519PrivateKey, ttl_s: float
-    ) -> bool:
-        """Store this archive node's record for ``ttl_s`` seconds (``_store``)."""
+    async def publish_archive(self, record: ArchiveRecord, key: Ed25519PrivateKey) -> bool:
+        """Store this archive node's record (``_store``)."""
         raw = encode_archive(record, key)
-        return await self._store(
-            archives_key(self.run), record.peer_id, raw, record.timestamp, ttl_s
-        )
+        return await self._store(archives_key(self.run), record, raw)
 
     async def archives(self) -> list[ArchiveRecord]:
         """The run's archive records that validate (in a private run, of members only);
         the rest are logged and dropped."""
         return await self._read(archives_key(self.run), decode_archive)
 
-    async def _store(self, key: str, peer_id: str, raw: bytes, dated: float, ttl_s: float) -> bool:
-        """Store a peer's signed record (dated ``dated``) under its peer id for ``ttl_s``
-        seconds, but never past ``MAX_RECORD_AGE_S`` after its date (peers refuse to store
-        a record that would go stale before it expires)."""
-        expiration = min(get_dht_time() + ttl_s, dated + MAX_RECORD_AGE_S)
+    async def _store(
+        self, key: str, record: PeerInfo | ArchiveRecord, raw: bytes, ttl_s: float | None = None
+    ) -> bool:
+        """Store a peer's signed record ``raw`` under its peer id: until ``record.ttl_s``
+        after its timestamp when the record names it (``expires_at``; then every newer
+        record of the peer outlives the older ones), else for ``ttl_s`` seconds but never
+        past ``MAX_RECORD_AGE_S`` after its timestamp (peers refuse to store a record
+        that would go stale before it expires)."""
+        if record.ttl_s is not None:
+            expiration = expires_at(record.timestamp, record.ttl_s)
+        elif ttl_s is not None:
+            expiration = min(get_dht_time() + ttl_s, record.timestamp + MAX_RECORD_AGE_S)
+        else:
+            raise ValueError("a record without ttl_s needs a ttl_s to be stored with")
         return await self.dht.store(
-            key, subkey=peer_id, value=raw, expiration_time=expiration, return_future=True
+            key, subkey=record.peer_id, value=raw, expiration_time=expiration, return_future=True
         )
 
     async def _read(self, key: str, decode: Callable[..., R]) -> list[R]:
@@ -467,8 +499,10 @@ class SwarmDHT:
         return await self.dht.run_coroutine(routing_table_size, return_future=True)
 
     def use_spec(self, spec) -> None:
-        """From now on, read records as members of ``spec``'s run see them."""
+        """From now on, read records as members of ``spec``'s run see them (and drop
+        peer records that do not fit its stages)."""
         self.policy = spec.membership
+        self.n_stages = spec.n_stages
 
     async def publish_revocations(self, revocations: Revocations, raw: bytes) -> bool:
         """Store the owner's revocations. They expire a fixed time after they were issued,

@@ -16,6 +16,7 @@ from protocol.keys import peers_key
 from protocol.records import (
     MAX_RECORD_AGE_S,
     PROTOCOL_VERSION,
+    decode_peer_info,
     encode_peer_info,
 )
 from tests.records import peer_info
@@ -153,6 +154,60 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
         assert node.peer_id in present, "a stale record hid the honest node's record"
         assert set(present) == {node.peer_id}
         assert node.stop() == 0
+    finally:
+        if attacker is not None:
+            attacker.shutdown()
+        stop_all([node])
+
+
+def test_a_replayed_record_does_not_hide_a_live_node_nor_is_an_extra_stage_listed(tmp_path):
+    """A node's own record, re-stored by an attacker after it aged, with an expiration
+    that outlives the node's fresh records, would displace them (the DHT keeps a
+    subkey's value with the latest expiration). A record names how long it lives, and is
+    stored to expire exactly then, so that a replay is refused and the node's newest
+    record stays listed. A self-consistent record for a stage the run does not have (its
+    throughput names 6 stages, of a 2-stage run) is not listed either."""
+    run = "replayed"
+    node = launch_node(tmp_path, "honest", run, extra=["--stage", "0"])
+    run = node.run_id
+    attacker = None
+    try:
+        assert node.wait_serving() == 0
+        attacker = _attacker(node.maddr)
+        key = peers_key(run)
+
+        def own_record() -> tuple[bytes, float] | None:
+            found = attacker.get(key, latest=True)
+            item = (
+                found.value.get(node.peer_id) if found and isinstance(found.value, dict) else None
+            )
+            if item is None:
+                return None
+            return item.value, decode_peer_info(
+                item.value, subkey=node.peer_id, run=run, now=get_dht_time(), max_age_s=60
+            ).timestamp
+
+        raw, dated = wait_until(own_record, 20, "the node's record in the DHT")
+        wait_until(lambda: get_dht_time() > dated + 5, 10, "the record to age 5 s")
+        attacker.store(key, subkey=node.peer_id, value=raw, expiration_time=dated + 110)
+        extra_key, extra_id = _fresh()
+        extra = peer_info(run, extra_id, stage=5, throughput=(50.0,) * 6)
+        attacker.store(
+            key, subkey=extra_id, value=encode_peer_info(extra, extra_key),
+            expiration_time=get_dht_time() + 60,
+        )  # fmt: skip
+
+        wait_until(
+            lambda: any("a replayed or altered record" in r for r in _refusals(node)),
+            10,
+            "the honest node to refuse the replay",
+        )
+        ages = []
+        for _ in range(5):  # the node's record stays its newest: about one period old
+            present = _present(status(run, node.maddr))
+            assert set(present) == {node.peer_id}, f"listed: {sorted(present)}"
+            ages.append(present[node.peer_id]["age_s"])
+        assert max(ages) < 5, f"the node's listed record aged: {ages}"
     finally:
         if attacker is not None:
             attacker.shutdown()
