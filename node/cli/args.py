@@ -360,12 +360,7 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
     p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
-    p.add_argument(
-        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
-    )
-    p.add_argument(
-        "--identity", type=Path, help="key file, for an invite bound to a peer id (default: new)"
-    )
+    member_arguments(p)
 
 
 def run_arguments(p: argparse.ArgumentParser) -> None:
@@ -424,8 +419,8 @@ def _owner_key(p: argparse.ArgumentParser) -> None:
 
 
 def member_arguments(p: argparse.ArgumentParser) -> None:
-    """How a command that joins a run without serving a stage (``export``, ``generate``)
-    proves membership of a private run: an invite, or the run's owner key."""
+    """How a command that joins a run without serving a stage (``train``, ``export``,
+    ``generate``) proves membership of a private run: an invite, or the run's owner key."""
     p.add_argument(
         "--invite",
         help="private runs: the invite token from the run's owner, or @FILE holding it (the "

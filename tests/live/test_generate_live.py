@@ -5,9 +5,8 @@ train`` moves their weights off the initial ones for two steps and stops, so the
 then stay as they are. ``swarmtrain generate --run`` at temperature 0 writes the same
 text twice, and the text that ``generate --model`` writes from the model exported from
 the swarm then; with a stage's only peer gone it stops with one line naming that stage.
-A private run's member exports it with an invite, and the owner's machine generates
-through its stages with the run's key alone; a machine with neither is refused in one
-line.
+On a private run's owner's machine, the run's key alone lets ``train`` and ``generate``
+in; a member exports it with an invite; a machine with neither is refused in one line.
 """
 
 from __future__ import annotations
@@ -116,12 +115,15 @@ def test_a_private_run_exports_to_its_members_only(tmp_path: Path) -> None:
         assert command == "export" and "is private: start with --invite" in message
         assert not (guest / "model").exists()
 
-        # A member with an invite exports it; the owner's machine, with the run's key and
-        # no invite, generates through the stages what that export writes.
+        # The owner's machine trains a step with the run's key and no invite; a member
+        # with an invite exports the result, and the owner generates through the stages
+        # what that export writes.
+        _cli(tmp_path, "train", *swarm, "--owner-key", owner_key, "--micro-batches", 4)
+        wait_until(lambda: _stepped(a, 1) and _stepped(b, 1), 30, "both stages' step")
         out = _cli(guest, "export", *swarm, "--invite", f"@{guest / 'invite'}",
                    "--out", guest / "model").stdout.decode()  # fmt: skip
-        assert f"stage 0: step 0 from peer {a.peer_id}" in out
-        assert f"stage 1: step 0 from peer {b.peer_id}" in out
+        assert f"stage 0: step 1 from peer {a.peer_id}" in out
+        assert f"stage 1: step 1 from peer {b.peer_id}" in out
         through = _sample(tmp_path, *swarm, "--owner-key", str(owner_key))
         assert through == _sample(tmp_path, "--model", str(guest / "model"))
     finally:
