@@ -12,6 +12,8 @@ Request layout (tensors by position, after the metadata):
 - forward, last stage: ``[inputs, targets]``
 - backward (not at the last stage, whose backward is its ``train=True`` forward):
   ``[inputs, grad_outputs]``
+- inference forward (``infer=True``, generation), last stage: ``[inputs]``; it returns
+  the logits of each sequence's last position ``(B, vocab)`` instead of a loss
 
 ``inputs`` are token ids ``(B, T)`` int64 at stage 0 and hidden states ``(B, T, C)``
 float32 elsewhere; ``targets`` are token ids ``(B, T)``; ``grad_outputs`` has the shape of
@@ -114,10 +116,11 @@ class StageContract:
     def returns_loss(self) -> bool:
         return self.blocks.end == self.n_blocks
 
-    def roles(self, kind: str) -> tuple[str, ...]:
-        """The tensors a request of ``kind`` carries, in order."""
+    def roles(self, kind: str, *, infer: bool = False) -> tuple[str, ...]:
+        """The tensors a request of ``kind`` carries, in order (``infer``: an inference
+        forward, which carries no targets)."""
         if kind == FORWARD:
-            return (INPUTS, TARGETS) if self.returns_loss else (INPUTS,)
+            return (INPUTS, TARGETS) if self.returns_loss and not infer else (INPUTS,)
         if kind == BACKWARD:
             if self.returns_loss:
                 raise StageRequestError(
@@ -137,6 +140,10 @@ class StageMeta:
     kind: str  # FORWARD or BACKWARD
     micro_batch: int  # chosen by the trainer; echoed in logs
     train: bool = False  # at the last stage's forward: also back-propagate
+    # An inference-only forward (generation): nothing kept for a backward, no samples
+    # counted toward a step, never held by admission; the last stage takes no targets
+    # and returns the logits of each sequence's last position.
+    infer: bool = False
 
     def __post_init__(self) -> None:
         if type(self.run_id) is not str or not 1 <= len(self.run_id) <= MAX_RUN_ID_CHARS:
@@ -160,8 +167,13 @@ class StageMeta:
             raise StageRequestError(f"train must be a boolean, got {self.train!r:.40}")
         if self.train and self.kind != FORWARD:
             raise StageRequestError("train=True is only meaningful for a forward request")
+        if type(self.infer) is not bool:
+            raise StageRequestError(f"infer must be a boolean, got {self.infer!r:.40}")
+        if self.infer and (self.kind != FORWARD or self.train):
+            raise StageRequestError("infer=True is only meaningful for a forward without train")
 
-    # Wire key -> attribute; "train" is sent only when True.
+    # Wire key -> attribute; the flags ("train", "infer") are sent only when True.
+    _FLAGS: ClassVar[tuple[str, ...]] = ("train", "infer")
     _WIRE: ClassVar[dict[str, str]] = {
         "run": "run_id",
         "stage": "stage",
@@ -171,8 +183,7 @@ class StageMeta:
 
     def encode(self) -> bytes:
         fields_ = {key: getattr(self, attr) for key, attr in self._WIRE.items()}
-        if self.train:
-            fields_["train"] = True
+        fields_.update((flag, True) for flag in self._FLAGS if getattr(self, flag))
         return msgpack.packb(fields_)
 
     @classmethod
@@ -188,15 +199,14 @@ class StageMeta:
             raise StageRequestError(f"malformed metadata ({detail})") from None
         if not isinstance(raw, dict):
             raise StageRequestError(f"metadata must be a map, got {type(raw).__name__}")
-        unknown = set(raw) - set(cls._WIRE) - {"train"}
+        unknown = set(raw) - set(cls._WIRE) - set(cls._FLAGS)
         if unknown:
             raise StageRequestError(f"unknown metadata keys {sorted(map(str, unknown))}")
         missing = set(cls._WIRE) - set(raw)
         if missing:
             raise StageRequestError(f"metadata lacks keys {sorted(missing)}")
-        return cls(
-            **{attr: raw[key] for key, attr in cls._WIRE.items()}, train=raw.get("train", False)
-        )
+        flags = {flag: raw.get(flag, False) for flag in cls._FLAGS}
+        return cls(**{attr: raw[key] for key, attr in cls._WIRE.items()}, **flags)
 
 
 def check_meta(contract: StageContract, meta: StageMeta, *, run_id: str, kind: str) -> None:
@@ -322,7 +332,7 @@ def check_tensor(
 class ForwardRequest:
     meta: StageMeta
     inputs: torch.Tensor  # token ids (B, T) or hidden states (B, T, C)
-    targets: torch.Tensor | None  # (B, T), at the last stage only
+    targets: torch.Tensor | None  # (B, T), at the last stage only, and not with infer
 
 
 @dataclass(frozen=True)
@@ -336,7 +346,7 @@ def parse_request(
     contract: StageContract, meta: StageMeta, tensors: Sequence[torch.Tensor]
 ) -> ForwardRequest | BackwardRequest:
     """Check decoded tensors against the layout of ``meta.kind`` and bundle them."""
-    roles = contract.roles(meta.kind)
+    roles = contract.roles(meta.kind, infer=meta.infer)
     if len(tensors) != len(roles):
         raise StageRequestError(
             f"a {meta.kind} request to stage {contract.stage_index} carries {len(roles)} "

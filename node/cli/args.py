@@ -81,6 +81,7 @@ def _at_least(kind: type, low: float, *, equal_ok: bool, why: str):
 positive_float = _at_least(float, 0, equal_ok=False, why="must be more than 0")
 non_negative_float = _at_least(float, 0, equal_ok=True, why="must be 0 or more")
 positive_int = _at_least(int, 1, equal_ok=True, why="must be 1 or more")
+non_negative_int = _at_least(int, 0, equal_ok=True, why="must be 0 or more")
 stage_number = _at_least(int, 0, equal_ok=True, why="stages are numbered from 0")
 
 
@@ -359,12 +360,7 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
     p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
-    p.add_argument(
-        "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
-    )
-    p.add_argument(
-        "--identity", type=Path, help="key file, for an invite bound to a peer id (default: new)"
-    )
+    member_arguments(p)
 
 
 def run_arguments(p: argparse.ArgumentParser) -> None:
@@ -422,13 +418,41 @@ def _owner_key(p: argparse.ArgumentParser) -> None:
     )
 
 
+def member_arguments(p: argparse.ArgumentParser) -> None:
+    """How a command that joins a run without serving a stage (``train``, ``export``,
+    ``generate``) proves membership of a private run: an invite, or the run's owner key."""
+    p.add_argument(
+        "--invite",
+        help="private runs: the invite token from the run's owner, or @FILE holding it (the "
+        "owner's machine needs none: see --owner-key)",
+    )
+    p.add_argument(
+        "--owner-key",
+        type=Path,
+        default=DEFAULT_OWNER_KEY,
+        help=f"private runs: the run owner's key file, if this machine has it (default "
+        f"{DEFAULT_OWNER_KEY}): it proves membership without an invite",
+    )
+    p.add_argument(
+        "--identity",
+        type=Path,
+        help="key file, for an invite bound to a peer id (default: a new identity; a bearer "
+        "invite is then claimed by it)",
+    )
+
+
 def export_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="a live public run's id: download its stages from peers")
+    source.add_argument(
+        "--run",
+        help="a live run's id: download its stages from peers (a private run's as a member: "
+        "--invite, or on the owner's machine its key)",
+    )
     p.add_argument(
         "--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --run: its nodes"
     )
     listen_argument(p, "with --run: where to listen")
+    member_arguments(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each stage")
     source.add_argument(
         "--checkpoint",
@@ -444,8 +468,37 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path, help="a directory `export` wrote")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="a directory `export` wrote")
+    source.add_argument(
+        "--run",
+        help="a live run's id: generate through its stages' peers, one forward through the "
+        "pipeline per token (nothing is trained)",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        type=peer_maddr,
+        metavar="MADDR",
+        help="with --run: multiaddrs of nodes of the run",
+    )
+    listen_argument(p, "with --run: where to listen")
+    member_arguments(p)
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with --run: how long to look for the run, and to wait for a stage with no "
+        "serving peer",
+    )
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely byte")
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=200, help="bytes to generate")
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.8,
+        help="0: always the most likely byte (deterministic)",
+    )
     p.add_argument("--seed", type=int, default=0, help="of the draws (temperature > 0)")

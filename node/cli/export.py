@@ -1,23 +1,44 @@
-"""``swarmtrain export``: a run's stages, from nodes' checkpoints, as one model in the
-Hugging Face format (``GPT2LMHeadModel``: config.json + model.safetensors)."""
+"""``swarmtrain export``: a run's stages, from nodes' checkpoints or downloaded from its
+live peers, as one model in the Hugging Face format (``GPT2LMHeadModel``: config.json +
+model.safetensors).
+
+From a live private run, only a member exports: it joins with an invite (the owner's
+machine needs none) and announces its membership in a record, since a stage's peers hand
+their state to members only."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from models.hf_export import save_gpt2
 from models.stages import Stage
 from models.training import StageOptimizer
 from node.averaging import state as stage_state
 from node.averaging.averager import StageAverager
+from node.averaging.process import MEMBERS_REFRESH_S
+from node.averaging.state import StageState
 from node.daemon import checkpoint
 from node.daemon.checkpoint import Checkpoint, CheckpointError
-from node.daemon.join import NodeError, find_spec
+from node.daemon.join import NodeError, announce_member, join_run, member_invite
+from node.files import load_or_create_key
 from node.rpc.dht import SwarmDHT
+from node.rpc.membership import read_invite
 from protocol.ownership import check_run_id
+from protocol.records import PeerState
 from protocol.run_spec import RunSpec
+
+# Downloads of a stage's state tried before giving up: a private run's peer hands its
+# state to peers whose record it has read, and reads records at most every
+# MEMBERS_REFRESH_S, so the first try may come before it knows ours.
+FETCH_TRIES = 3
 
 
 def _roots(paths: list[Path]) -> list[Path]:
@@ -64,31 +85,62 @@ def whole_state(signed, chosen: list[Checkpoint]) -> dict:
     return state
 
 
-async def from_swarm(dht: SwarmDHT, timeout_s: float) -> tuple[RunSpec, dict, list[str]]:
+async def from_swarm(
+    dht: SwarmDHT,
+    timeout_s: float,
+    *,
+    invite_for: Callable[[RunSpec], str | None] = lambda _: None,
+    key: Ed25519PrivateKey | None = None,
+) -> tuple[RunSpec, dict, list[str]]:
     """The run's spec, its whole model's state downloaded stage by stage from live peers
-    (as a joiner downloads it), and one line per stage saying where it came from."""
-    spec = (await find_spec(dht, timeout_s)).spec
-    if spec.private:
-        raise NodeError(
-            f"run {spec.run!r} is private: export it from its nodes' checkpoints "
-            "(--checkpoint ~/.swarmtrain/NAME/checkpoints on the owner's machine)"
-        )
-    dht.use_spec(spec)
+    (as a joiner downloads it), and one line per stage saying where it came from.
+
+    This peer joins the run (``join_run``, with the invite ``invite_for`` gives). In a
+    private run it then announces itself as a member that serves no stage
+    (``announce_member``, signed with ``key``: ``dht``'s identity key), and as leaving
+    once done. ``NodeError`` if it is no member, or a stage hands over no state within
+    ``timeout_s``."""
+    joined = await join_run(dht, invite_for, spec_timeout_s=timeout_s)
+    spec = joined.spec
+    if spec.private and key is None:
+        raise ValueError("exporting a private run needs the key of the DHT's identity")
     state, lines = {}, []
-    for stage in range(spec.n_stages):
-        module = Stage(spec.model, spec.stage_range(stage))
-        optimizer = StageOptimizer(module, spec.optim)
-        averager = await StageAverager.create(dht, spec, stage, module, optimizer)
-        try:
-            fetched = await averager.fetch(timeout_s)
-        finally:
-            await averager.shutdown()
-        if fetched is None:
-            raise NodeError(f"no peer of stage {stage} handed over its state in {timeout_s:.0f} s")
-        names = [n for n, _ in stage_state.trainable(module)]
-        state.update(zip(names, fetched.params, strict=True))
-        lines.append(f"stage {stage}: step {fetched.step} from peer {fetched.source}")
+    try:
+        for stage in range(spec.n_stages):
+            if spec.private:  # afresh for each stage: a record lives MAX_RECORD_AGE_S
+                await announce_member(dht, joined, key)
+            module = Stage(spec.model, spec.stage_range(stage))
+            fetched = await _fetch(dht, spec, stage, module, timeout_s)
+            names = [n for n, _ in stage_state.trainable(module)]
+            state.update(zip(names, fetched.params, strict=True))
+            lines.append(f"stage {stage}: step {fetched.step} from peer {fetched.source}")
+    finally:
+        if spec.private:
+            with contextlib.suppress(NodeError):  # else it expires
+                await announce_member(dht, joined, key, PeerState.LEAVING)
     return spec, state, lines
+
+
+async def _fetch(
+    dht: SwarmDHT, spec: RunSpec, stage: int, module: Stage, timeout_s: float
+) -> StageState:
+    """Stage ``stage``'s state from one of its peers, tried ``FETCH_TRIES`` times within
+    ``timeout_s``; ``NodeError`` if none handed it over."""
+    optimizer = StageOptimizer(module, spec.optim)
+    averager = await StageAverager.create(dht, spec, stage, module, optimizer)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    try:
+        for _ in range(FETCH_TRIES):
+            fetched = await averager.fetch(max(1.0, deadline - loop.time()))
+            if fetched is not None:
+                return fetched
+            if deadline - loop.time() < MEMBERS_REFRESH_S:
+                break
+            await asyncio.sleep(MEMBERS_REFRESH_S)
+    finally:
+        await averager.shutdown()
+    raise NodeError(f"no peer of stage {stage} handed over its state in {timeout_s:.0f} s")
 
 
 def _from_swarm(args: argparse.Namespace) -> tuple[RunSpec, dict, list[str]]:
@@ -97,21 +149,29 @@ def _from_swarm(args: argparse.Namespace) -> tuple[RunSpec, dict, list[str]]:
     check_run_id(args.run)
     if not args.initial_peers:
         raise ValueError("--run needs --initial-peers: the address of a node of the run")
-    dht = SwarmDHT.start(
-        args.run,
-        initial_peers=args.initial_peers,
-        host_maddrs=args.host_maddrs,
-        client_mode=True,
-    )
-    try:
-        return uvloop.run(from_swarm(dht, args.timeout))
-    finally:
-        dht.shutdown()
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-export-") as scratch:
+        # A private run's export signs a record: it needs its identity's key.
+        identity = args.identity or Path(scratch) / "identity.key"
+        key = load_or_create_key(identity)
+        dht = SwarmDHT.start(
+            args.run,
+            initial_peers=args.initial_peers,
+            host_maddrs=args.host_maddrs,
+            identity_path=identity,
+            client_mode=True,
+        )
+        try:
+            invite_for = member_invite(read_invite(args.invite), args.owner_key, dht.peer_id)
+            return uvloop.run(from_swarm(dht, args.timeout, invite_for=invite_for, key=key))
+        finally:
+            dht.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.force:
         raise ValueError(f"--out {args.out} exists: pass --force to replace it")
+    if args.checkpoint and (args.initial_peers or args.invite is not None):
+        raise ValueError("--initial-peers and --invite go with --run, not --checkpoint")
     if args.run:
         spec, state, lines = _from_swarm(args)
     else:

@@ -1,24 +1,50 @@
-"""``swarmtrain generate``: sample text from an exported model (no swarm needed)."""
+"""``swarmtrain generate``: sample text from an exported model (``--model``: no swarm
+needed) or from a live run's stages (``--run``: one inference forward through the
+pipeline per token, each stage on a peer that routing picks as it does for training;
+nothing is trained, kept or counted toward a step).
+
+Tokens are bytes. Both ways stream them to stdout as they are drawn and draw alike
+(``models.generate.Sampler``), so at temperature 0 a run's text is its export's text
+(while its weights stay as they were, and with activations sent uncompressed).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from models.generate import sample
+from models.generate import Sampler, sample
 from models.hf_export import load_gpt2
 from models.stages import Stage
+from node.daemon.join import join_run, member_invite
+from node.files import load_or_create_key
+from node.pipeline.trainer import StageRouter, TrainerError, TrainerSettings
+from node.rpc.dht import SwarmDHT
+from node.rpc.membership import read_invite
+from protocol.ownership import check_run_id
+
+
+def prompt_tokens(prompt: str, vocab_size: int) -> torch.Tensor:
+    """The token ids (T,) of ``prompt``: its UTF-8 bytes. ``ValueError`` if it is empty or
+    the model's vocabulary lacks a byte of it."""
+    data = prompt.encode()
+    if not data:
+        raise ValueError("--prompt is empty: give some text to continue")
+    if max(data) >= vocab_size:
+        raise ValueError(f"the model's vocabulary has {vocab_size} tokens: too few for bytes")
+    return torch.tensor(list(data), dtype=torch.long)
 
 
 def sample_text(
     model_dir: Path, prompt: str, max_new_tokens: int, *, temperature: float = 1.0, seed: int = 0
 ) -> Iterator[bytes]:
     """The bytes an exported model (``swarmtrain export``) writes after ``prompt``, one
-    token (a byte) at a time; the same ``seed`` gives the same text."""
+    token (a byte) at a time; the same ``seed`` gives the same text. Bad input raises
+    here, before the first byte."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     config, state = load_gpt2(model_dir)
@@ -27,25 +53,106 @@ def sample_text(
     model.eval()
     tokens = sample(
         model.logits,
-        torch.tensor(list(prompt.encode()), dtype=torch.long),  # bytes are tokens
+        prompt_tokens(prompt, config.vocab_size),
         max_new_tokens,
         block_size=config.block_size,
         temperature=temperature,
         generator=torch.Generator().manual_seed(seed),
     )
-    for token in tokens:
-        yield bytes([token])
+    return (bytes([token]) for token in tokens)
+
+
+def sample_swarm(
+    router: StageRouter,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> AsyncIterator[bytes]:
+    """The bytes the run's stages write after ``prompt``, one token (a byte) at a time:
+    each one inference forward through the pipeline (``StageRouter.logits``), drawn as
+    ``sample_text`` draws. Bad input raises here, before the first byte; while it runs,
+    ``TrainerError`` naming the stage when one has had no serving peer for the router's
+    ``stage_wait_s``."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    model = router.spec.model
+    sampler = Sampler(
+        prompt_tokens(prompt, model.vocab_size),
+        block_size=model.block_size,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+    async def tokens() -> AsyncIterator[bytes]:
+        for _ in range(max_new_tokens):
+            logits = await router.logits(sampler.window())  # (1, vocab)
+            yield bytes([sampler.draw(logits[0])])
+
+    return tokens()
+
+
+def _write(data: bytes) -> None:
+    out = sys.stdout.buffer
+    out.write(data)
+    out.flush()  # a token is shown as soon as it is drawn
+
+
+async def _generate(dht: SwarmDHT, args: argparse.Namespace) -> int:
+    invite = member_invite(read_invite(args.invite), args.owner_key, dht.peer_id)
+    joined = await join_run(dht, invite, spec_timeout_s=args.timeout)
+    p2p = await dht.replicate_p2p()
+    try:
+        settings = TrainerSettings(stage_wait_s=args.timeout)
+        router = StageRouter(dht, p2p, joined.spec, settings, membership=joined.membership)
+        tokens = sample_swarm(
+            router, args.prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed
+        )
+        _write(args.prompt.encode())
+        async for token in tokens:
+            _write(token)
+        _write(b"\n")
+    except TrainerError as e:
+        _write(b"\n")
+        print(f"swarmtrain generate: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        await p2p.shutdown()
+    return 0
+
+
+def _from_swarm(args: argparse.Namespace) -> int:
+    import uvloop
+
+    check_run_id(args.run)
+    if not args.initial_peers:
+        raise ValueError("--run needs --initial-peers: the address of a node of the run")
+    if args.identity is not None:
+        load_or_create_key(args.identity)
+    dht = SwarmDHT.start(
+        args.run,
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs,
+        identity_path=args.identity,
+        client_mode=True,
+    )
+    try:
+        return uvloop.run(_generate(dht, args))
+    finally:
+        dht.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:
-    tokens = sample_text(
+    if args.run is not None:
+        return _from_swarm(args)
+    if args.initial_peers or args.invite is not None:
+        raise ValueError("--initial-peers and --invite go with --run, not --model")
+    tokens: Iterable[bytes] = sample_text(
         args.model, args.prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed
     )
-    out = sys.stdout.buffer
-    out.write(args.prompt.encode())
+    _write(args.prompt.encode())
     for token in tokens:
-        out.write(token)
-        out.flush()
-    out.write(b"\n")
-    out.flush()
+        _write(token)
+    _write(b"\n")
     return 0

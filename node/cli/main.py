@@ -60,7 +60,7 @@ COMMANDS = {
         "node.cli.export:run",
     ),
     "generate": Command(
-        "sample text from an exported model",
+        "sample text from an exported model, or through a live run's stages",
         "node.cli.args:generate_arguments",
         "node.cli.generate:run",
     ),

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.data import load_corpus
+from node.cli.args import DEFAULT_OWNER_KEY
 from node.cli.progress import Progress
-from node.daemon.join import join_run
+from node.daemon.join import join_run, member_invite
 from node.files import load_or_create_key, write_atomic
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from node.rpc.dht import SwarmDHT
@@ -81,14 +82,17 @@ async def open_trainer(
     spec_timeout_s: float = 60,
     invite: str | None = None,
     on_step: Callable[[str], None] | None = None,
+    owner_key: Path = DEFAULT_OWNER_KEY,
 ) -> Trainer:
     """A ``Trainer`` for the run ``dht`` is in, once its spec is found (and, in a private
-    run, once ``invite`` proved us a member). ``NodeError`` if the run has no spec there
-    (``node.daemon.join.find_spec``: within seconds when peers answer). ``on_step`` hears what
-    it is doing (reading the spec, loading data)."""
+    run, once ``invite``, or the run's owner key at ``owner_key``, proved us a member).
+    ``NodeError`` if the run has no spec there (``node.daemon.join.find_spec``: within
+    seconds when peers answer) or we are no member. ``on_step`` hears what it is doing
+    (reading the spec, loading data)."""
     step = on_step or (lambda _: None)
     step(f"reading the spec of run {dht.run}")
-    joined = await join_run(dht, lambda _: invite, spec_timeout_s=spec_timeout_s)
+    invite_for = member_invite(invite, owner_key, dht.peer_id)
+    joined = await join_run(dht, invite_for, spec_timeout_s=spec_timeout_s)
     spec = joined.spec
     step(f"loading the training data ({spec.data})")
     corpus = await asyncio.to_thread(load_corpus, spec.data)
@@ -142,7 +146,10 @@ async def _train(dht: SwarmDHT, args: argparse.Namespace) -> int:
     """Train ``--micro-batches``; 0 once they are all done, whatever the loss did (a
     contributor's few steps need not lower it), 1 if training could not go on."""
     settings = TrainerSettings(in_flight=args.in_flight, stream=args.stream)
-    trainer = await open_trainer(dht, settings, invite=read_invite(args.invite), on_step=say)
+    invite = read_invite(args.invite)
+    trainer = await open_trainer(
+        dht, settings, invite=invite, on_step=say, owner_key=args.owner_key
+    )
     csv = CsvLog(args.csv) if args.csv else None
     stopped: TrainerError | None = None
     try:

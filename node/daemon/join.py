@@ -1,6 +1,8 @@
 """Joining a run, one sequence for every command that joins one (``swarmtrain node``,
-``train``, ``status``, ``export``): find the run's signed spec in the DHT (or bring it),
-learn the owner's revocations, prove membership with an invite, and claim a bearer invite.
+``train``, ``status``, ``export``, ``generate``): find the run's signed spec in the DHT (or
+bring it), learn the owner's revocations, prove membership with an invite (the owner's
+machine makes its own: ``member_invite``), and claim a bearer invite. A member that serves
+no stage but downloads stages' state (``export``) announces itself (``announce_member``).
 
 A run started by name on its owner's machine keeps the spec it was created with
 (``owned_spec``: ``runs/RUN_ID.spec.json`` beside the owner key), since a run's spec never
@@ -16,11 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.utils import get_dht_time
 
-from node.files import write_atomic
+from node.files import load_or_create_key, write_atomic
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import prove_membership
-from protocol.records import RecordError
+from protocol.identity import peer_id_of
+from protocol.membership import issue_invite
+from protocol.ownership import fingerprint
+from protocol.records import (
+    MAX_RECORD_AGE_S,
+    PROTOCOL_VERSION,
+    PeerInfo,
+    PeerState,
+    RecordError,
+)
 from protocol.run_spec import (
     RunSpec,
     SignedSpec,
@@ -33,6 +45,7 @@ from protocol.run_spec import (
 # Once a peer is reached, how long a run's spec may stay unfound before the run is taken
 # not to exist (lookups that find nothing while peers answer are definitive).
 SPEC_GRACE_S = 5.0
+OWN_INVITE_S = 30 * 86400.0  # an owner's machine invites itself for this long
 
 
 class NodeError(RuntimeError):
@@ -143,3 +156,58 @@ async def join_run(
     except RecordError as e:  # not a member, or a bearer invite someone else claimed
         raise NodeError(f"this peer cannot join: {e}") from None
     return Joined(signed, membership)
+
+
+def member_invite(
+    invite: str | None, owner_key_path: Path, peer_id: str
+) -> Callable[[RunSpec], str | None]:
+    """The invite ``peer_id`` shows to join a run (``join_run``'s ``invite_for``):
+    ``invite``, or in a private run one bound to ``peer_id`` that the run's owner key makes
+    when ``owner_key_path`` holds it: the run's owner needs no invite. None otherwise (a
+    public run, or a private one that then refuses us, saying how to get an invite)."""
+
+    def invite_for(spec: RunSpec) -> str | None:
+        if invite is not None or not spec.private:
+            return invite
+        path = owner_key_path.expanduser()
+        if not path.exists():
+            return None
+        owner_key = load_or_create_key(path)
+        if fingerprint(peer_id_of(owner_key.public_key())) != spec.run.partition("@")[2]:
+            return None
+        expires = get_dht_time() + OWN_INVITE_S
+        return issue_invite(owner_key, spec.run, expires=expires, peer_id=peer_id)
+
+    return invite_for
+
+
+async def announce_member(
+    dht: SwarmDHT, joined: Joined, key: Ed25519PrivateKey, state: PeerState = PeerState.JOINING
+) -> None:
+    """Publish the record of a member that serves no stage (an export), valid for
+    ``MAX_RECORD_AGE_S``; ``key`` is ``dht``'s identity. It holds no stage and declares no
+    throughput, so routing and placement count it nowhere; it shows our proof of
+    membership, which is what a private run's averagers check before they hand a peer
+    their state (``node.averaging.process``). ``state`` ``LEAVING`` says we are done.
+    ``NodeError`` if the DHT stored it nowhere."""
+    now = get_dht_time()
+    info = PeerInfo(
+        peer_id=dht.peer_id,
+        run=joined.spec.run,
+        version=PROTOCOL_VERSION,
+        device="none (serves no stage)",
+        throughput=(0.0,) * joined.spec.n_stages,
+        throughput_source="declared",
+        bandwidth_up_mbps=0.0,
+        bandwidth_down_mbps=0.0,
+        bandwidth_source="unknown",
+        stage=None,
+        state=state,
+        load=0,
+        timestamp=now,
+        membership=joined.membership,
+        started=now,
+        ttl_s=MAX_RECORD_AGE_S,
+    )
+    if not await dht.publish_peer(info, key):
+        raise NodeError(f"could not store this peer's record in the DHT of run {dht.run}")

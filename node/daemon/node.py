@@ -30,7 +30,7 @@ from node.averaging.averager import AveragedStageServer, StageAverager
 from node.cli.args import DEFAULT_OWNER_KEY
 from node.daemon import checkpoint
 from node.daemon.archive import Archive
-from node.daemon.join import Joined, NodeError, join_run, owned_spec
+from node.daemon.join import Joined, NodeError, join_run, member_invite, owned_spec
 from node.daemon.watch import Heartbeat, Members
 from node.files import (
     default_identity_path,
@@ -49,8 +49,8 @@ from node.rpc.membership import MembershipGate
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.assignment import Params
 from protocol.identity import peer_id_of
-from protocol.membership import MembershipError, issue_invite
-from protocol.ownership import check_run_id, fingerprint
+from protocol.membership import MembershipError
+from protocol.ownership import check_run_id
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
 from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file
@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
-OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
 HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
@@ -165,20 +164,7 @@ def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str 
     """The invite a node shows to join a run: ``--invite``, or in a private run one its
     owner's node makes for itself when it finds the run's owner key (``--owner-key``, by
     default ``~/.swarmtrain/owner.key``): the run's owner needs no invite."""
-
-    def invite(spec: RunSpec) -> str | None:
-        if settings.invite is not None or not spec.private:
-            return settings.invite
-        path = settings.owner_key_path()
-        if not path.exists():
-            return None
-        owner_key = load_or_create_key(path)
-        if fingerprint(peer_id_of(owner_key.public_key())) != spec.run.partition("@")[2]:
-            return None
-        expires = get_dht_time() + OWN_INVITE_S
-        return issue_invite(owner_key, spec.run, expires=expires, peer_id=peer_id)
-
-    return invite
+    return member_invite(settings.invite, settings.owner_key_path(), peer_id)
 
 
 @dataclass

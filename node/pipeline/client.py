@@ -1,4 +1,5 @@
-"""The calls a trainer makes to stage servers: forward, the last stage's loss, backward.
+"""The calls a trainer makes to stage servers: forward, the last stage's loss, backward;
+and for generation, inference forwards and the last stage's logits.
 
 Every failure raises a ``StageCallError``: ``StageRefused`` when the server refused the
 request (it is malformed for the stage: do not retry it anywhere), ``StageUnavailable``
@@ -157,8 +158,10 @@ async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[t
             return [deserialize(t) for t in assembler.tensors()]
 
 
-def _meta(run_id: str, stage: int, kind: str, micro_batch: int, train: bool = False) -> bytes:
-    return StageMeta(run_id, stage, kind, micro_batch, train).encode()
+def _meta(
+    run_id: str, stage: int, kind: str, micro_batch: int, train: bool = False, infer: bool = False
+) -> bytes:
+    return StageMeta(run_id, stage, kind, micro_batch, train, infer).encode()
 
 
 def _expect(
@@ -183,14 +186,17 @@ async def forward(
     stage: int,
     micro_batch: int = 0,
     train: bool = False,
+    infer: bool = False,
     compression: str = "none",
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
 ) -> torch.Tensor:
     """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, C) ->
     hidden states (B, T, C). ``train``: a backward for ``micro_batch`` will follow, and the
-    server may keep the forward's graph for it (sent to this peer, it skips the recompute)."""
-    meta = _meta(run_id, stage, FORWARD, micro_batch, train)
+    server may keep the forward's graph for it (sent to this peer, it skips the recompute).
+    ``infer``: an inference forward (generation), counted apart from training and
+    validation forwards."""
+    meta = _meta(run_id, stage, FORWARD, micro_batch, train, infer)
     tensors = [serialize(inputs, compression)]
     out = await call(
         p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
@@ -228,6 +234,30 @@ async def loss(
     shapes = [()] + ([tuple(inputs.shape)] if with_grad else [])
     got = _expect(peer_id, out, shapes)
     return next(got), next(got) if with_grad else None
+
+
+async def logits(
+    p2p: P2P,
+    peer_id: PeerID,
+    inputs: torch.Tensor,
+    *,
+    run_id: str,
+    stage: int,
+    vocab_size: int,
+    micro_batch: int = 0,
+    compression: str = "none",
+    timeout: float = DEFAULT_TIMEOUT,
+    local: StageServer | None = None,
+) -> torch.Tensor:
+    """The last stage, in inference (generation): token ids (B, T) or hidden states
+    (B, T, C) -> the logits (B, ``vocab_size``) of each sequence's last position. Nothing
+    is kept or accumulated on the server."""
+    meta = _meta(run_id, stage, FORWARD, micro_batch, infer=True)
+    tensors = [serialize(inputs, compression)]
+    out = await call(
+        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
+    )
+    return next(_expect(peer_id, out, [(inputs.shape[0], vocab_size)]))
 
 
 async def backward(

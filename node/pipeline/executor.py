@@ -13,6 +13,10 @@ request that fails leaves parameters and gradients as they were.
 too) for the whole computation. After a micro-batch's gradients are in ``.grad`` it calls
 ``accumulated(key, batch_size)``, still holding the lock, which must count the samples
 (``StageOptimizer.accumulated``) and may step.
+
+An inference forward (``StageMeta.infer``: generation) keeps nothing, accumulates nothing
+and is counted in ``inferred``, not ``forward``; at the last stage it returns the logits
+of each sequence's last position, computed as ``Stage.logits`` computes a whole model's.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class StageExecutor:
         self.keep_s = keep_s  # a kept graph older than this is dropped
         self._kept: OrderedDict[Key, _Kept] = OrderedDict()  # under ``lock``
         self.forward = self.backward = self.reused = 0
+        self.inferred = 0  # inference forwards (generation): neither training nor validation
 
     @property
     def device(self) -> torch.device:
@@ -78,8 +83,9 @@ class StageExecutor:
 
     def run(self, request: ForwardRequest | BackwardRequest, caller: str) -> list[torch.Tensor]:
         """The outputs of ``request`` from ``caller``: a forward's outputs (the last stage:
-        its loss, and in training the gradient w.r.t. its inputs), or a backward's gradient
-        w.r.t. the stage's inputs (none for the first stage, which takes tokens).
+        its loss, and in training the gradient w.r.t. its inputs; in inference the logits
+        (B, vocab) of each sequence's last position), or a backward's gradient w.r.t. the
+        stage's inputs (none for the first stage, which takes tokens).
         ``StageRequestError`` if the request makes the stage non-finite."""
         request = self._on_device(request)
         with self.lock, autocast_for(self.device):
@@ -111,6 +117,14 @@ class StageExecutor:
     def _forward(self, request: ForwardRequest, caller: str) -> list[torch.Tensor]:
         x = request.inputs  # (B, T) token ids or (B, T, C) hidden states
         key = (caller, request.meta.micro_batch)
+        if request.meta.infer:
+            with torch.no_grad():
+                if self.contract.returns_loss:  # the whole sequence, as a whole model does
+                    out = self._finite(self.stage.logits(x)[:, -1], "logits")  # (B, vocab)
+                else:
+                    out = self._finite(self.stage(x), "outputs")  # (B, T, C)
+            self.inferred += 1
+            return [out]
         if not self.contract.returns_loss:
             if request.meta.train and self.keep_graphs > 0:
                 if not self.contract.takes_tokens:

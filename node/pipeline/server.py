@@ -28,10 +28,11 @@ at this stage make up the next step's batch (``_admission``; an averaging stage 
 peers' too), new training micro-batches wait, on the event loop and before any compute,
 until that step is applied: every step then averages gradients of exactly the parameters
 it updates, and the kept graphs stay valid. The wait is bounded (``HOLD_S``): past it the
-micro-batch is admitted anyway, and its gradient may be one step stale. Backward requests
-and evaluation forwards never wait. Without this, a pipeline with micro-batches in flight
-(and a stage averaging in rounds) trains on stale gradients (``python -m
-scripts.bench_parity`` measures both settings; BENCHMARKS.md, "Loss per sample").
+micro-batch is admitted anyway, and its gradient may be one step stale. Backward requests,
+evaluation forwards and inference forwards (generation) never wait. Without this, a
+pipeline with micro-batches in flight (and a stage averaging in rounds) trains on stale
+gradients (``python -m scripts.bench_parity`` measures both settings; BENCHMARKS.md, "Loss
+per sample").
 
 Every request is checked (``protocol.stage_messages``) before it touches any state, and
 gradients are computed into fresh tensors and checked finite before they are added, so a
@@ -124,6 +125,7 @@ class StageCounters:
     held: int = 0  # training micro-batches that waited for a step before they were admitted
     waiting: int = 0  # of those, still waiting
     overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
+    inferred: int = 0  # inference forwards served (generation), not counted in ``forward``
 
 
 def stage_namespace(stage: int) -> str:
@@ -227,6 +229,7 @@ class StageServer(NodeServicer):
             held=self._held,
             waiting=self._waiting,
             overdue=self._overdue,
+            inferred=self.executor.inferred,
         )
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
@@ -350,7 +353,8 @@ class StageServer(NodeServicer):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Inputs -> outputs; at the last stage inputs and targets -> loss (and, with
-        ``train``, the gradient of ``loss * B`` w.r.t. the inputs)."""
+        ``train``, the gradient of ``loss * B`` w.r.t. the inputs), or with ``infer``
+        inputs -> the logits of each sequence's last position."""
         for message in await self._serve(FORWARD, requests, context):
             yield message
         await self._linger()
@@ -475,7 +479,7 @@ class StageServer(NodeServicer):
                         raise StageRequestError("the first message must carry metadata")
                     meta = StageMeta.decode(message.metadata)
                     check_meta(self.contract, meta, run_id=self.run_id, kind=kind)
-                    roles = self.contract.roles(kind)
+                    roles = self.contract.roles(kind, infer=meta.infer)
                 assembler.add(message)
         except StageRequestError:
             await self._discard(requests, assembler.received)
@@ -501,8 +505,9 @@ class StageServer(NodeServicer):
     def _compute(
         self, meta: StageMeta, serialized: list[runtime_pb2.Tensor], caller: str
     ) -> list[runtime_pb2.Tensor]:
-        """On the compute thread: decode, check, and only then run the stage. A loss
-        travels exact; activations and gradients with the server's compression."""
+        """On the compute thread: decode, check, and only then run the stage. A loss (or
+        the logits) travels exact; activations and gradients with the server's
+        compression."""
         request = parse_request(self.contract, meta, [deserialize(s) for s in serialized])
         outputs = self.executor.run(request, caller)
         return [

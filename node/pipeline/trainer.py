@@ -10,6 +10,10 @@ follows how long the stage's calls take (``protocol.routing.CallTimer``): a peer
 mid-call holds its micro-batches for a few typical calls, not for ``call_timeout_s``.
 Several micro-batches are in flight at once so that stages overlap.
 
+The routing (view, bans, timeouts, retries) is ``StageRouter``'s, which ``Trainer``
+extends with the data and the training loop; generation (``swarmtrain generate --run``)
+uses the router alone: one inference forward through the stages per token.
+
 The stage RPCs go through ``StageCalls`` (``node.pipeline.client``'s functions unless
 given): a test puts its faults there, between the trainer and the swarm.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -48,7 +53,8 @@ _micro_batch_index: ContextVar[int] = ContextVar("micro_batch_index", default=0)
 
 
 class TrainerError(RuntimeError):
-    """Training cannot go on (a stage stayed empty, or peers refuse our requests)."""
+    """Training (or generation) cannot go on (a stage stayed empty, or peers refuse our
+    requests)."""
 
 
 @dataclass
@@ -75,6 +81,7 @@ class StageCalls:
     forward: Callable[..., Awaitable[torch.Tensor]] = stage_client.forward
     loss: Callable[..., Awaitable[tuple[torch.Tensor, torch.Tensor | None]]] = stage_client.loss
     backward: Callable[..., Awaitable[torch.Tensor | None]] = stage_client.backward
+    logits: Callable[..., Awaitable[torch.Tensor]] = stage_client.logits
 
 
 class MembershipRefused(Exception):
@@ -101,13 +108,18 @@ class TrainerSettings:
     wiring: Literal["stochastic", "fixed"] = "stochastic"
 
 
-class Trainer:
+class StageRouter:
+    """Calls to the run's stages, each on a serving peer that ``protocol.routing`` picks,
+    retried on another peer of the stage when one fails: the swarm view, bans, call
+    timeouts and (in a private run) the presentation of our invite. ``Trainer`` drives
+    micro-batches through it; ``logits`` is one inference forward through every stage
+    (generation), which trains nothing."""
+
     def __init__(
         self,
         dht: SwarmDHT,
         p2p: P2P,
         spec: RunSpec,
-        corpus,
         settings: TrainerSettings,
         *,
         membership: str | None = None,
@@ -120,7 +132,6 @@ class Trainer:
         self._local = local or (lambda stage: None)
         self._own_id = p2p.peer_id.to_base58()
         self._calls = calls or StageCalls()
-        self.corpus = corpus
         self.membership = membership  # private runs: our proof, shown to each peer we call
         self._presented: set[str] = set()
         self.stats = TrainerStats()
@@ -130,20 +141,7 @@ class Trainer:
         self._view: list[list[Candidate]] = [[] for _ in range(spec.n_stages)]
         self._seen: dict[str, tuple[PeerInfo, float]] = {}  # peer -> newest record, read when
         self._in_flight: Counter = Counter()  # peer_id -> our calls running there
-        self._data: Iterator = sample_batches(
-            corpus.train,
-            spec.model.block_size,
-            spec.optim.micro_batch_size,
-            stream_seed(spec.seed, settings.stream),
-            start=settings.start,
-        )
-        self._drawn = 0  # micro-batches read from the stream
-
-    @property
-    def data_position(self) -> int:
-        """The next micro-batch of the stream this trainer reads (``settings.start`` plus
-        those read): where a trainer restarted on this stream goes on."""
-        return self.settings.start + self._drawn
+        self._refreshed = -math.inf  # time.monotonic() of the last view read
 
     async def refresh(self) -> None:
         """Re-read the swarm's peers from the DHT (keeping, for ``view_grace_s``, those a
@@ -159,6 +157,7 @@ class Trainer:
         self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
         recent = [p for p, _ in self._seen.values()]
         self._view = candidates_by_stage(recent, self.spec.n_stages)
+        self._refreshed = now
 
     @property
     def view(self) -> tuple[tuple[Candidate, ...], ...]:
@@ -170,62 +169,6 @@ class Trainer:
         while True:
             await asyncio.sleep(self.settings.refresh_s)
             await self.refresh()
-
-    async def train(
-        self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None = None
-    ) -> None:
-        """Run ``n_micro_batches`` through the swarm, ``in_flight`` at a time. Raises
-        ``TrainerError`` (not a group of them) when training cannot go on."""
-        try:
-            await self._train(n_micro_batches, on_result)
-        except* TrainerError as group:  # nested: the workers' group is in the refresher's
-            error: BaseException = group
-            while isinstance(error, BaseExceptionGroup):
-                error = error.exceptions[0]
-            raise error from None
-
-    async def _train(
-        self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None
-    ) -> None:
-        await self.refresh()
-        counter = iter(range(n_micro_batches))
-
-        async def worker() -> None:
-            for index in counter:
-                x, y = next(self._data)
-                self._drawn += 1
-                result = await self._micro_batch(index, x, y)
-                self.stats.micro_batches += 1
-                self.stats.samples += result.samples
-                if on_result:
-                    on_result(result)
-
-        async with asyncio.TaskGroup() as tasks:
-            refresher = tasks.create_task(self._refresh_loop(), name="refresh-view")
-            async with asyncio.TaskGroup() as workers:
-                for _ in range(self.settings.in_flight):
-                    workers.create_task(worker())
-            refresher.cancel()
-
-    async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
-        _micro_batch_index.set(index)  # this task's calls below read it (fixed wiring)
-        last = self.spec.n_stages - 1
-        inputs, route = [x], []
-        for s in range(last):
-            hidden, peer = await self._forward(s, inputs[s], index, train=True)
-            inputs.append(hidden)
-            route.append(peer)
-        (loss, grad), peer = await self._loss(inputs[last], y, index, train=True)
-        route.append(peer)
-        for s in reversed(range(last)):
-            grad, _ = await self._call(
-                s,
-                lambda peer, opts, s=s, g=grad: self._calls.backward(
-                    self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **opts
-                ),
-                prefer=route[s],  # it kept the forward's graph: no recompute there
-            )
-        return MicroBatchResult(index, float(loss), len(x), tuple(route))
 
     def _opts(self, stage: int, peer: str, timeout: float) -> dict:
         """The keyword arguments of a ``stage_client`` call to ``peer`` of ``stage``."""
@@ -242,12 +185,12 @@ class Trainer:
         }
 
     async def _forward(
-        self, stage: int, x: torch.Tensor, index: int, train: bool = False
+        self, stage: int, x: torch.Tensor, index: int, train: bool = False, infer: bool = False
     ) -> tuple[torch.Tensor, str]:
         return await self._call(
             stage,
             lambda peer, opts: self._calls.forward(
-                self.p2p, peer, x, stage=stage, micro_batch=index, train=train, **opts
+                self.p2p, peer, x, stage=stage, micro_batch=index, train=train, infer=infer, **opts
             ),
         )
 
@@ -337,6 +280,116 @@ class Trainer:
             pool = [c for c in candidates if c.peer_id not in banned] or candidates
             return pool[_micro_batch_index.get() % len(pool)].peer_id
         return choose_peer(candidates, self._rng, banned)
+
+    async def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The vocabulary logits (B, vocab) of the last position of each sequence of
+        ``tokens`` (B, T), from one inference forward through the stages (0 .. last), each
+        on a peer routing picks, as the trainer's forwards go. Nothing is kept for a
+        backward, no sample counts toward a step, and no stage holds it back for one. The
+        view is re-read first when it is older than ``refresh_s``. ``TrainerError`` when a
+        stage has had no serving peer for ``stage_wait_s`` or refuses the request."""
+        if time.monotonic() - self._refreshed >= self.settings.refresh_s:
+            await self.refresh()
+        last, x = self.spec.n_stages - 1, tokens
+        for s in range(last):
+            x, _ = await self._forward(s, x, index=0, infer=True)
+        out, _ = await self._call(
+            last,
+            lambda peer, opts: self._calls.logits(
+                self.p2p, peer, x, stage=last, vocab_size=self.spec.model.vocab_size, **opts
+            ),
+        )
+        return out
+
+
+class Trainer(StageRouter):
+    """Trains micro-batches of the run's data stream ``settings.stream`` through the
+    swarm's stages (see the module docstring)."""
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        p2p: P2P,
+        spec: RunSpec,
+        corpus,
+        settings: TrainerSettings,
+        *,
+        membership: str | None = None,
+        local: Callable[[int], StageServer | None] | None = None,
+        calls: StageCalls | None = None,
+    ) -> None:
+        super().__init__(dht, p2p, spec, settings, membership=membership, local=local, calls=calls)
+        self.corpus = corpus
+        self._data: Iterator = sample_batches(
+            corpus.train,
+            spec.model.block_size,
+            spec.optim.micro_batch_size,
+            stream_seed(spec.seed, settings.stream),
+            start=settings.start,
+        )
+        self._drawn = 0  # micro-batches read from the stream
+
+    @property
+    def data_position(self) -> int:
+        """The next micro-batch of the stream this trainer reads (``settings.start`` plus
+        those read): where a trainer restarted on this stream goes on."""
+        return self.settings.start + self._drawn
+
+    async def train(
+        self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None = None
+    ) -> None:
+        """Run ``n_micro_batches`` through the swarm, ``in_flight`` at a time. Raises
+        ``TrainerError`` (not a group of them) when training cannot go on."""
+        try:
+            await self._train(n_micro_batches, on_result)
+        except* TrainerError as group:  # nested: the workers' group is in the refresher's
+            error: BaseException = group
+            while isinstance(error, BaseExceptionGroup):
+                error = error.exceptions[0]
+            raise error from None
+
+    async def _train(
+        self, n_micro_batches: int, on_result: Callable[[MicroBatchResult], None] | None
+    ) -> None:
+        await self.refresh()
+        counter = iter(range(n_micro_batches))
+
+        async def worker() -> None:
+            for index in counter:
+                x, y = next(self._data)
+                self._drawn += 1
+                result = await self._micro_batch(index, x, y)
+                self.stats.micro_batches += 1
+                self.stats.samples += result.samples
+                if on_result:
+                    on_result(result)
+
+        async with asyncio.TaskGroup() as tasks:
+            refresher = tasks.create_task(self._refresh_loop(), name="refresh-view")
+            async with asyncio.TaskGroup() as workers:
+                for _ in range(self.settings.in_flight):
+                    workers.create_task(worker())
+            refresher.cancel()
+
+    async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
+        _micro_batch_index.set(index)  # this task's calls below read it (fixed wiring)
+        last = self.spec.n_stages - 1
+        inputs, route = [x], []
+        for s in range(last):
+            hidden, peer = await self._forward(s, inputs[s], index, train=True)
+            inputs.append(hidden)
+            route.append(peer)
+        (loss, grad), peer = await self._loss(inputs[last], y, index, train=True)
+        route.append(peer)
+        for s in reversed(range(last)):
+            grad, _ = await self._call(
+                s,
+                lambda peer, opts, s=s, g=grad: self._calls.backward(
+                    self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **opts
+                ),
+                prefer=route[s],  # it kept the forward's graph: no recompute there
+            )
+        return MicroBatchResult(index, float(loss), len(x), tuple(route))
 
     async def evaluate(self, n_batches: int = 8) -> float:
         """Mean validation loss over the run's fixed validation windows (no gradients)."""

@@ -161,6 +161,8 @@ def _live_cases() -> list[tuple[str, int, str, bytes, str]]:
         ("wrong run", 0, F, to(0, x, run="other"), "run 'other'"),
         ("kind mismatch", 0, BW, to(0, x), "forward request sent"),
         ("backward at the last stage", 1, BW, to(1, h, h, kind=BW), "last stage"),
+        ("targets with infer", 1, F, to(1, h, x, infer=True), "got more"),
+        ("Inf with infer", 1, F, to(1, planted(math.inf), infer=True), "non-finite"),
         ("huge declared shape", 0, F, one(meta(0), huge_tokens), "exceeds the block size"),
         ("huge declared dims", 1, F, one(meta(1), huge_hidden), "(B, T, 32)"),
         ("4000 dims", 1, F, one(meta(1), many_dims), "4000 dimensions"),

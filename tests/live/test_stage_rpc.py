@@ -119,6 +119,44 @@ def test_pipeline_over_rpc_equals_local_pipeline():
     _run(body())
 
 
+def test_an_inference_forward_gives_the_models_logits_and_trains_nothing():
+    """Generation's forward (``infer``) through the stages: the last stage returns the
+    local model's logits at each sequence's last position, exact; no stage accumulates a
+    sample or counts it as a training or validation forward, and a stage whose step's
+    batch is committed does not hold it back."""
+    x, _ = _batch()
+    local = _local(THREE)
+    with torch.no_grad():
+        ref = local[2].logits(local[1](local[0](x)))[:, -1]  # (B, vocab)
+
+    async def body():
+        async with _swarm(THREE, [0, 1, 2]) as (client, (s0, s1, s2)):
+            kw = {"run_id": RUN, "micro_batch": 1}
+            # Stage 0's batch (8 samples) is committed: training forwards would wait now.
+            for mb in (10, 11):
+                await stage_client.forward(client, _peer(s0), x, stage=0, train=True,
+                                           run_id=RUN, micro_batch=mb)  # fmt: skip
+            assert s0.committed_samples() == OPT.target_batch_size
+            async with asyncio.timeout(2.0):  # below HOLD_S: not held
+                h = await stage_client.forward(client, _peer(s0), x, stage=0, infer=True, **kw)
+            h = await stage_client.forward(client, _peer(s1), h, stage=1, infer=True, **kw)
+            logits = await stage_client.logits(
+                client, _peer(s2), h, stage=2, vocab_size=CFG.vocab_size, **kw
+            )
+            assert torch.equal(logits, ref)
+            assert s0.counters.held == 0 and s0.counters.forward == 2  # the training ones
+            assert s0.committed_samples() == OPT.target_batch_size
+            for server in (s1, s2):
+                assert server.counters.forward == server.counters.backward == 0
+                assert server.optimizer.samples == 0
+                assert all(g is None for g in _grads(server.stage).values())
+            assert [s.counters.inferred for s in (s0, s1, s2)] == [1, 1, 1]
+            with pytest.raises(StageUnavailable, match="malformed response"):  # wrong vocab
+                await stage_client.logits(client, _peer(s2), h, stage=2, vocab_size=7, **kw)
+
+    _run(body())
+
+
 def test_one_peer_serves_two_stages_side_by_side():
     """Two stage servers on one P2P (a two-stage peer): each stage's requests reach its
     own server, and the pipeline through them computes what one process does."""

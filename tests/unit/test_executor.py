@@ -88,3 +88,20 @@ def test_a_changed_parameter_means_recompute_and_a_failed_request_changes_nothin
     after = [p.grad for p in first.stage.parameters() if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert first.backward == 1
+
+
+def test_an_inference_forward_returns_the_last_logits_and_keeps_nothing():
+    executors, reported = _pair()
+    first, last = executors
+    x, _ = _batch(3)
+    infer = [StageMeta(RUN, s, FORWARD, 5, infer=True) for s in range(2)]
+    (h,) = first.run(ForwardRequest(infer[0], x, None), "me")
+    (logits,) = last.run(ForwardRequest(infer[1], h, None), "me")
+    with torch.no_grad():
+        whole = last.stage.logits(first.stage(x))  # (B, T, vocab)
+    assert torch.equal(logits, whole[:, -1]) and not logits.requires_grad
+    assert [(e.forward, e.backward, e.inferred) for e in executors] == [(0, 0, 1), (0, 0, 1)]
+    assert reported == [] and all(p.grad is None for e in executors for p in e.stage.parameters())
+    # Nothing was kept: the backward of that micro-batch recomputes.
+    first.run(BackwardRequest(_meta(0, BACKWARD, 5), x, torch.ones_like(h)), "me")
+    assert first.reused == 0

@@ -198,6 +198,7 @@ def test_contract_roles_and_defaults():
     assert C0.takes_tokens and not C0.returns_loss and C1.returns_loss
     assert C0.roles(FORWARD) == (INPUTS,) and C0.roles(BACKWARD) == (INPUTS, GRAD_OUTPUTS)
     assert C1.roles(FORWARD) == (INPUTS, TARGETS)
+    assert C1.roles(FORWARD, infer=True) == (INPUTS,) == C0.roles(FORWARD, infer=True)
     with pytest.raises(StageRequestError, match="last stage"):
         C1.roles(BACKWARD)
     default = StageContract.for_stage(CFG, TWO[1], 1)
@@ -211,6 +212,9 @@ def test_meta_round_trip_and_refusals():
     meta = StageMeta(RUN, 1, FORWARD, 2**63 - 1, train=True)
     assert StageMeta.decode(meta.encode()) == meta
     assert StageMeta.decode(StageMeta(RUN, 0, BACKWARD, 0).encode()).train is False
+    inference = StageMeta(RUN, 1, FORWARD, 0, infer=True)
+    assert StageMeta.decode(inference.encode()) == inference
+    assert b"infer" not in meta.encode(), "a flag travels only when set"
     bad = [
         ({"run": "", "stage": 0, "kind": FORWARD, "mb": 0}, "run id"),
         ({"run": RUN, "stage": True, "kind": FORWARD, "mb": 0}, "stage must be"),
@@ -221,6 +225,13 @@ def test_meta_round_trip_and_refusals():
         ({"run": RUN, "stage": 0, "kind": FORWARD, "mb": 0, "train": 1}, "train must be"),
         ({"run": RUN, "stage": 0, "kind": BACKWARD, "mb": 0, "train": True}, "only meaningful"),
         ({"run": RUN, "stage": 0, "kind": FORWARD}, r"lacks keys \['mb'\]"),
+        ({"run": RUN, "stage": 0, "kind": FORWARD, "mb": 0, "infer": 1}, "infer must be"),
+        ({"run": RUN, "stage": 0, "kind": BACKWARD, "mb": 0, "infer": True}, "only meaningful"),
+        (
+            {"run": RUN, "stage": 0, "kind": FORWARD, "mb": 0, "train": True, "infer": True},
+            "without train",
+        ),
+        ({"run": RUN, "stage": 0, "kind": FORWARD, "mb": 0, "logits": True}, "unknown metadata"),
     ]
     for raw, words in bad:
         with pytest.raises(StageRequestError, match=words):
@@ -269,6 +280,10 @@ def test_decoded_tensor_checks():
 
     request = parse_request(C1, StageMeta(RUN, 1, FORWARD, 0, train=True), [h, y])
     assert request.targets is y and request.inputs is h
+    request = parse_request(C1, StageMeta(RUN, 1, FORWARD, 0, infer=True), [h])
+    assert request.targets is None and request.inputs is h
+    with pytest.raises(StageRequestError, match=r"carries 1 tensors \['inputs'\], got 2"):
+        parse_request(C1, StageMeta(RUN, 1, FORWARD, 0, infer=True), [h, y])
     request = parse_request(C0, StageMeta(RUN, 0, BACKWARD, 0), [x, h])
     assert request.grad_outputs is h
     with pytest.raises(StageRequestError, match="carries 2 tensors"):

@@ -1,6 +1,7 @@
 """The trainer's rerouting, driven without a swarm: the swarm view comes from a stub DHT and
 the stage calls go through ``StageCalls`` stubs that fail as a test says. A failed call is
-a ``call.failed`` event, its retry on another peer of the stage a ``call.rerouted``."""
+a ``call.failed`` event, its retry on another peer of the stage a ``call.rerouted``. The
+router's inference pass (generation) takes the same routes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hivemind.p2p import PeerID
 
 from node import events
 from node.pipeline.client import StageCallError, StageRefused, StageUnavailable
-from node.pipeline.trainer import StageCalls, Trainer, TrainerError, TrainerSettings
+from node.pipeline.trainer import StageCalls, StageRouter, Trainer, TrainerError, TrainerSettings
 from protocol.identity import peer_id_of
 from protocol.records import PeerInfo
 from protocol.run_spec import make_run_spec
@@ -52,9 +53,12 @@ class _Stages:
     reason: str = "gone"
     served: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, stage, peer)
     failed: list[str] = field(default_factory=list)
+    flags: list[dict[str, Any]] = field(default_factory=list)  # each forward's train, infer
 
     def calls(self) -> StageCalls:
-        return StageCalls(forward=self.forward, loss=self.loss, backward=self.backward)
+        return StageCalls(
+            forward=self.forward, loss=self.loss, backward=self.backward, logits=self.logits
+        )
 
     def _serve(self, kind: str, peer: PeerID, stage: int) -> None:
         if stage == self.failing_stage and not self.failed:
@@ -64,7 +68,12 @@ class _Stages:
 
     async def forward(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any) -> torch.Tensor:
         self._serve("forward", peer, kw["stage"])
-        return torch.zeros(*x.shape, SPEC.model.n_embd)
+        self.flags.append({"train": kw["train"], "infer": kw["infer"]})
+        return torch.zeros(*x.shape[:2], SPEC.model.n_embd)
+
+    async def logits(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        self._serve("logits", peer, kw["stage"])
+        return torch.arange(float(kw["vocab_size"])).expand(len(x), -1)
 
     async def loss(self, p2p: Any, peer: PeerID, x: torch.Tensor, y: torch.Tensor, **kw: Any):
         self._serve("loss", peer, kw["stage"])
@@ -131,3 +140,30 @@ def test_a_stage_whose_only_peer_failed_retries_that_peer(event_log: Path) -> No
     (rerouted,) = events.read_events(event_log, "call.rerouted")
     assert failed["peer"] == rerouted["peer"] == peers[1]
     assert ("loss", 1, peers[1]) in stages.served
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1])
+def test_an_inference_pass_goes_through_every_stage_and_is_rerouted_alike(
+    event_log: Path, failing_stage: int
+) -> None:
+    stages = _Stages(failing_stage, StageUnavailable)
+    trainer, peers = _trainer(stages, [0, 0, 1, 1])
+    router = StageRouter(trainer.dht, trainer.p2p, SPEC, trainer.settings, calls=stages.calls())
+    tokens = torch.randint(256, (1, 5))
+    logits = asyncio.run(router.logits(tokens))
+    assert torch.equal(logits, torch.arange(float(SPEC.model.vocab_size)).unsqueeze(0))
+    assert [(kind, stage) for kind, stage, _ in stages.served] == [("forward", 0), ("logits", 1)]
+    assert stages.flags == [{"train": False, "infer": True}], "an inference forward"
+    (rerouted,) = events.read_events(event_log, "call.rerouted")
+    assert rerouted["stage"] == failing_stage and rerouted["peer"] != stages.failed[0]
+    assert router.stats.rerouted[failing_stage] == 1 and router.stats.micro_batches == 0
+
+
+def test_an_inference_pass_names_the_stage_that_has_no_peer(event_log: Path) -> None:
+    stages = _Stages(-1, StageUnavailable)
+    trainer, _ = _trainer(stages, [0, 0])
+    settings = TrainerSettings(stage_wait_s=0.0)
+    router = StageRouter(trainer.dht, trainer.p2p, SPEC, settings, calls=stages.calls())
+    with pytest.raises(TrainerError, match="stage 1 has had no serving peer"):
+        asyncio.run(router.logits(torch.randint(256, (1, 5))))
+    assert [kind for kind, _, _ in stages.served] == ["forward"]
