@@ -224,7 +224,7 @@ def test_the_page_in_headless_chromium(swarm, tmp_path: Path) -> None:
             rows = browser.find_elements("css selector", "#peer-table tbody tr")
             shown = {row.get_attribute("data-peer") for row in rows}
             points = browser.find_element("id", "loss-chart").get_attribute("data-points")
-            return peers <= shown and int(points or 0) > 0
+            return peers <= shown and int(points or 0) >= 3
 
         wait_until(drawn, 30, "the page to list every peer and draw the loss chart")
         assert browser.find_element("id", "run-id").text == swarm[0].run_id
