@@ -12,6 +12,6 @@ Prometheus metrics (``/metrics``). Files:
 - ``metrics``: the Prometheus collector over the same three (pure, per-node registry).
 - ``server``: ``Dashboard``, the aiohttp application and the one task it owns.
 
-This package imports neither torch nor hivemind except through ``snapshot``, so that
-``node.cli.args`` may import ``address`` and stay light.
+``address`` imports the standard library only: ``node.cli.args`` imports it, and stays
+light (no torch, no hivemind). docs/dashboard.md documents the API and the metrics.
 """

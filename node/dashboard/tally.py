@@ -72,8 +72,9 @@ class EventTally:
 
     def __call__(self, record: dict[str, Any]) -> None:
         kind = record.get("event")
-        # A JSON-safe copy (paths and the like become strings), as the log has it.
-        kept = json.loads(json.dumps(record, default=str))
+        # A JSON-safe copy: paths and the like become strings (as in the log), NaN and
+        # infinities None (a parameter digest's norm may be NaN; JSON has no NaN).
+        kept = json.loads(json.dumps(record, default=str), parse_constant=lambda _: None)
         with self._lock:
             self._recent.append(kept)
             if kind == "call.failed":

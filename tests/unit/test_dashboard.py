@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -109,7 +110,7 @@ def test_listeners_get_every_event_until_stopped_and_cannot_break_emit() -> None
         events.emit("averaging.round", stage=0, epoch=4, peers=2, ok=True, how="averaged",
                     seconds=7.0)  # fmt: skip
         events.emit("averaging.round", stage=0, epoch=4, peers=0, ok=True, how="loaded")
-        events.emit("checkpoint.written", stage=0, step=4, path=__import__("pathlib").Path("/x"))
+        events.emit("checkpoint.written", stage=0, step=4, path=Path("/x"), norm=math.nan)
     finally:
         stop()
         stop_broken()
@@ -128,7 +129,8 @@ def test_listeners_get_every_event_until_stopped_and_cannot_break_emit() -> None
         "averaging.round",
         "checkpoint.written",
     ]  # the last 3, JSON-safe
-    assert counts.recent[-1]["path"] == "/x"
+    assert counts.recent[-1]["path"] == "/x" and counts.recent[-1]["norm"] is None
+    json.dumps(counts.recent, allow_nan=False)
 
 
 # -- history ---------------------------------------------------------------------------
