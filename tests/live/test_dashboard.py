@@ -166,10 +166,10 @@ def test_the_api_lists_every_peer_and_metrics_count_training(swarm) -> None:
 
     def listed() -> dict | None:
         state = _state(url)
-        peers = {p["peer_id"]: p["stage"] for p in state["swarm"]["peers"]}
-        return state if peers == stages else None
+        peers = {p["peer_id"]: (p["stage"], p["state"]) for p in state["swarm"]["peers"]}
+        return state if peers == {p: (s, "serving") for p, s in stages.items()} else None
 
-    state = wait_until(listed, 30, "the API to list every peer with its stage")
+    state = wait_until(listed, 30, "the API to list every peer serving its stage")
     assert state["run"]["id"] == a.run_id and state["run"]["model"]["preset"] == "tiny"
     assert state["node"]["peer_id"] == a.peer_id and state["node"]["state"] == "serving"
     assert [s["serving"] for s in state["swarm"]["stages"]] == [
