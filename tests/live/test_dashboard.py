@@ -221,10 +221,14 @@ def test_the_page_in_headless_chromium(swarm, tmp_path: Path) -> None:
         peers = {n.peer_id for n in swarm if n.alive()}
 
         def drawn() -> bool:
-            rows = browser.find_elements("css selector", "#peer-table tbody tr")
-            shown = {row.get_attribute("data-peer") for row in rows}
-            points = browser.find_element("id", "loss-chart").get_attribute("data-points")
-            return peers <= shown and int(points or 0) >= 3
+            # Read in one script: the page replaces its rows at every poll, so an element
+            # found by one call may be gone by the next.
+            shown, points = browser.execute_script(
+                "return [[...document.querySelectorAll('#peer-table tbody tr')]"
+                ".map(row => row.dataset.peer), document.getElementById('loss-chart')"
+                ".dataset.points]"
+            )
+            return peers <= set(shown) and int(points or 0) >= 3
 
         wait_until(drawn, 30, "the page to list every peer and draw the loss chart")
         assert browser.find_element("id", "run-id").text == swarm[0].run_id
