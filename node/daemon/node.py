@@ -201,8 +201,7 @@ class Node:
     The stages it holds are records in ``held`` (keyed by stage): one stage or two take the
     same code path. Every resource is registered on one ``AsyncExitStack`` as it is
     acquired (identity lock, DHT, dashboard, P2P replica, services, placement, the held
-    stages), and
-    ``close`` releases them in reverse order after announcing the departure."""
+    stages), and ``close`` releases them in reverse order after announcing the departure."""
 
     def __init__(
         self,
