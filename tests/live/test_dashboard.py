@@ -247,11 +247,8 @@ def test_the_api_answers_after_a_peer_is_killed(swarm) -> None:
     victim.stop(signal.SIGKILL)
     killed = time.monotonic()
 
-    def gone() -> bool:
-        started = time.monotonic()
-        state = _state(url)
-        assert time.monotonic() - started < 2.0, "the API must answer at once"
-        return victim.peer_id not in {p["peer_id"] for p in state["swarm"]["peers"]}
+    def gone() -> bool:  # each request answered within HTTP_TIMEOUT_S, or the test fails
+        return victim.peer_id not in {p["peer_id"] for p in _state(url)["swarm"]["peers"]}
 
     wait_until(gone, 30, "the killed peer's record to expire from the stage table")
     assert time.monotonic() - killed >= 1.0  # it went by expiry: it could not announce
