@@ -4,7 +4,9 @@ the local swarm harness and tests read (human log lines are for people and may c
 Every line is ``{"t": <unix seconds>, "event": <kind>, ...fields}``. The kinds and their
 fields:
 
-- ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``.
+- ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``,
+  ``dashboard`` (the dashboard page's URL) and ``metrics`` (its Prometheus URL): both
+  None with ``--dashboard off``.
 - ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
 - ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
   ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer
@@ -24,9 +26,10 @@ fields:
   contributions the step took, us included; 0 for a state loaded), ``ok`` (false: the
   round failed and the copy stepped on its own contribution, or took no step), ``how``
   (``"averaged"``, ``"alone"``, ``"fallback"``, ``"abandoned"``, ``"caught_up"``,
-  ``"loaded"``); ``digest`` (``hash``: 8 hex digits, ``norm``, ``sketch``: 4 floats) of
-  the parameters the copies agree on, when digests are on (``SWARMTRAIN_LOG_DIGESTS``),
-  except for ``"abandoned"``.
+  ``"loaded"``); ``seconds`` (from the round's trigger to its applied step: for
+  ``"averaged"``, ``"fallback"`` and a timed ``"alone"``); ``digest`` (``hash``: 8 hex
+  digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
+  digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
 - ``call.failed``: ``stage``, ``peer``, ``error`` (the exception's class and message): a
   call of this node's trainer failed; that peer is banned from its calls for a while.
   ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``
@@ -44,6 +47,10 @@ A process holds at most one open log (``open_log``); ``emit`` anywhere in the pr
 writes to it, and does nothing when none is open, so library code emits unconditionally.
 Lines are appended with one ``write`` each on a file opened ``O_APPEND``, so a forked child
 (a hivemind averager) may emit into the same file without interleaving.
+
+In-process listeners (``listen``; the dashboard counts events this way) get every event
+emitted in the process that registered them, log open or not, on the emitting thread;
+a forked child's events (``record.refused``, from the DHT's process) reach the log only.
 """
 
 from __future__ import annotations
@@ -53,13 +60,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _fd: int | None = None
+Listener = Callable[[dict[str, Any]], None]
+_listeners: list[tuple[int, Listener]] = []  # (the pid that registered it, the listener)
 
 
 def open_log(path: Path) -> None:
@@ -78,15 +87,43 @@ def close_log() -> None:
         _fd = None
 
 
+def listen(listener: Listener) -> Callable[[], None]:
+    """Call ``listener`` with every event this process emits from now on (the record as
+    the log gets it); returns the function that stops it. A listener must be quick and
+    thread-safe; what it raises is logged and dropped."""
+    entry = (os.getpid(), listener)
+    _listeners.append(entry)
+
+    def stop() -> None:
+        with contextlib.suppress(ValueError):
+            _listeners.remove(entry)
+
+    return stop
+
+
 def emit(event: str, **fields: Any) -> None:
     """Append one event. Never raises: a full disk costs the event, not the node."""
+    record = {"t": round(time.time(), 3), "event": event, **fields}
+    if _listeners:
+        _notify(record)
     if _fd is None:
         return
-    line = json.dumps({"t": round(time.time(), 3), "event": event, **fields}, default=str)
+    line = json.dumps(record, default=str)
     try:
         os.write(_fd, (line + "\n").encode())
     except OSError as e:
         logger.debug("event %s not written: %s", event, e)
+
+
+def _notify(record: dict[str, Any]) -> None:
+    pid = os.getpid()
+    for owner, listener in list(_listeners):
+        if owner != pid:  # inherited by a fork: its state belongs to the parent
+            continue
+        try:
+            listener(record)
+        except Exception:
+            logger.exception("an event listener failed on %s", record.get("event"))
 
 
 def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:

@@ -400,7 +400,7 @@ class StageAverager:
             self.epoch,
             ", ".join(f"{p.peer_id[-6:]} at {p.epoch}" for p in self.board.view()) or "none",
         )
-        await self._after_epoch(how="alone", peers=1, ok=True)
+        await self._after_epoch(how="alone", peers=1, ok=True, seconds=self.stats.last_round_s)
 
     async def _average(self, group_size: int) -> None:
         """One round: take our contribution, average it until the round's deadline, apply
@@ -458,7 +458,9 @@ class StageAverager:
                 self.epoch,
             )
             self.stats.last_round_s = time.monotonic() - started
-            await self._after_epoch(how="averaged", peers=len(mates) + 1, ok=True)
+            await self._after_epoch(
+                how="averaged", peers=len(mates) + 1, ok=True, seconds=self.stats.last_round_s
+            )
             return
         await self.board.refresh()
         if contribution.weight == 0 or self.board.ahead_of(epoch):
@@ -475,17 +477,30 @@ class StageAverager:
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
         self.stats.last_round_s = time.monotonic() - started
-        await self._after_epoch(how="fallback", peers=1, ok=False)
+        await self._after_epoch(how="fallback", peers=1, ok=False, seconds=self.stats.last_round_s)
 
-    async def _after_epoch(self, *, how: str, peers: int, ok: bool) -> None:
+    async def _after_epoch(
+        self, *, how: str, peers: int, ok: bool, seconds: float | None = None
+    ) -> None:
         self._patience_until = time.monotonic() + self.settings.round_timeout_s
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()
-        await self._announce(how=how, peers=peers, ok=ok)
+        await self._announce(how=how, peers=peers, ok=ok, seconds=seconds)
 
-    async def _announce(self, *, how: str, peers: int, ok: bool, digest: bool = True) -> None:
-        """Emit ``averaging.round`` for the epoch we are at (see ``node.events``)."""
+    async def _announce(
+        self,
+        *,
+        how: str,
+        peers: int,
+        ok: bool,
+        digest: bool = True,
+        seconds: float | None = None,
+    ) -> None:
+        """Emit ``averaging.round`` for the epoch we are at (see ``node.events``);
+        ``seconds``: from the round's trigger to the applied step, where there was one."""
         fields: dict[str, object] = {}
+        if seconds is not None:
+            fields["seconds"] = round(seconds, 3)
         if digest and self.digests:
             # No lock: only this task changes the tensors the copies agree on.
             tensors = self.strategy.digest_tensors()

@@ -12,6 +12,9 @@ import argparse
 import math
 from pathlib import Path
 
+from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
+from node.dashboard.address import parse_address
+
 STDLIB = "stdlib"  # models.data.STDLIB: Python's standard library as a corpus
 DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")  # the node and run_admin read it here
 
@@ -104,6 +107,15 @@ def listen_maddr(text: str) -> str:
 
 def announce_maddr(text: str) -> str:
     return _maddr("check_announce_maddr", text)
+
+
+def dashboard_address(text: str) -> str:
+    """``--dashboard``: checked here, parsed again by the node (``node.dashboard.address``)."""
+    try:
+        parse_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def listen_argument(p: argparse.ArgumentParser, text: str) -> None:
@@ -252,6 +264,15 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         "peers every --checkpoint-every seconds, for joiners of a stage no peer holds",
     )
     p.add_argument("--maddrs-file", type=Path, help="also write the join multiaddrs here")
+    p.add_argument(
+        "--dashboard",
+        type=dashboard_address,
+        default=DEFAULT_DASHBOARD,
+        metavar="ADDR",
+        help="serve the dashboard page, its JSON API and Prometheus /metrics on HOST:PORT "
+        "(an address other machines reach only if you name it); auto: a free port on "
+        "127.0.0.1; off: none",
+    )
     p.add_argument(
         "--events",
         type=Path,
@@ -429,7 +450,7 @@ def member_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--owner-key",
         type=Path,
-        default=DEFAULT_OWNER_KEY,
+        default=DEFAULT_OWNER_KEY.expanduser(),  # as a settings file's "~" reads
         help=f"private runs: the run owner's key file, if this machine has it (default "
         f"{DEFAULT_OWNER_KEY}): it proves membership without an invite",
     )

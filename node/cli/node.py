@@ -12,6 +12,7 @@ from pathlib import Path
 from node import events
 from node.cli.maddrs import check_can_listen
 from node.daemon.node import Node, NodeSettings, until_stopped, write_maddrs
+from node.dashboard.address import check_can_bind, parse_address
 from node.measure.capacity import pick_device
 from node.rpc.membership import read_invite
 from protocol.records import RecordError
@@ -61,6 +62,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         checkpoint_dir=args.checkpoint_dir,
         archive=args.archive,
         events=args.events,
+        dashboard=args.dashboard,
     )
 
 
@@ -79,10 +81,20 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
     try:
         if await until_stopped(stop, node.prepare()):  # a stop meanwhile: just close
             maddrs = node.dht.visible_maddrs()
-            events.emit("node.started", run=node.spec.run, peer=node.peer_id, maddrs=maddrs)
+            dashboard = node.dashboard
+            events.emit(
+                "node.started",
+                run=node.spec.run,
+                peer=node.peer_id,
+                maddrs=maddrs,
+                dashboard=dashboard and dashboard.url,
+                metrics=dashboard and dashboard.metrics_url,
+            )
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
+            if dashboard is not None:
+                print(f"dashboard: {dashboard.url}  metrics: {dashboard.metrics_url}", flush=True)
             if maddrs_file:  # after the printout: whoever waits for this file may read it
                 write_maddrs(maddrs_file, maddrs)
 
@@ -120,6 +132,9 @@ def check_before_start(settings: NodeSettings) -> None:
     pick_device(settings.device)
     for maddr in settings.host_maddrs:
         check_can_listen(maddr)
+    dashboard = parse_address(settings.dashboard)
+    if dashboard is not None:
+        check_can_bind(dashboard)
     n_stages = None
     if settings.spec_file is not None:
         with contextlib.suppress(OSError, RecordError):  # if so, resolve_run says why

@@ -32,6 +32,10 @@ from node.daemon import checkpoint
 from node.daemon.archive import Archive
 from node.daemon.join import Joined, NodeError, join_run, member_invite, owned_spec
 from node.daemon.watch import Heartbeat, Members
+from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
+from node.dashboard.address import parse_address
+from node.dashboard.server import Dashboard
+from node.dashboard.snapshot import snapshot_of
 from node.files import (
     default_identity_path,
     load_or_create_identity,
@@ -102,6 +106,7 @@ class NodeSettings:
     checkpoint_every_s: float = 300.0
     archive: Path | None = None  # an archive node: serves no stage, keeps all of them here
     events: Path | None = None  # the structured event log (default: in the run's folder)
+    dashboard: str = DEFAULT_DASHBOARD  # HOST:PORT, PORT, "auto" or "off" (node.dashboard)
     heartbeat_s: float = HEARTBEAT_S
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
 
@@ -183,8 +188,8 @@ class Node:
 
     The stages it holds are records in ``held`` (keyed by stage): one stage or two take the
     same code path. Every resource is registered on one ``AsyncExitStack`` as it is
-    acquired (identity lock, DHT, P2P replica, services, placement, the held stages), and
-    ``close`` releases them in reverse order after announcing the departure."""
+    acquired (identity lock, DHT, dashboard, P2P replica, services, placement, the held
+    stages), and ``close`` releases them in reverse order after announcing the departure."""
 
     def __init__(
         self,
@@ -221,8 +226,11 @@ class Node:
         self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
         self.started = get_dht_time()  # for the uptime in our record
+        self.dashboard: Dashboard | None = None
+        self.trainer: Trainer | None = None  # once training
+        self.peers: list[PeerInfo] = []  # the run's peers, as ``_watch_loop`` last read them
+        self.peers_read_at: float | None = None  # Unix seconds
         self._served_before = 0  # micro-batches served by stage servers since unloaded
-        self.trainer: Trainer | None = None  # this node's own trainer, once it trains
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -261,8 +269,10 @@ class Node:
         return None if self.joined is None else self.joined.membership
 
     async def prepare(self) -> None:
-        """Join the run (publishing the spec this node brings), and measure this machine."""
+        """Serve the dashboard, join the run (publishing the spec this node brings), and
+        measure this machine."""
         s = self.settings
+        await self._open_dashboard()
         if self._brought_spec is not None:
             spec = self._brought_spec.spec
             private = ", private" if spec.private else ""
@@ -288,6 +298,13 @@ class Node:
         self._measure()
         if s.train:
             self.corpus = await asyncio.to_thread(load_corpus, spec.data)
+
+    async def _open_dashboard(self) -> None:
+        """Serve the dashboard (``--dashboard``) until the node closes."""
+        address = parse_address(self.settings.dashboard)
+        if address is not None:
+            self.dashboard = await Dashboard.open(address, lambda: snapshot_of(self))
+            self._resources.push_async_callback(self.dashboard.close)
 
     def _measure(self) -> None:
         assert self.spec is not None
@@ -715,6 +732,7 @@ class Node:
             except Exception as e:  # a DHT hiccup: the next check retries
                 logger.debug("reading the run's peers failed: %s", e)
             else:
+                self.peers, self.peers_read_at = peers, time.time()
                 first = members.seen is None
                 members.update(peers, loop.time())
                 members.report(first)

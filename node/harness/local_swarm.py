@@ -65,6 +65,14 @@ class NodeProcess:
             raise RuntimeError(f"node {self.name} has not said which run it is in yet")
         return started[-1]["run"]
 
+    @property
+    def dashboard(self) -> str | None:
+        """The URL of the node's dashboard (``node.started``); None when it serves none."""
+        started = self.events("node.started")
+        if not started:
+            raise RuntimeError(f"node {self.name} has not said where it serves yet")
+        return started[-1].get("dashboard")
+
     def stage(self) -> int | None:
         """The first stage the node holds now (None before it holds one)."""
         stage = None
@@ -106,12 +114,15 @@ def launch_node(
     host_maddr: str = LOCAL,
     wrap: Callable[[list[str]], list[str]] | None = None,
     two_stage: bool = False,
+    dashboard: str = "off",
 ) -> NodeProcess:
     """Start ``swarmtrain node`` in its own process; with ``wait``, return once it has
     written its maddrs. ``wrap`` turns the command into the one to run (e.g. inside a
     network namespace). Unless ``two_stage``, the node never takes a second stage by
     itself (``--one-stage``): several nodes share this machine, and a test of anything
-    else wants one stage and one averager per node."""
+    else wants one stage and one averager per node. ``dashboard``: its ``--dashboard``
+    (off by default: the default port serves one node per machine; ``auto`` picks a free
+    one, and the node's ``node.started`` event says where)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log, maddrs = workdir / f"{name}.log", workdir / f"{name}.maddrs"
     events = workdir / f"{name}.events.jsonl"
@@ -121,7 +132,7 @@ def launch_node(
         sys.executable, "-m", "node.cli", "node", "--run", run, "--host-maddrs", host_maddr,
         "--identity", str(workdir / f"{name}.key"), "--maddrs-file", str(maddrs),
         "--checkpoint-dir", str(workdir / f"{name}.checkpoints"), "--events", str(events),
-        "--update-period", str(update_period), "--throughput", "100",
+        "--update-period", str(update_period), "--throughput", "100", "--dashboard", dashboard,
     ]  # fmt: skip
     if initial_peers:
         args += ["--initial-peers", *initial_peers]

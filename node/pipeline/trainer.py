@@ -61,6 +61,7 @@ class TrainerError(RuntimeError):
 class TrainerStats:
     micro_batches: int = 0
     samples: int = 0
+    loss_sum: float = 0.0  # of the micro-batches' training losses (their mean: / micro_batches)
     calls: Counter = field(default_factory=Counter)  # (stage, peer_id) -> calls served
     rerouted: Counter = field(default_factory=Counter)  # stage -> failed calls retried elsewhere
 
@@ -361,6 +362,7 @@ class Trainer(StageRouter):
                 result = await self._micro_batch(index, x, y)
                 self.stats.micro_batches += 1
                 self.stats.samples += result.samples
+                self.stats.loss_sum += result.loss
                 if on_result:
                     on_result(result)
 

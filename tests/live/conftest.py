@@ -18,6 +18,7 @@ LONG = {
     "test_parity_live.py",
     "test_node.py",
     "test_resume.py",
+    "test_dashboard.py",
 }
 
 

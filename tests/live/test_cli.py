@@ -129,7 +129,8 @@ def test_id_prints_the_peer_id_of_the_nodes_identity(home):
 
     node = subprocess.Popen(
         [sys.executable, "-m", "node.cli", "node", "--run", "lab", "--no-train",
-         "--throughput", "5", "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+         "--throughput", "5", "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+         "--dashboard", "auto"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(*home), cwd=ROOT,
     )  # fmt: skip
     try:

@@ -63,6 +63,7 @@ def _start(tmp_path: Path, log: Path, maddrs: Path) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "node.cli", "node", "--run", "alone", "--preset", "tiny",
         "--stages", "2", "--host-maddrs", LOCAL, "--maddrs-file", str(maddrs),
+        "--dashboard", "auto",  # the default port serves one node per machine
     ]  # fmt: skip
     maddrs.unlink(missing_ok=True)
     with log.open("w") as out:

@@ -58,10 +58,10 @@ def test_the_template_lists_every_setting_and_reads_back_as_the_defaults(command
 def test_a_flag_added_to_the_parser_is_a_key_with_no_change_elsewhere(tmp_path):
     parser = CommandParser(prog="swarmtrain node")
     node_arguments(parser)
-    parser.add_argument("--dashboard", default="127.0.0.1:8080", help="where the page is")
-    assert '\n# where the page is\ndashboard = "127.0.0.1:8080"\n' in template(parser, "node")
-    values = parse_config(parser, 'dashboard = "auto"\n', tmp_path / "node.toml")
-    assert values == {"dashboard": "auto"}
+    parser.add_argument("--a-new-flag", default="127.0.0.1:8080", help="where the page is")
+    assert '\n# where the page is\na-new-flag = "127.0.0.1:8080"\n' in template(parser, "node")
+    values = parse_config(parser, 'a-new-flag = "auto"\n', tmp_path / "node.toml")
+    assert values == {"a_new_flag": "auto"}
 
 
 def test_flags_on_the_command_line_override_the_file(tmp_path, handler):
