@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
@@ -47,6 +48,7 @@ from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
 from node.rpc.membership import MembershipGate
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
+from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError, issue_invite
@@ -161,6 +163,18 @@ def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
         raise NodeError(str(e)) from None
 
 
+def owner_key_for(settings: NodeSettings, run: str) -> Ed25519PrivateKey | None:
+    """The owner key of ``run`` if this machine holds it (``--owner-key``, by default
+    ``~/.swarmtrain/owner.key``, whose fingerprint is the run id's), else None."""
+    path = settings.owner_key_path()
+    if not path.exists():
+        return None
+    owner_key = load_or_create_key(path)
+    if fingerprint(peer_id_of(owner_key.public_key())) != run.partition("@")[2]:
+        return None
+    return owner_key
+
+
 def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str | None]:
     """The invite a node shows to join a run: ``--invite``, or in a private run one its
     owner's node makes for itself when it finds the run's owner key (``--owner-key``, by
@@ -169,11 +183,8 @@ def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str 
     def invite(spec: RunSpec) -> str | None:
         if settings.invite is not None or not spec.private:
             return settings.invite
-        path = settings.owner_key_path()
-        if not path.exists():
-            return None
-        owner_key = load_or_create_key(path)
-        if fingerprint(peer_id_of(owner_key.public_key())) != spec.run.partition("@")[2]:
+        owner_key = owner_key_for(settings, spec.run)
+        if owner_key is None:
             return None
         expires = get_dht_time() + OWN_INVITE_S
         return issue_invite(owner_key, spec.run, expires=expires, peer_id=peer_id)
@@ -446,6 +457,11 @@ class Node:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
             if self.settings.train:
                 background.append(tasks.create_task(self._train_loop(), name="trainer"))
+            owner_key = None if self.spec.private else owner_key_for(self.settings, self.spec.run)
+            if owner_key is not None:  # the owner's node of a public run announces it
+                background.append(
+                    tasks.create_task(self._directory_loop(owner_key), name="directory")
+                )
             await stop.wait()
             for task in background:
                 task.cancel()
@@ -757,6 +773,20 @@ class Node:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.update_period_s):
                     await self._changed.wait()
+
+    async def _directory_loop(self, owner_key: Ed25519PrivateKey) -> None:
+        """Announce this public run in the run directory (``protocol.announce``) every
+        ``ANNOUNCE_PERIOD_S``, with the figures of its live peer records. Only the owner's
+        node can (it holds the owner key); while it is down the run drops off the list."""
+        logger.info("announcing public run %s in the run directory", self.spec.run)
+        while True:
+            try:
+                record = announcement_of(self.spec, await self.dht.peers(), now=get_dht_time())
+                if not await self.dht.publish_announcement(record, owner_key):
+                    logger.warning("the DHT did not store the run's announcement")
+            except Exception as e:  # a DHT hiccup: the next period retries
+                logger.warning("announcing the run failed: %s", e)
+            await asyncio.sleep(ANNOUNCE_PERIOD_S)
 
     async def _publish(self, info: PeerInfo, ttl_s: float) -> None:
         try:
