@@ -66,10 +66,11 @@ def _decode(raw: bytes, subkey: object = RUN, now: float = NOW) -> RunAnnounceme
     return decode_announcement(raw, subkey=subkey, now=now, max_age_s=MAX_ANNOUNCE_AGE_S)
 
 
-def _forged(key: Ed25519PrivateKey, **changes) -> bytes:
-    """A valid announcement's fields with ``changes`` (unchecked), signed by ``key``: what
-    an attacker can put on the wire."""
-    payload = json.dumps(_announcement().model_dump(mode="json") | changes).encode()
+def _forged(key: Ed25519PrivateKey, record: RunAnnouncement | None = None, **changes) -> bytes:
+    """A valid announcement's fields (``record``'s, by default ``_announcement()``'s) with
+    ``changes`` (unchecked), signed by ``key``: what an attacker can put on the wire."""
+    fields = (record or _announcement()).model_dump(mode="json") | changes
+    payload = json.dumps(fields).encode()
     return msgpack.packb({"record": payload, "sig": sign(key, _ANNOUNCE_DOMAIN, payload)})
 
 
