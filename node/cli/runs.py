@@ -95,7 +95,9 @@ async def find_runs(dht: SwarmDHT, timeout_s: float, seed: int) -> Found:
 
 def view(found: Found, initial_peers: list[str], now: float) -> dict:
     """``--json``: the runs listed (their figures as counted from their live peers, and as
-    announced by their owner), what was not listed, and the command that joins a run."""
+    announced by their owner; ``throughput`` is the samples/s of the bottleneck stage, the
+    pipeline's pace), how many announced runs were not listed and why, and the command
+    that joins a run."""
     runs = []
     for r in found.listed:
         a = r.announcement

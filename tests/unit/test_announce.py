@@ -4,6 +4,7 @@ which a flood of announcements from fresh keys cannot get around."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import msgpack
@@ -15,7 +16,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 
 from node.cli.main import build_parser
-from node.cli.runs import Found, render, view
+from node.cli.runs import Found, find_runs, render, view
 from node.rpc.dht import DirectoryValidator
 from protocol.announce import (
     _ANNOUNCE_DOMAIN,
@@ -212,6 +213,40 @@ def test_a_flood_of_announcements_from_fresh_keys_cannot_push_a_real_run_out():
     assert order == vouch_order([real, *reversed(flood)], seed=1)
     # A run that was not looked up (the reader's deadline) is not listed either.
     assert listing([real], {}) == []
+
+
+class _Directory:
+    """A stand-in for ``SwarmDHT`` as ``find_runs`` uses it: the directory holds
+    ``announced``; a run's lookup returns ``peers[run]``, or never returns if absent."""
+
+    def __init__(self, announced, peers, run: str | None = None) -> None:
+        self.announced, self.peers_of, self.run = announced, peers, run
+
+    async def announcements(self):
+        return self.announced
+
+    async def known_peers(self) -> int:
+        return 1
+
+    def of_run(self, run: str):
+        return _Directory(self.announced, self.peers_of, run)
+
+    async def peers(self):
+        if self.run not in self.peers_of:
+            await asyncio.Event().wait()  # a lookup that hangs past the reader's deadline
+        return self.peers_of[self.run]
+
+
+def test_a_reader_lists_what_it_checked_in_time_and_counts_the_rest():
+    listed, empty, hung = (_fresh_announcement(i) for i in (1, 2, 3))
+    directory = _Directory(
+        [listed, empty, hung], {listed.run: [peer_info(listed.run, PEERS[0])], empty.run: []}
+    )
+    found = asyncio.run(find_runs(directory, timeout_s=0.5, seed=0))
+    assert [r.announcement.run for r in found.listed] == [listed.run]
+    assert (found.announced, found.no_live_peers, found.not_checked) == (3, 1, 1)
+    nothing = asyncio.run(find_runs(_Directory([], {}), timeout_s=5, seed=0))
+    assert nothing == Found([], 0, 0, 0)
 
 
 def test_live_figures_count_present_peers_and_routable_throughput():
