@@ -409,8 +409,9 @@ class SwarmDHT:
         return result
 
     def of_run(self, run: str) -> SwarmDHT:
-        """A view of ``run`` through this DHT (its records read as a client of no policy),
-        for reading the peers of runs in the directory. Shutting it down is this one's job."""
+        """A view of ``run`` through this DHT (its records read with no membership policy),
+        for reading the peers of runs in the directory. It shares this object's DHT process:
+        shut this object down, never the view."""
         return SwarmDHT(self.dht, run)
 
     async def publish_announcement(
