@@ -37,7 +37,8 @@ fields:
 - ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
   caller refused too often; every service of this node refuses it for a while.
 - ``record.refused``: ``run``, ``reason``: this node refused to store or read a record of
-  its run's DHT keys (written by the node's DHT process).
+  its run's DHT keys (written by the node's DHT process). For the run directory, which
+  is no run's, ``run`` is null and ``key`` is ``"swarmtrain/runs"``.
 - ``spec.conflict``: ``run``, ``changes`` (phrases): the owner signed two specs for the
   run; this node keeps the earlier.
 - ``checkpoint.written``: ``stage``, ``step`` (the optimizer steps it holds), ``path``.

@@ -1,8 +1,14 @@
-"""Where a run's records live in the DHT. Subkeys are peer ids, so each peer owns one slot."""
+"""Where a run's records live in the DHT. Subkeys are peer ids, so each peer owns one slot.
+
+One key belongs to no run: ``RUNS_KEY``, the run directory, where public runs announce
+themselves (``protocol.announce``), one subkey per run id (no run's key can equal it:
+theirs all end in a further ``/PART``, and a run's name holds no ``/``)."""
 
 from __future__ import annotations
 
 from protocol.records import check_run_name
+
+RUNS_KEY = "swarmtrain/runs"  # the run directory: ``RunAnnouncement``s by run id
 
 
 def spec_key(run: str) -> str:

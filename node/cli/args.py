@@ -371,6 +371,28 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def runs_arguments(p: argparse.ArgumentParser) -> None:
+    """``swarmtrain runs``."""
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        type=peer_maddr,
+        metavar="MADDR",
+        help="multiaddrs of nodes of any public run (/ip4/HOST/tcp/PORT/p2p/PEER_ID), e.g. "
+        "a community's published list",
+    )
+    listen_argument(p, "where to listen")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=20.0,
+        metavar="SECONDS",
+        help="give up reaching the DHT, and checking the runs announced, after this long",
+    )
+
+
 def train_arguments(p: argparse.ArgumentParser) -> None:
     run_peer_arguments(p)
     p.add_argument(

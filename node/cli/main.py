@@ -48,6 +48,12 @@ COMMANDS = {
         "node.cli.args:status_arguments",
         "node.cli.status:run",
     ),
+    "runs": Command(
+        "list the public runs announced, and how to join one",
+        "node.cli.args:runs_arguments",
+        "node.cli.runs:run",
+        config=True,
+    ),
     "train": Command(
         "train through a run's swarm without serving a stage",
         "node.cli.args:train_arguments",

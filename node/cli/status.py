@@ -108,7 +108,7 @@ def render(view: dict) -> str:
             if p["bandwidth_source"] != "unknown"
             else "?"
         )
-        up = "?" if p["uptime_s"] is None else _duration(p["uptime_s"])
+        up = "?" if p["uptime_s"] is None else duration(p["uptime_s"])
         lines.append(
             f"{p['short_id']:<{width}} {stage:>5} {p['state']:<8} "
             f"{p['device'][:18]:<18} {tput:>10} {bw:>16} {p['samples_served']:>9} {up:>8} "
@@ -125,7 +125,8 @@ def render(view: dict) -> str:
     return "\n".join(lines)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``1h05m``, or ``4m02s`` under an hour."""
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

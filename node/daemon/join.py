@@ -158,6 +158,18 @@ async def join_run(
     return Joined(signed, membership)
 
 
+def owner_key_of(owner_key_path: Path, run: str) -> Ed25519PrivateKey | None:
+    """The owner key of ``run`` if ``owner_key_path`` holds it (its fingerprint is the run
+    id's), else None."""
+    path = owner_key_path.expanduser()
+    if not path.exists():
+        return None
+    owner_key = load_or_create_key(path)
+    if fingerprint(peer_id_of(owner_key.public_key())) != run.partition("@")[2]:
+        return None
+    return owner_key
+
+
 def member_invite(
     invite: str | None, owner_key_path: Path, peer_id: str
 ) -> Callable[[RunSpec], str | None]:
@@ -169,11 +181,8 @@ def member_invite(
     def invite_for(spec: RunSpec) -> str | None:
         if invite is not None or not spec.private:
             return invite
-        path = owner_key_path.expanduser()
-        if not path.exists():
-            return None
-        owner_key = load_or_create_key(path)
-        if fingerprint(peer_id_of(owner_key.public_key())) != spec.run.partition("@")[2]:
+        owner_key = owner_key_of(owner_key_path, spec.run)
+        if owner_key is None:
             return None
         expires = get_dht_time() + OWN_INVITE_S
         return issue_invite(owner_key, spec.run, expires=expires, peer_id=peer_id)

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
@@ -30,7 +31,14 @@ from node.averaging.averager import AveragedStageServer, StageAverager
 from node.cli.args import DEFAULT_OWNER_KEY
 from node.daemon import checkpoint
 from node.daemon.archive import Archive
-from node.daemon.join import Joined, NodeError, join_run, member_invite, owned_spec
+from node.daemon.join import (
+    Joined,
+    NodeError,
+    join_run,
+    member_invite,
+    owned_spec,
+    owner_key_of,
+)
 from node.daemon.watch import Heartbeat, Members
 from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
@@ -51,6 +59,7 @@ from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
 from node.rpc.membership import MembershipGate
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
+from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
@@ -450,6 +459,15 @@ class Node:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
             if self.settings.train:
                 background.append(tasks.create_task(self._train_loop(), name="trainer"))
+            owner_key = (
+                None
+                if self.spec.private
+                else owner_key_of(self.settings.owner_key_path(), self.spec.run)
+            )
+            if owner_key is not None:  # the owner's node of a public run announces it
+                background.append(
+                    tasks.create_task(self._directory_loop(owner_key), name="directory")
+                )
             await stop.wait()
             for task in background:
                 task.cancel()
@@ -762,6 +780,20 @@ class Node:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.update_period_s):
                     await self._changed.wait()
+
+    async def _directory_loop(self, owner_key: Ed25519PrivateKey) -> None:
+        """Announce this public run in the run directory (``protocol.announce``) every
+        ``ANNOUNCE_PERIOD_S``, with the figures of its live peer records. Only the owner's
+        node can (it holds the owner key); while it is down the run drops off the list."""
+        logger.info("announcing public run %s in the run directory", self.spec.run)
+        while True:
+            try:
+                record = announcement_of(self.spec, await self.dht.peers(), now=get_dht_time())
+                if not await self.dht.publish_announcement(record, owner_key):
+                    logger.warning("the DHT did not store the run's announcement")
+            except Exception as e:  # a DHT hiccup: the next period retries
+                logger.warning("announcing the run failed: %s", e)
+            await asyncio.sleep(ANNOUNCE_PERIOD_S)
 
     async def _publish(self, info: PeerInfo) -> None:
         try:

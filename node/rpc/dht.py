@@ -2,6 +2,9 @@
 
 Only this module (and the servicers that attach to its P2P) touch hivemind's DHT. Every
 record read is validated here; invalid ones are dropped and logged, never returned.
+
+Besides one run's keys, every node (and client) validates the run directory, the one key
+of no run where public runs announce themselves (``protocol.announce``).
 """
 
 from __future__ import annotations
@@ -42,8 +45,14 @@ from node.rpc.hivemind_compat import (
     p2pd_options,
     routing_table_size,
 )
+from protocol.announce import (
+    MAX_ANNOUNCE_AGE_S,
+    RunAnnouncement,
+    decode_announcement,
+    encode_announcement,
+)
 from protocol.archive import ArchiveRecord, decode_archive, encode_archive
-from protocol.keys import archives_key, peers_key, revocations_key, spec_key
+from protocol.keys import RUNS_KEY, archives_key, peers_key, revocations_key, spec_key
 from protocol.membership import (
     Claim,
     MembershipPolicy,
@@ -192,15 +201,47 @@ class RunRecordValidator(RecordValidatorBase):
                         f"{record.expiration_time:.3f}, not {ttl_s:.1f} s after it is dated: "
                         "a replayed or altered record"
                     )
-                if record.expiration_time > info.timestamp + MAX_RECORD_AGE_S:
-                    raise RecordError(
-                        f"record of peer {info.peer_id} expires "
-                        f"{record.expiration_time - info.timestamp:.0f} s after it is dated "
-                        f"(limit {MAX_RECORD_AGE_S:.0f} s): it would go stale in storage"
-                    )
+                _check_expiration(record, info.timestamp, MAX_RECORD_AGE_S, f"peer {info.peer_id}")
         except Exception as e:  # anything a peer sends that we cannot read is refused
             logger.warning("refused a DHT record of run %s: %s", self.run, e)
             events.emit("record.refused", run=self.run, reason=str(e))
+            return False
+        return True
+
+
+def _check_expiration(record: DHTRecord, timestamp: float, max_age_s: float, whose: str) -> None:
+    """``RecordError`` if ``record`` would be stored past ``max_age_s`` after it is dated:
+    a validator's verdict must not change while a record sits in storage (see
+    ``RunRecordValidator``), so a record may never outlive its freshness there."""
+    if record.expiration_time > timestamp + max_age_s:
+        raise RecordError(
+            f"record of {whose} expires {record.expiration_time - timestamp:.0f} s after it "
+            f"is dated (limit {max_age_s:.0f} s): it would go stale in storage"
+        )
+
+
+class DirectoryValidator(RecordValidatorBase):
+    """Refuses to store or return an entry of the run directory (``RUNS_KEY``) that is not
+    a valid announcement signed by the owner its run id names, under that run id, stored
+    to expire within ``MAX_ANNOUNCE_AGE_S`` of its date (no age limit here, for the reason
+    ``RunRecordValidator`` gives; readers check each entry's age)."""
+
+    def __init__(self) -> None:
+        self._key = DHTID.generate(source=RUNS_KEY).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._key:
+            return True
+        try:
+            subkey = DHTProtocol.serializer.loads(record.subkey)
+            value = DHTProtocol.serializer.loads(record.value)
+            found = decode_announcement(
+                value, subkey=subkey, now=get_dht_time(), max_age_s=math.inf
+            )
+            _check_expiration(record, found.timestamp, MAX_ANNOUNCE_AGE_S, f"run {found.run}")
+        except Exception as e:  # anything a peer sends that we cannot read is refused
+            logger.warning("refused a run announcement: %s", e)
+            events.emit("record.refused", run=None, key=RUNS_KEY, reason=str(e))
             return False
         return True
 
@@ -220,9 +261,12 @@ class SwarmDHT:
     """A node's (or a client's) membership in one run's DHT.
 
     Once the run's spec is known, ``policy`` says who is a member: in a private run,
-    records of peers without a valid invite are dropped as they are read."""
+    records of peers without a valid invite are dropped as they are read.
 
-    def __init__(self, dht: hivemind.DHT, run: str, socket_dir: str | None = None) -> None:
+    ``run`` None: a client of no run (``swarmtrain runs``), which reads the run directory
+    and, through ``of_run``, the peers of the runs announced there."""
+
+    def __init__(self, dht: hivemind.DHT, run: str | None, socket_dir: str | None = None) -> None:
         self.dht = dht
         self.run = run
         self._socket_dir = socket_dir  # removed at shutdown
@@ -237,7 +281,7 @@ class SwarmDHT:
     @classmethod
     def start(
         cls,
-        run: str,
+        run: str | None,
         *,
         initial_peers: Sequence[str] = (),
         host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
@@ -262,7 +306,10 @@ class SwarmDHT:
             "host_maddrs": list(host_maddrs),
             "announce_maddrs": list(announce_maddrs) or None,
             "client_mode": client_mode,
-            "record_validators": [RunRecordValidator(run)],
+            "record_validators": [
+                DirectoryValidator(),
+                *([RunRecordValidator(run)] if run is not None else []),
+            ],
             "start": False,
         }
         if identity_path is not None:
@@ -384,6 +431,43 @@ class SwarmDHT:
                 self._log_dropped(e)
         return result
 
+    def of_run(self, run: str) -> SwarmDHT:
+        """A view of ``run`` through this DHT (its records read with no membership policy),
+        for reading the peers of runs in the directory. It shares this object's DHT process:
+        shut this object down, never the view."""
+        return SwarmDHT(self.dht, run)
+
+    async def publish_announcement(
+        self, record: RunAnnouncement, owner_key: Ed25519PrivateKey
+    ) -> bool:
+        """Store the owner-signed announcement of a public run in the run directory, to
+        expire ``MAX_ANNOUNCE_AGE_S`` after it is dated (the owner's node refreshes it)."""
+        return await self.dht.store(
+            RUNS_KEY,
+            subkey=record.run,
+            value=encode_announcement(record, owner_key),
+            expiration_time=record.timestamp + MAX_ANNOUNCE_AGE_S,
+            return_future=True,
+        )
+
+    async def announcements(self) -> list[RunAnnouncement]:
+        """The run directory's announcements that validate (``protocol.announce``); the
+        rest are logged and dropped. Claims: a reader checks them (``announce.listing``)."""
+        found = await self.dht.get(RUNS_KEY, latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now, result = get_dht_time(), []
+        for subkey, item in found.value.items():
+            try:
+                result.append(
+                    decode_announcement(
+                        item.value, subkey=subkey, now=now, max_age_s=MAX_ANNOUNCE_AGE_S
+                    )
+                )
+            except RecordError as e:
+                self._log_dropped(e)
+        return result
+
     def _claim_in(self, info: PeerInfo | ArchiveRecord) -> Claim | None:
         """The (verified) claim on a bearer invite that ``info``'s proof makes, if any.
         Remembered per proof: records are re-read every second or so."""
@@ -420,12 +504,12 @@ class SwarmDHT:
         """Warn once per distinct reason (records are re-read every second or so)."""
         reason = str(e)
         if reason in self._dropped:
-            logger.debug("dropped a peer record: %s", reason)
+            logger.debug("dropped a record: %s", reason)
             return
         if len(self._dropped) >= 1000:
             self._dropped.clear()
         self._dropped.add(reason)
-        logger.warning("dropped a peer record: %s", reason)
+        logger.warning("dropped a record: %s", reason)
 
     async def publish_spec(self, signed: SignedSpec) -> bool:
         """Store the owner-signed spec (every node does, again and again, so it outlives
