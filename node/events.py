@@ -41,6 +41,9 @@ fields:
   is no run's, ``run`` is null and ``key`` is ``"swarmtrain/runs"``.
 - ``spec.conflict``: ``run``, ``changes`` (phrases): the owner signed two specs for the
   run; this node keeps the earlier.
+- ``progress.unproven``: ``stage``, ``peers`` (those whose progress records claimed an
+  epoch past ours, none of whom handed over a newer state: their records are ignored for
+  a while), ``epoch`` (ours).
 - ``checkpoint.written``: ``stage``, ``step`` (the optimizer steps it holds), ``path``.
 - ``node.stopped``: no fields.
 

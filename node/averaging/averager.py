@@ -72,6 +72,9 @@ logger = logging.getLogger(__name__)
 # The longest a step waits for the backwards of the micro-batches its peer admitted (a lost
 # micro-batch must not hold the stage): those that come later go into the next step.
 DRAIN_S = 2.0
+# How long the progress records of peers that claimed to be ahead, but handed over no newer
+# state when asked, are ignored (``ProgressBoard.distrust``).
+UNPROVEN_S = 60.0
 
 
 class StageAverager:
@@ -372,13 +375,20 @@ class StageAverager:
     async def _catch_up(self) -> None:
         timeout = self.settings.round_timeout_s
         self._catch_up_after = time.monotonic() + timeout
+        claimants = self.board.ahead(self.epoch)
         state = await download(self.transport, self.strategy, timeout, name=self._name)
         if state is None or state.epoch <= self.epoch:
             logger.warning(
-                "%s: a peer is ahead of epoch %d, but no newer state came (retry in %.0f s)",
+                "%s: %s claim to be past epoch %d, but no newer state came: their progress "
+                "is ignored for %.0f s",
                 self._name,
+                ", ".join(p[-6:] for p in claimants) or "peers",
                 self.epoch,
-                timeout,
+                UNPROVEN_S,
+            )
+            self.board.distrust(claimants, UNPROVEN_S)
+            events.emit(
+                "progress.unproven", stage=self.stage_index, peers=claimants, epoch=self.epoch
             )
             return
         await asyncio.to_thread(self.strategy.apply_state, state)

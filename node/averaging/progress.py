@@ -3,7 +3,9 @@
 Every peer of a stage stores its ``protocol.averaging.Progress`` (epoch, samples toward
 the next round) under the stage's key, its peer id as subkey, and reads the others'. A
 read returns one DHT node's copy of the records and may miss one, so the view corrects
-what it reads with what this peer knows better (``view``, ``learn``).
+what it reads with what this peer knows better (``view``, ``learn``). A peer that claims
+to be ahead and does not hand over its state when asked is ignored for a while
+(``distrust``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ProgressBoard:
         self._seen: dict[str, tuple[Progress, float]] = {}  # peer -> last record, when (view)
         self._known: dict[str, int] = {}  # peer -> the highest epoch we know it reached
         self._expires: dict[str, float] = {}  # peer -> its newest record's DHT expiration
+        self._unproven: dict[str, float] = {}  # peer -> until when its claims are ignored
 
     @property
     def peers(self) -> int:
@@ -100,6 +103,7 @@ class ProgressBoard:
                 result.append(record)
                 expires = self._expires.get(record.peer_id, -math.inf)
                 self._expires[record.peer_id] = max(expires, item.expiration_time)
+        result = [r for r in result if not self._ignored(r.peer_id)]
         if self.spec.private and result:  # a stranger's progress must not shape our rounds
             members = {p.peer_id for p in await self.dht.peers()}
             result = [r for r in result if r.peer_id in members]
@@ -119,7 +123,7 @@ class ProgressBoard:
             self._seen[record.peer_id] = (record, now)
         view = []
         for peer, (record, seen_at) in list(self._seen.items()):
-            if now - seen_at > self.ttl:
+            if now - seen_at > self.ttl or self._ignored(peer):
                 del self._seen[peer]
                 self._expires.pop(peer, None)
                 continue
@@ -137,6 +141,31 @@ class ProgressBoard:
             self._known[peer] = max(self._known.get(peer, 0), epoch)
             record, seen_at = self._seen.get(peer, (Progress(peer, epoch, 0), now))
             self._seen[peer] = (record, max(seen_at, now))
+
+    def ahead(self, epoch: int) -> list[str]:
+        """The peers in the view that are past ``epoch``."""
+        return [p.peer_id for p in self.view() if p.epoch > epoch]
+
+    def distrust(self, peers: list[str], for_s: float) -> None:
+        """Ignore ``peers``' records (and what we learnt of them) for ``for_s`` seconds:
+        they claimed an epoch ahead of ours and none of them handed over a state of it.
+        A claim of being ahead is believed only once proven: a record that claims any
+        epoch costs nothing to store, and waiting for it would stop our steps."""
+        until = self._clock() + for_s
+        for peer in peers:
+            self._unproven[peer] = until
+            self._known.pop(peer, None)
+            self._seen.pop(peer, None)
+        self.records = [r for r in self.records if not self._ignored(r.peer_id)]
+
+    def _ignored(self, peer: str) -> bool:
+        until = self._unproven.get(peer)
+        if until is None:
+            return False
+        if self._clock() >= until:
+            del self._unproven[peer]
+            return False
+        return True
 
     def ahead_of(self, epoch: int) -> bool:
         """Some peer in the view is past ``epoch``."""

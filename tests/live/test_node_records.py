@@ -12,6 +12,7 @@ from __future__ import annotations
 import hivemind
 from hivemind.utils import get_dht_time
 
+from protocol.averaging import Progress, encode_progress, progress_key
 from protocol.keys import peers_key
 from protocol.records import (
     MAX_RECORD_AGE_S,
@@ -212,3 +213,48 @@ def test_a_replayed_record_does_not_hide_a_live_node_nor_is_an_extra_stage_liste
         if attacker is not None:
             attacker.shutdown()
         stop_all([node])
+
+
+def _epoch(node) -> int:
+    rounds = node.events("averaging.round")
+    return rounds[-1]["epoch"] if rounds else 0
+
+
+def test_a_forged_claim_of_being_far_ahead_does_not_stop_the_steps(tmp_path):
+    """One unsigned progress record per stage, claiming epoch 2^50 under a made-up peer id
+    and stored for a day, made every peer wait to catch up with a state nobody could hand
+    over: no stage stepped again. A claim of being ahead is now believed only once the
+    state is downloaded; a claim nobody proves is ignored, and the stages step on."""
+    nodes = [launch_node(tmp_path, "s0", "forged", extra=["--stage", "0"], train=True)]
+    run = nodes[0].run_id
+    nodes.append(
+        launch_node(
+            tmp_path, "s1", run, initial_peers=[nodes[0].maddr], extra=["--stage", "1"], train=True
+        )
+    )
+    attacker = None
+    try:
+        for n in nodes:
+            n.wait_serving()
+        wait_until(lambda: all(_epoch(n) >= 2 for n in nodes), 90, "both stages to step")
+        attacker = _attacker(nodes[0].maddr)
+        _, liar = _fresh()
+        for stage in (0, 1):
+            assert attacker.store(
+                progress_key(run, stage),
+                subkey=liar,
+                value=encode_progress(Progress(liar, 2**50, 0)),
+                expiration_time=get_dht_time() + 86400,
+            )
+        forged = {n.name: _epoch(n) for n in nodes}
+        wait_until(
+            lambda: all(_epoch(n) >= forged[n.name] + 3 for n in nodes),
+            120,
+            f"both stages to step 3 more times past the forged claim (at {forged})",
+        )
+        for n in nodes:  # the claim was read, asked to be proven, and then ignored
+            assert any(liar in e["peers"] for e in n.events("progress.unproven")), n.name
+    finally:
+        if attacker is not None:
+            attacker.shutdown()
+        stop_all(nodes)

@@ -42,3 +42,16 @@ def test_an_epoch_never_goes_down_and_groupmates_are_learned():
     board.learn({"b": 4})  # a groupmate the reads do not show (yet)
     assert Progress("b", 4, 0) in board.view()
     assert board.ahead_of(3) and not board.ahead_of(4)
+
+
+def test_a_claim_of_being_ahead_that_was_not_proven_is_ignored_for_a_while():
+    board, now = _board()
+    board.records = [Progress("a", 3, 5), Progress("liar", 2**50, 0)]
+    assert board.ahead(3) == ["liar"]
+    board.distrust(["liar"], 60.0)  # asked for its state, it handed over none
+    assert board.view() == [Progress("a", 3, 5)] and not board.ahead_of(3)
+    board.records = [Progress("a", 3, 5), Progress("liar", 2**50, 0)]  # read again
+    board.learn({"liar": 2**51})  # or said so in a round
+    assert board.view() == [Progress("a", 3, 5)]
+    now[0] += 60.0  # once the time is up, a new claim is heard (and must be proven again)
+    assert board.ahead(3) == ["liar"]
