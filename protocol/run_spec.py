@@ -141,7 +141,7 @@ def make_run_spec(
     optim = dataclasses.replace(optim, **optim_overrides)
     return RunSpec(
         run=make_run_id(name, owner),
-        arch=dataclasses.asdict(model),
+        arch=model.to_dict(),
         optimizer=dataclasses.asdict(optim),
         boundaries=tuple((r.start, r.end) for r in even_boundaries(model, n_stages)),
         owner=owner,
