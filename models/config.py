@@ -225,6 +225,12 @@ def llama_1b() -> tuple[ModelConfig, OptimizerConfig]:
     return model, OptimizerConfig(lr=2e-4, micro_batch_size=2, target_batch_size=512)
 
 
+def finetune() -> OptimizerConfig:
+    """For a run that starts from pretrained weights: a learning rate a tenth of
+    pre-training's, so the first steps do not undo what the checkpoint learned."""
+    return OptimizerConfig(lr=1e-4, micro_batch_size=4, target_batch_size=64)
+
+
 PRESETS = {
     "tiny": tiny,
     "small": small,

@@ -14,39 +14,7 @@ from models.stages import Stage, even_boundaries
 
 transformers = pytest.importorskip("transformers")
 
-
-def _llama(tmp_path, **overrides):
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False, **overrides,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    _perturb_norms(model)
-    model.save_pretrained(tmp_path / "llama")
-    return model, tmp_path / "llama"
-
-
-def _gpt2(tmp_path):
-    config = transformers.GPT2Config(
-        vocab_size=80, n_positions=32, n_embd=32, n_layer=3, n_head=4, initializer_range=0.2
-    )  # GPT-2's defaults otherwise: gelu_new, tied head; weights large enough that exact
-    # GELU in place of its tanh approximation would show in the logits
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    _perturb_norms(model)
-    model.save_pretrained(tmp_path / "gpt2")
-    return model, tmp_path / "gpt2"
-
-
-def _perturb_norms(model) -> None:
-    """Norm gains start at 1 and biases at 0: moved, a swapped one cannot go unnoticed."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+from tests.hf_checkpoints import tiny_gpt2, tiny_llama  # noqa: E402  (needs transformers)
 
 
 def _stages_from(directory, n_stages):
@@ -66,7 +34,7 @@ def _pipeline_logits(stages, x):
         return stages[-1].logits(x)
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
 def test_stages_built_from_a_checkpoint_compute_transformers_logits(tmp_path, make):
     hf, directory = make(tmp_path)
     checkpoint, stages = _stages_from(directory, 3)
@@ -81,7 +49,7 @@ def test_stages_built_from_a_checkpoint_compute_transformers_logits(tmp_path, ma
 
 
 def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch):
-    _, directory = _llama(tmp_path)
+    _, directory = tiny_llama(tmp_path)
     checkpoint = read_checkpoint(directory)
     read = []
     from safetensors import safe_open
@@ -111,7 +79,7 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch):
 
 
 def test_a_llama_run_exports_as_a_llama_that_transformers_loads(tmp_path):
-    _, directory = _llama(tmp_path)
+    _, directory = tiny_llama(tmp_path)
     checkpoint, stages = _stages_from(directory, 2)
     with torch.no_grad():  # as training would move them
         for s in stages:
@@ -135,7 +103,7 @@ def test_a_llama_run_exports_as_a_llama_that_transformers_loads(tmp_path):
 
 
 def test_a_tied_checkpoint_starts_both_ends_from_the_embedding(tmp_path):
-    hf, directory = _gpt2(tmp_path)  # GPT-2 ties its head (no lm_head.weight stored)
+    hf, directory = tiny_gpt2(tmp_path)  # GPT-2 ties its head (no lm_head.weight stored)
     checkpoint, stages = _stages_from(directory, 2)
     assert checkpoint.tied and not checkpoint.config.tie_embeddings
     head = stages[-1].blocks[str(checkpoint.config.n_blocks - 1)].lm_head.weight
@@ -144,7 +112,7 @@ def test_a_tied_checkpoint_starts_both_ends_from_the_embedding(tmp_path):
 
 
 def test_a_changed_or_missing_file_is_named(tmp_path):
-    _, directory = _llama(tmp_path)
+    _, directory = tiny_llama(tmp_path)
     files = read_checkpoint(directory).files
     verify_files(directory, files)
     (directory / "config.json").write_text((directory / "config.json").read_text() + " ")
@@ -156,7 +124,7 @@ def test_a_changed_or_missing_file_is_named(tmp_path):
 
 
 def test_bad_checkpoints_get_one_line_naming_the_file_and_problem(tmp_path):
-    _, directory = _llama(tmp_path)
+    _, directory = tiny_llama(tmp_path)
     config = directory / "config.json"
     meta = json.loads(config.read_text())
 
