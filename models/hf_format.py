@@ -190,7 +190,7 @@ def hf_config(config: ModelConfig) -> dict:
     }
 
 
-def model_config(meta: Mapping, source: str, **overrides) -> tuple[ModelConfig, bool]:
+def model_config(meta: Mapping, source: str) -> tuple[ModelConfig, bool]:
     """The ``ModelConfig`` of a Hugging Face ``config.json`` (``meta``, read from
     ``source``, which errors name), and whether the checkpoint ties its head to its
     embedding (the model built untied: a tied model cannot be cut into stages; both
@@ -213,7 +213,7 @@ def model_config(meta: Mapping, source: str, **overrides) -> tuple[ModelConfig, 
         else:
             fields = _gpt2_fields(meta, unsupported)
         tied = bool(meta.get("tie_word_embeddings", arch == GPT2))
-        return ModelConfig(**(fields | overrides)), tied
+        return ModelConfig(**fields), tied
     except KeyError as e:
         raise ValueError(f"{source}: {arch} config lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

@@ -40,12 +40,12 @@ class Checkpoint:
     files: dict[str, str]  # file name -> sha256 hex, config.json and every *.safetensors
 
 
-def read_checkpoint(directory: Path, **overrides) -> Checkpoint:
-    """Read and hash the checkpoint in ``directory``; ``overrides`` replace settings of the
-    ``ModelConfig`` its config maps to (e.g. ``init_seed``). ``ValueError``, one line naming
-    the file, if the directory is not a checkpoint of a supported architecture."""
+def read_checkpoint(directory: Path) -> Checkpoint:
+    """Read and hash the checkpoint in ``directory``, and check that it holds every tensor
+    its model needs (by name: none is read). ``ValueError``, one line naming the file, if
+    the directory is not a checkpoint of a supported architecture."""
     meta = _read_config(directory)
-    config, tied = model_config(meta, str(directory / CONFIG_FILE), **overrides)
+    config, tied = model_config(meta, str(directory / CONFIG_FILE))
     weights = _weight_files(directory)
     files = {p.name: sha256_of(p) for p in [directory / CONFIG_FILE, *weights]}
     arch = next(a for a in meta["architectures"] if a in SUPPORTED)
@@ -79,14 +79,10 @@ def verify_files(directory: Path, files: Mapping[str, str]) -> None:
             )
 
 
-def load_stage_state(
-    checkpoint: Checkpoint, blocks: range, config: ModelConfig | None = None
-) -> dict[str, torch.Tensor]:
+def load_stage_state(checkpoint: Checkpoint, blocks: range) -> dict[str, torch.Tensor]:
     """The tensors of ``blocks`` (a stage's state dict, whole-model names, float32) read
-    from ``checkpoint``; nothing else is read. ``config`` (default: the checkpoint's) is
-    the run's model, which may differ in settings that change no tensor (``init_seed``).
-    ``ValueError`` naming the directory and tensor when one is missing."""
-    config = config or checkpoint.config
+    from ``checkpoint``; nothing else is read. ``ValueError`` naming the directory and
+    tensor when one is missing."""
     where = _tensor_index(checkpoint.directory)
     with ExitStack() as stack:
         files: dict[str, Any] = {}
@@ -100,7 +96,7 @@ def load_stage_state(
 
         return {
             t.ours: t.join(lambda name, t=t: read(_stored(where, checkpoint.directory, t, name)))
-            for t in tensor_map(config, blocks, tied=checkpoint.tied)
+            for t in tensor_map(checkpoint.config, blocks, tied=checkpoint.tied)
         }
 
 
