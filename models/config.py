@@ -16,6 +16,7 @@ _LATER_FIELDS = (
     "intermediate_size",
     "norm_eps",
     "rope_theta",
+    "rope_scaling",
     "activation",
 )
 
@@ -49,6 +50,10 @@ class ModelConfig:
     intermediate_size: int | None = None
     norm_eps: float = 1e-5  # LayerNorm (gpt) or RMSNorm (llama) epsilon
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
+    # llama: Llama 3's stretching of the rotary frequencies for long contexts, as
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    # (``models.llama.rotary_frequencies``); None: none.
+    rope_scaling: tuple[float, float, float, int] | None = None
     # gpt: "gelu" is exact GELU; "gelu_tanh" its tanh approximation (GPT-2's "gelu_new").
     activation: Literal["gelu", "gelu_tanh"] = "gelu"
 
@@ -77,10 +82,29 @@ class ModelConfig:
             raise ValueError(
                 f"norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be > 0"
             )
+        if self.rope_scaling is not None:
+            self._check_rope_scaling()
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ValueError(f"activation must be gelu or gelu_tanh, got {self.activation!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def _check_rope_scaling(self) -> None:
+        if self.family != "llama":
+            raise ValueError("rope_scaling (rotary frequencies) needs family='llama'")
+        scaling = self.rope_scaling
+        if not isinstance(scaling, list | tuple) or len(scaling) != 4:
+            raise ValueError(
+                "rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
+                f"original_max_position_embeddings), got {scaling!r}"
+            )
+        object.__setattr__(self, "rope_scaling", tuple(scaling))  # a list, from JSON
+        factor, low, high, original = scaling
+        if not (factor >= 1 and 0 < low < high and original >= 1):
+            raise ValueError(
+                f"rope_scaling {tuple(scaling)}: needs factor >= 1, 0 < low_freq_factor < "
+                "high_freq_factor and original_max_position_embeddings >= 1"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -61,6 +61,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.kv_heads, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         self.rope_theta = config.rope_theta if config.family == "llama" else None
+        self.rope_scaling = config.rope_scaling
         kv_width = self.kv_heads * self.head_dim
         self.split = (config.n_embd, kv_width, kv_width)
         self.qkv = nn.Linear(config.n_embd, sum(self.split), bias=config.bias)
@@ -75,7 +76,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.rope_theta is not None:
-            cos, sin = rotary_tables(t, self.head_dim, self.rope_theta, x.device)  # (T, hs)
+            cos, sin = rotary_tables(
+                t, self.head_dim, self.rope_theta, x.device, self.rope_scaling
+            )  # (T, hs)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.kv_heads != self.n_head:  # each key/value head serves a group of query heads
             k = k.repeat_interleave(self.n_head // self.kv_heads, dim=1)  # (B, nh, T, hs)

@@ -155,7 +155,7 @@ def hf_config(config: ModelConfig) -> dict:
             "max_position_embeddings": config.block_size,
             "rms_norm_eps": config.norm_eps,
             "rope_theta": config.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": _rope_scaling_json(config.rope_scaling),
             "attention_bias": config.bias,
             "mlp_bias": config.bias,
             "attention_dropout": config.dropout,
@@ -226,8 +226,7 @@ def _llama_fields(meta: Mapping, unsupported) -> dict:
     hidden, heads = meta["hidden_size"], meta["num_attention_heads"]
     if meta.get("hidden_act", "silu") != "silu":
         raise unsupported("hidden_act", meta["hidden_act"], "silu")
-    if meta.get("rope_scaling") not in (None, {}):
-        raise unsupported("rope_scaling", meta["rope_scaling"], "none")
+    rope_scaling = _rope_scaling(meta.get("rope_scaling"), unsupported)
     if meta.get("pretraining_tp", 1) != 1:
         raise unsupported("pretraining_tp", meta["pretraining_tp"], "1")
     if meta.get("head_dim") not in (None, hidden // heads) or hidden % heads:
@@ -249,9 +248,30 @@ def _llama_fields(meta: Mapping, unsupported) -> dict:
         "intermediate_size": meta["intermediate_size"],
         "norm_eps": meta.get("rms_norm_eps", 1e-6),
         "rope_theta": float(meta.get("rope_theta", 10000.0)),
+        "rope_scaling": rope_scaling,
         "bias": bool(bias),
         "dropout": 0.0,  # 0 keeps forward passes reproducible (a stage recomputes them)
     }
+
+
+# ``rope_scaling`` of type llama3 in ``config.json``, in ``ModelConfig.rope_scaling``'s order.
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_scaling_json(values: tuple[float, float, float, int] | None) -> dict | None:
+    if values is None:
+        return None
+    return {"rope_type": "llama3", **dict(zip(_LLAMA3_KEYS, values, strict=True))}
+
+
+def _rope_scaling(scaling, unsupported) -> tuple[float, float, float, int] | None:
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if not scaling or kind == "default":
+        return None
+    if kind != "llama3":
+        raise unsupported("rope_scaling", scaling, "none or rope_type 'llama3'")
+    factor, low, high, original = (scaling[k] for k in _LLAMA3_KEYS)
+    return float(factor), float(low), float(high), int(original)
 
 
 _GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}

@@ -3,6 +3,9 @@ blocks, and the stages composed are exactly the whole model."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -82,6 +85,10 @@ def test_bad_llama_configs_say_what_to_change():
         ModelConfig(n_kv_head=2)
     with pytest.raises(ValueError, match="family must be one of gpt, llama"):
         ModelConfig(family="mamba")
+    with pytest.raises(ValueError, match="rope_scaling.*needs family='llama'"):
+        ModelConfig(rope_scaling=(8.0, 1.0, 4.0, 8192))
+    with pytest.raises(ValueError, match="0 < low_freq_factor < high_freq_factor"):
+        ModelConfig(family="llama", bias=False, rope_scaling=(8.0, 4.0, 1.0, 8192))
 
 
 def test_gpt_configs_keep_the_dict_they_had():
@@ -93,3 +100,5 @@ def test_gpt_configs_keep_the_dict_they_had():
     }  # fmt: skip
     assert ModelConfig(**CFG.to_dict()) == CFG
     assert CFG.to_dict()["family"] == "llama"
+    scaled = dataclasses.replace(CFG, rope_scaling=(8.0, 1.0, 4.0, 8192))
+    assert ModelConfig(**json.loads(json.dumps(scaled.to_dict()))) == scaled  # a list in JSON

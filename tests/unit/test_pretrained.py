@@ -34,7 +34,17 @@ def _pipeline_logits(stages, x):
         return stages[-1].logits(x)
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+# Llama 3's stretched rotary frequencies; with an original context of 16 and head size 8,
+# one pair is kept, one interpolated and two slowed down.
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # fmt: skip
+
+
+def tiny_llama3(tmp_path):
+    return tiny_llama(tmp_path, rope_scaling=LLAMA3, rope_theta=100.0)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_llama3, tiny_gpt2])
 def test_stages_built_from_a_checkpoint_compute_transformers_logits(tmp_path, make):
     hf, directory = make(tmp_path)
     checkpoint, stages = _stages_from(directory, 3)
@@ -79,7 +89,7 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch):
 
 
 def test_a_llama_run_exports_as_a_llama_that_transformers_loads(tmp_path):
-    _, directory = tiny_llama(tmp_path)
+    _, directory = tiny_llama3(tmp_path)
     checkpoint, stages = _stages_from(directory, 2)
     with torch.no_grad():  # as training would move them
         for s in stages:
@@ -142,8 +152,10 @@ def test_bad_checkpoints_get_one_line_naming_the_file_and_problem(tmp_path):
     assert str(config) in err and "hidden_size (30)" in err and "num_attention_heads (4)" in err
     err = rewritten(num_key_value_heads=3)
     assert str(config) in err and "n_head (4) must be divisible by n_kv_head (3)" in err
-    err = rewritten(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    err = rewritten(rope_scaling={"rope_type": "yarn", "factor": 8.0})
     assert "rope_scaling" in err and "not supported" in err
+    err = rewritten(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    assert str(config) in err and "lacks 'low_freq_factor'" in err
 
     # A checkpoint that lacks a tensor: named, with the file it looked in.
     config.write_text(json.dumps(meta))
