@@ -270,7 +270,7 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
 
 def baseline_arguments(p: argparse.ArgumentParser) -> None:
     """``swarmtrain baseline``."""
-    p.add_argument("--preset", default="tiny", help="model preset: tiny, small or base")
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"model preset: {PRESET_NAMES}")
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to take")
     p.add_argument(
         "--stages", type=positive_int, default=1, help="cut the model into this many stages"
