@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
@@ -41,7 +42,7 @@ class ModelConfig:
     bias: bool = True
     tie_embeddings: bool = False  # tying only works when embedding and head share a stage
     init_seed: int = 0  # every peer builds the same initial weights from this
-    family: Literal["gpt", "llama"] = "gpt"  # which blocks (models.gpt or models.llama)
+    family: Literal["gpt", "llama"] = "gpt"  # GPT-2's blocks or Llama's (models.gpt)
     # Key/value heads of grouped-query attention (llama only): each serves
     # n_head // n_kv_head query heads. None: as many as query heads (plain multi-head).
     n_kv_head: int | None = None
@@ -121,7 +122,7 @@ class ModelConfig:
         if self.intermediate_size is not None:
             return self.intermediate_size
         if self.family == "llama":
-            return -(-8 * self.n_embd // 3 // 64) * 64
+            return 64 * math.ceil(8 * self.n_embd / 3 / 64)
         return 4 * self.n_embd
 
     @property
