@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Literal
+
+FAMILIES = ("gpt", "llama")
+
+# Fields added after specs were first signed. ``to_dict`` leaves them out while they hold
+# their defaults, so a GPT spec written today is the spec written before they existed
+# (the same signed bytes, the same "nothing changed" when a run is created again).
+_LATER_FIELDS = (
+    "family",
+    "n_kv_head",
+    "intermediate_size",
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "activation",
+)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-style decoder over byte tokens.
+    """A decoder-only transformer: GPT-2 style (``family="gpt"``: learned positions,
+    LayerNorm, GELU MLP) or Llama style (``family="llama"``: rotary positions, RMSNorm,
+    SwiGLU MLP, grouped-query attention).
 
     The model is the ordered list of ``n_layer + 2`` blocks: block 0 is the embedding,
     blocks 1..n_layer are transformer blocks, block ``n_layer + 1`` is the head (final
@@ -23,15 +42,88 @@ class ModelConfig:
     bias: bool = True
     tie_embeddings: bool = False  # tying only works when embedding and head share a stage
     init_seed: int = 0  # every peer builds the same initial weights from this
+    family: Literal["gpt", "llama"] = "gpt"  # GPT-2's blocks or Llama's (models.gpt)
+    # Key/value heads of grouped-query attention (llama only): each serves
+    # n_head // n_kv_head query heads. None: as many as query heads (plain multi-head).
+    n_kv_head: int | None = None
+    # Hidden width of the MLP. None: 4 * n_embd (GPT-2's), or for llama SwiGLU's
+    # 8/3 * n_embd rounded up to a multiple of 64 (the same parameters as 4x GELU).
+    intermediate_size: int | None = None
+    norm_eps: float = 1e-5  # LayerNorm (gpt) or RMSNorm (llama) epsilon
+    rope_theta: float = 10000.0  # llama: base of the rotary frequencies
+    # llama: Llama 3's stretching of the rotary frequencies for long contexts, as
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    # (``models.llama.rotary_frequencies``); None: none.
+    rope_scaling: tuple[float, float, float, int] | None = None
+    # gpt: "gelu" is exact GELU; "gelu_tanh" its tanh approximation (GPT-2's "gelu_new").
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(
+                f"rotary embeddings need an even head size, got n_embd / n_head = {self.head_dim}"
+            )
+        if self.n_kv_head is not None:
+            if self.family != "llama":
+                raise ValueError("n_kv_head (grouped-query attention) needs family='llama'")
+            if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+                raise ValueError(
+                    f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"
+                )
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+        if not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(
+                f"norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be > 0"
+            )
+        if self.rope_scaling is not None:
+            self._check_rope_scaling()
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"activation must be gelu or gelu_tanh, got {self.activation!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def _check_rope_scaling(self) -> None:
+        if self.family != "llama":
+            raise ValueError("rope_scaling (rotary frequencies) needs family='llama'")
+        scaling = self.rope_scaling
+        if not isinstance(scaling, list | tuple) or len(scaling) != 4:
+            raise ValueError(
+                "rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
+                f"original_max_position_embeddings), got {scaling!r}"
+            )
+        object.__setattr__(self, "rope_scaling", tuple(scaling))  # a list, from JSON
+        factor, low, high, original = scaling
+        if not (factor >= 1 and 0 < low < high and original >= 1):
+            raise ValueError(
+                f"rope_scaling {tuple(scaling)}: needs factor >= 1, 0 < low_freq_factor < "
+                "high_freq_factor and original_max_position_embeddings >= 1"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head``, or ``n_head`` when unset."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width (``intermediate_size`` or the architecture's default)."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        if self.family == "llama":
+            return 64 * math.ceil(8 * self.n_embd / 3 / 64)
+        return 4 * self.n_embd
 
     @property
     def n_blocks(self) -> int:
@@ -39,7 +131,10 @@ class ModelConfig:
         return self.n_layer + 2
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, less those added later that hold their defaults (``_LATER_FIELDS``):
+        ``ModelConfig(**config.to_dict()) == config`` either way."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return {k: v for k, v in asdict(self).items() if k not in _LATER_FIELDS or v != defaults[k]}
 
 
 @dataclass(frozen=True)
@@ -104,7 +199,73 @@ def base() -> tuple[ModelConfig, OptimizerConfig]:
     return model, OptimizerConfig(lr=6e-4, micro_batch_size=8, target_batch_size=256)
 
 
-PRESETS = {"tiny": tiny, "small": small, "base": base}
+def _llama(**fields) -> ModelConfig:
+    # No biases and untied embeddings, as Llama has them (untied so the model can be cut).
+    return ModelConfig(family="llama", bias=False, tie_embeddings=False, **fields)
+
+
+def llama_tiny() -> tuple[ModelConfig, OptimizerConfig]:
+    """The ``tiny`` of the llama family (byte tokens): tests and demos."""
+    model = _llama(block_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=64)
+    return model, OptimizerConfig()
+
+
+def llama_20m() -> tuple[ModelConfig, OptimizerConfig]:
+    """About 20M parameters over byte tokens: trains on CPUs."""
+    model = _llama(block_size=256, n_layer=8, n_head=8, n_kv_head=4, n_embd=480)
+    return model, OptimizerConfig(lr=1e-3, micro_batch_size=8, target_batch_size=64)
+
+
+# The larger presets count a 32,000-token vocabulary (Llama 2's) in their parameters.
+
+
+def llama_125m() -> tuple[ModelConfig, OptimizerConfig]:
+    """About 125M parameters (GPT-2 base's width and depth): one 8 GB card, or CPUs."""
+    model = _llama(
+        vocab_size=32000, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768
+    )
+    return model, OptimizerConfig(lr=6e-4, micro_batch_size=8, target_batch_size=256)
+
+
+def llama_350m() -> tuple[ModelConfig, OptimizerConfig]:
+    """About 345M parameters: 2+ stages on 8 GB cards, one on a 12 GB card."""
+    model = _llama(
+        vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_kv_head=8, n_embd=1024
+    )
+    return model, OptimizerConfig(lr=3e-4, micro_batch_size=4, target_batch_size=256)
+
+
+def llama_1b() -> tuple[ModelConfig, OptimizerConfig]:
+    """About 1.1B parameters (Llama 3.2 1B's shape): 3+ stages on 8 GB cards, 2 on 12 GB."""
+    model = _llama(
+        vocab_size=32000,
+        block_size=2048,
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        n_embd=2048,
+        intermediate_size=8192,
+        rope_theta=500000.0,
+    )
+    return model, OptimizerConfig(lr=2e-4, micro_batch_size=2, target_batch_size=512)
+
+
+def finetune() -> OptimizerConfig:
+    """For a run that starts from pretrained weights: a learning rate a tenth of
+    pre-training's, so the first steps do not undo what the checkpoint learned."""
+    return OptimizerConfig(lr=1e-4, micro_batch_size=4, target_batch_size=64)
+
+
+PRESETS = {
+    "tiny": tiny,
+    "small": small,
+    "base": base,
+    "llama-tiny": llama_tiny,
+    "llama-20m": llama_20m,
+    "llama-125m": llama_125m,
+    "llama-350m": llama_350m,
+    "llama-1b": llama_1b,
+}
 
 
 def preset(name: str) -> tuple[ModelConfig, OptimizerConfig]:

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from models.config import ModelConfig, OptimizerConfig, preset
+from models.hf_format import FAMILY_OF
 from models.stages import StageRange, even_boundaries, validate_boundaries
 from protocol.identity import peer_id_of, sign, verify
 from protocol.membership import MembershipPolicy
@@ -39,6 +40,23 @@ _SPEC_DOMAIN = b"swarmtrain/run-spec"
 
 Compression = Literal["none", "float16", "uint8"]
 Seconds = Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
+# A checkpoint file's name: no directories, nothing hidden (read only inside the node's own
+# copy of the checkpoint).
+FileName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class PretrainedSpec(BaseModel):
+    """The Hugging Face checkpoint a run starts from, pinned by its files' sha256. Where it
+    is is not part of the run: every node has its own copy (``swarmtrain node --pretrained
+    DIR``) and checks it against these hashes before loading its stage from it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: Literal["LlamaForCausalLM", "GPT2LMHeadModel"]
+    # Its head is its embedding: the run unties them, the head starts from the embedding.
+    tied: bool = False
+    files: Annotated[dict[FileName, Sha256], Field(min_length=2, max_length=1024)]
 
 
 class AveragingSpec(BaseModel):
@@ -93,6 +111,9 @@ class RunSpec(BaseModel):
     # When the owner signed it (Unix time): of two specs for one run id, peers keep the
     # earlier. 0 for specs written before the field existed.
     created: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # The checkpoint its initial weights come from; None: from ``arch.init_seed``. Left
+    # out of the signed bytes when None, so specs without it read as they did before.
+    pretrained: PretrainedSpec | None = None
 
     @field_validator("arch", "optimizer")
     @classmethod
@@ -103,6 +124,13 @@ class RunSpec(BaseModel):
         check_owner(self.run, self.owner)
         validate_boundaries(self.model, list(self.boundaries))  # also builds both configs
         self.optim  # noqa: B018  (builds and validates OptimizerConfig)
+        if self.pretrained is not None:
+            family = FAMILY_OF[self.pretrained.architecture]
+            if self.model.family != family:
+                raise ValueError(
+                    f"a {self.pretrained.architecture} checkpoint needs family {family!r}, "
+                    f"got arch.family {self.model.family!r}"
+                )
 
     @property
     def model(self) -> ModelConfig:
@@ -131,17 +159,27 @@ class RunSpec(BaseModel):
 
 
 def make_run_spec(
-    name: str, preset_name: str, n_stages: int, *, owner: str, **settings: Any
+    name: str,
+    preset_name: str,
+    n_stages: int,
+    *,
+    owner: str,
+    model: ModelConfig | None = None,
+    optim: OptimizerConfig | None = None,
+    **settings: Any,
 ) -> RunSpec:
     """A spec of run ``name`` (its id: ``NAME@FINGERPRINT`` of ``owner``) from a model
-    preset cut evenly into ``n_stages`` stages, ``created`` now unless given."""
+    preset (``model`` and ``optim`` replace its settings) cut evenly into ``n_stages``
+    stages, ``created`` now unless given. Settings that are ``OptimizerConfig`` fields
+    replace the optimizer's; the rest are ``RunSpec`` fields."""
     settings.setdefault("created", time.time())
-    model, optim = preset(preset_name)
+    preset_model, preset_optim = preset(preset_name)
+    model, optim = model or preset_model, optim or preset_optim
     optim_overrides = {k: settings.pop(k) for k in list(settings) if hasattr(optim, k)}
     optim = dataclasses.replace(optim, **optim_overrides)
     return RunSpec(
         run=make_run_id(name, owner),
-        arch=dataclasses.asdict(model),
+        arch=model.to_dict(),
         optimizer=dataclasses.asdict(optim),
         boundaries=tuple((r.start, r.end) for r in even_boundaries(model, n_stages)),
         owner=owner,
@@ -184,7 +222,8 @@ def earliest_spec(specs: list[SignedSpec]) -> SignedSpec:
 def sign_run_spec(spec: RunSpec, owner_key: Ed25519PrivateKey) -> SignedSpec:
     if peer_id_of(owner_key.public_key()) != spec.owner:
         raise ValueError(f"this key is not the owner ({spec.owner}) of run {spec.run!r}")
-    payload = spec.model_dump_json().encode()
+    payload = spec.model_dump_json(exclude={"pretrained"} if spec.pretrained is None else None)
+    payload = payload.encode()
     raw = msgpack.packb({"spec": payload, "sig": sign(owner_key, _SPEC_DOMAIN, payload)})
     return SignedSpec(spec, raw)
 

@@ -17,6 +17,8 @@ from node.dashboard.address import parse_address
 
 STDLIB = "stdlib"  # models.data.STDLIB: Python's standard library as a corpus
 DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")  # the node and run_admin read it here
+DEFAULT_PRESET = "tiny"
+PRESET_NAMES = "tiny, small, base, llama-tiny, llama-20m, llama-125m, llama-350m, llama-1b"
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -141,6 +143,13 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", type=Path, help="the run's signed spec file (swarmtrain run create)")
     p.add_argument(
         "--invite", help="private runs: the invite token from the run's owner, or @FILE holding it"
+    )
+    p.add_argument(
+        "--pretrained",
+        type=Path,
+        metavar="DIR",
+        help="runs started from a Hugging Face checkpoint: this machine's copy of it (its "
+        "files are checked against the hashes in the run's spec before a stage is loaded)",
     )
     p.add_argument(
         "--owner-key",
@@ -283,7 +292,7 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
 
 def baseline_arguments(p: argparse.ArgumentParser) -> None:
     """``swarmtrain baseline``."""
-    p.add_argument("--preset", default="tiny", help="model preset: tiny, small or base")
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"model preset: {PRESET_NAMES}")
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to take")
     p.add_argument(
         "--stages", type=positive_int, default=1, help="cut the model into this many stages"
@@ -410,8 +419,21 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="write a new run's signed spec")
     create.add_argument("name", help="the run's name; its id adds the owner's fingerprint")
-    create.add_argument("--preset", default="tiny", help="model preset (tiny, small, base)")
+    create.add_argument("--preset", help=f"model preset ({PRESET_NAMES}; default {DEFAULT_PRESET})")
+    create.add_argument(
+        "--from-pretrained",
+        type=Path,
+        metavar="DIR",
+        help="start from a local Hugging Face checkpoint (config.json and *.safetensors; "
+        "LlamaForCausalLM or GPT2LMHeadModel): the spec pins its files' sha256, and every "
+        "node needs its own copy (swarmtrain node --pretrained DIR)",
+    )
     create.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    create.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write nothing; print each stage's memory (weights, gradients, AdamW state)",
+    )
     create.add_argument("--private", action="store_true", help="only invited peers may join")
     create.add_argument("--compression", default="none", choices=["none", "float16", "uint8"])
     create.add_argument("--averaging", default="gradient", choices=["gradient", "diloco"])

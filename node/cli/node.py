@@ -38,6 +38,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         run=args.run,
         spec_file=args.spec,
         invite=read_invite(args.invite),
+        pretrained=args.pretrained,
         owner_key=args.owner_key,
         initial_peers=tuple(args.initial_peers),
         host_maddrs=tuple(args.host_maddrs),

@@ -2,7 +2,10 @@
 
 ``create`` writes the run's signed spec to a file (nodes start from it with ``--spec``)
 and records it beside the owner key (``runs/RUN_ID.spec.json``): a run's spec never
-changes, so creating it again with other settings is refused. ``invite`` prints an
+changes, so creating it again with other settings is refused. Its model is a preset, or
+a local Hugging Face checkpoint (``--from-pretrained DIR``: the spec pins its files'
+hashes; every node needs its own copy, ``swarmtrain node --pretrained DIR``).
+``--dry-run`` writes nothing and prints what each stage needs in memory. ``invite`` prints an
 invite token for a private run; ``revoke`` publishes, through a node of the run, the
 owner's signed list of revoked peers and invites. Both need the owner's existing key.
 """
@@ -14,12 +17,15 @@ import asyncio
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
-from node.cli.args import DEFAULT_OWNER_KEY
+from models.config import ModelConfig
+from models.stages import StageRange, even_boundaries
+from node.cli.args import DEFAULT_OWNER_KEY, DEFAULT_PRESET
 from node.daemon.join import owned_spec
 from node.files import load_or_create_key, write_atomic
 from node.rpc.dht import SwarmDHT
@@ -29,6 +35,7 @@ from protocol.ownership import check_owner
 from protocol.records import RecordError, check_peer_id
 from protocol.run_spec import (
     AveragingSpec,
+    PretrainedSpec,
     make_run_spec,
     spec_file_text,
 )
@@ -74,13 +81,37 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _create(args: argparse.Namespace) -> int:
+    model, optim, pretrained = None, None, None
+    what = args.preset or DEFAULT_PRESET
+    if args.from_pretrained is not None:
+        if args.preset is not None:
+            raise ValueError("--preset and --from-pretrained both give the model: choose one")
+        from models.config import finetune
+        from models.pretrained import read_checkpoint
+
+        checkpoint = read_checkpoint(args.from_pretrained)
+        model, optim = checkpoint.config, finetune()
+        pretrained = PretrainedSpec(
+            architecture=checkpoint.architecture, tied=checkpoint.tied, files=checkpoint.files
+        )
+        what = f"{checkpoint.architecture} from {args.from_pretrained}"
+    if args.dry_run:
+        from models.config import preset
+
+        model = model or preset(what)[0]
+        for line in memory_table(model, even_boundaries(model, args.stages)):
+            print(line)
+        return 0
     key = load_or_create_key(args.owner_key)
     averaging = AveragingSpec(mode=args.averaging, inner_steps=args.inner_steps)
     spec = make_run_spec(
         args.name,
-        args.preset,
+        args.preset or DEFAULT_PRESET,
         args.stages,
         owner=peer_id_of(key.public_key()),
+        model=model,
+        optim=optim,
+        pretrained=pretrained,
         compression=args.compression,
         averaging=averaging,
         private=args.private,
@@ -91,12 +122,36 @@ def _create(args: argparse.Namespace) -> int:
     write_atomic(out, spec_file_text(signed).encode())
     kind = "private" if spec.private else "public"
     again = "" if signed.spec.created == spec.created else " (it existed: the same spec)"
-    print(f"created {kind} run {spec.run} ({args.preset}, {spec.n_stages} stages){again}: {out}")
+    print(f"created {kind} run {spec.run} ({what}, {spec.n_stages} stages){again}: {out}")
     key_flag = "" if args.owner_key == DEFAULT_OWNER_KEY else f" --owner-key {args.owner_key}"
-    print(f"start its first node with: swarmtrain node --spec {out}{key_flag}")
+    copy = "" if pretrained is None else f" --pretrained {args.from_pretrained}"
+    print(f"start its first node with: swarmtrain node --spec {out}{key_flag}{copy}")
+    if pretrained is not None:
+        print("every node needs its own copy of the checkpoint (--pretrained DIR): its files")
+        print(f"are checked against the run's hashes ({', '.join(sorted(pretrained.files))})")
     if spec.private:
         print(f"invite a machine with:    swarmtrain run invite --run {spec.run} --peer PEER_ID")
     return 0
+
+
+def memory_table(model: ModelConfig, stages: Sequence[StageRange]) -> list[str]:
+    """Lines showing what training each stage holds (float32 weights, gradients, AdamW's
+    two moments), and what that leaves out (activations)."""
+    from models.memory import GIB, stage_memory
+
+    rows = [("stage", "blocks", "parameters", "weights", "gradients", "AdamW", "total", "bytes")]
+    for i, r in enumerate(stages):
+        m = stage_memory(model, r)
+        gib = [f"{b / GIB:.2f} GiB" for b in (m.weights, m.gradients, m.optimizer, m.total)]
+        rows.append((str(i), f"{r.start}-{r.end - 1}", f"{m.parameters:,}", *gib, f"{m.total:,}"))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    return [
+        *lines,
+        f"float32, per peer of a stage (block 0: the embedding; {model.n_blocks - 1}: the head).",
+        "Activations come on top: they grow with the micro-batch and the context (bf16",
+        "autocast on CUDA halves them). Nothing was written.",
+    ]
 
 
 def _invite(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from models.data import Corpus, load_corpus
+from models.pretrained import Checkpoint, load_into, load_stage_state, verify_files
 from models.stages import Stage
 from models.training import StageOptimizer
 from node import events
@@ -97,6 +98,8 @@ class NodeSettings:
     rebalance_period_s: float = 60.0  # mean time between rebalancing checks
     spec_file: Path | None = None  # the run's signed spec (``swarmtrain run create``)
     invite: str | None = None  # private runs: the invite token from the run's owner
+    # Runs started from a Hugging Face checkpoint: this machine's copy of it.
+    pretrained: Path | None = None
     owner_key: Path | None = None  # default: ~/.swarmtrain/owner.key
     # Used only by the node that starts a new public run by name: the run's spec.
     preset: str = "tiny"
@@ -174,6 +177,29 @@ def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
         raise NodeError(str(e)) from None
 
 
+def pretrained_copy(spec: RunSpec, directory: Path | None) -> Checkpoint | None:
+    """This machine's copy of the checkpoint ``spec`` starts from, its files checked
+    against the spec's hashes; None for a run that starts from seeded weights. ``NodeError``
+    naming the flag to give, or the file that is missing or differs."""
+    pinned = spec.pretrained
+    if pinned is None:
+        if directory is not None:
+            logger.warning("--pretrained %s: run %s starts from no checkpoint", directory, spec.run)
+        return None
+    if directory is None:
+        raise NodeError(
+            f"run {spec.run} starts from a {pinned.architecture} checkpoint: give this "
+            f"machine's copy of it with --pretrained DIR ({', '.join(sorted(pinned.files))})"
+        )
+    directory = directory.expanduser()
+    logger.info("checking the checkpoint in %s against the run's hashes", directory)
+    try:
+        verify_files(directory, pinned.files)
+    except ValueError as e:
+        raise NodeError(f"--pretrained: {e}") from None
+    return Checkpoint(directory, pinned.architecture, spec.model, pinned.tied, dict(pinned.files))
+
+
 def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str | None]:
     """The invite a node shows to join a run: ``--invite``, or in a private run one its
     owner's node makes for itself when it finds the run's owner key (``--owner-key``, by
@@ -223,6 +249,7 @@ class Node:
         self.throughput: tuple[float, ...] = ()
         self.corpus: Corpus | None = None
         self.checkpoints: Path | None = None  # where the held stages are checkpointed
+        self.pretrained: Checkpoint | None = None  # verified: where stages start from
         # The stages this node announces (its first may be chosen but not yet loaded; its
         # second is fixed once taken: a two-stage node never moves), and those it holds.
         self.stage: int | None = None
@@ -304,6 +331,7 @@ class Node:
         await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.joined.signed)
         if s.archive is not None:
             return  # an archive serves no stage: nothing to measure, no data to read
+        self.pretrained = await asyncio.to_thread(pretrained_copy, spec, s.pretrained)
         self._measure()
         if s.train:
             self.corpus = await asyncio.to_thread(load_corpus, spec.data)
@@ -570,7 +598,14 @@ class Node:
         if role == "first":
             logger.info("took stage %d of %d", stage, self.spec.n_stages)
         model = self.spec.model
-        module = Stage(model, self.spec.stage_range(stage)).to(self.device.torch)
+        module = Stage(model, self.spec.stage_range(stage))
+        if self.pretrained is not None:  # the initial state; a peer's or a checkpoint's wins
+            r = module.range
+            state = await asyncio.to_thread(
+                load_stage_state, self.pretrained, range(r.start, r.end)
+            )
+            load_into(module, state, str(self.pretrained.directory))
+        module = module.to(self.device.torch)
         optimizer = StageOptimizer(module, self.spec.optim)
         averager = await StageAverager.create(self.dht, self.spec, stage, module, optimizer)
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from models.memory import stage_memory as count_stage_memory
 from models.stages import Stage
 from node.files import write_atomic
 from protocol.run_spec import RunSpec
@@ -58,19 +59,15 @@ def pick_device(choice: str = "auto") -> Device:
     return Device("cpu", f"cpu:{torch.get_num_threads()}t")
 
 
-# What training a stage holds per parameter, in float32: the weight, its gradient and the
-# two Adam moments; activations and kept forward graphs come on top (``MEMORY_MARGIN``).
-BYTES_PER_PARAMETER = 4 * 4
+# What training a stage holds (``models.memory``: float32 weights, gradients and the two
+# Adam moments) times this, for activations and kept forward graphs.
 MEMORY_MARGIN = 1.5
 
 
 def stage_memory(spec: RunSpec, stage: int) -> int:
     """Bytes that training ``stage`` needs, margin included; counted on the meta device,
     so that nothing is allocated."""
-    with torch.device("meta"):
-        module = Stage(spec.model, spec.stage_range(stage))
-    n = sum(p.numel() for p in module.parameters())
-    return int(n * BYTES_PER_PARAMETER * MEMORY_MARGIN)
+    return int(count_stage_memory(spec.model, spec.stage_range(stage)).total * MEMORY_MARGIN)
 
 
 def free_memory(device: Device) -> int:
