@@ -74,10 +74,6 @@ def load_hf(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, from_hf(weights, config)
 
 
-# The names of the GPT-2-only first version, which callers still use; they write and
-# read either family.
-save_gpt2, load_gpt2, to_gpt2, from_gpt2 = save_hf, load_hf, to_hf, from_hf
-
 
 def _config_json(config: ModelConfig) -> dict:
     try:

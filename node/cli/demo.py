@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 
 from models.data import load_corpus
-from models.hf_export import save_gpt2
+from models.hf_export import save_hf
+from models.hf_format import ARCHITECTURE_OF
 from models.training import train_baseline
 from node.averaging.digests import DIGESTS_ENV, compare_copies
 from node.cli.export import from_swarm
@@ -177,9 +178,9 @@ async def take_home(dht: SwarmDHT, model_dir: Path) -> None:
     spec, state, _ = await from_swarm(dht, EXPORT_TIMEOUT_S)
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    save_gpt2(model_dir, state, spec.model)
+    save_hf(model_dir, state, spec.model)
     text = b"".join(sample_text(model_dir, SAMPLE_PROMPT, 160, temperature=0.8))
-    print(f"model exported to {model_dir} (GPT2LMHeadModel); it writes, after "
+    print(f"model exported to {model_dir} ({ARCHITECTURE_OF[spec.model.family]}); it writes, after "
           f"{SAMPLE_PROMPT!r}:")  # fmt: skip
     print(SAMPLE_PROMPT + text.decode(errors="replace"))
 

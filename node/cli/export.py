@@ -1,5 +1,6 @@
 """``swarmtrain export``: a run's stages, from nodes' checkpoints or downloaded from its
-live peers, as one model in the Hugging Face format (``GPT2LMHeadModel``: config.json +
+live peers, as one model in the Hugging Face format (``GPT2LMHeadModel`` or
+``LlamaForCausalLM``, by the run's model family: config.json +
 model.safetensors).
 
 From a live private run, only a member exports: it joins with an invite (the owner's
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from models.hf_export import save_gpt2
+from models.hf_export import save_hf
+from models.hf_format import ARCHITECTURE_OF
 from models.stages import Stage
 from models.training import StageOptimizer
 from node.averaging import state as stage_state
@@ -183,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         lines = [f"stage {c.stage}: step {c.metadata['step']} from {c.path}" for c in chosen]
     if args.out.exists():
         shutil.rmtree(args.out)
-    save_gpt2(args.out, state, spec.model)
+    save_hf(args.out, state, spec.model)
     print("\n".join(lines))
-    print(f"exported run {spec.run!r} to {args.out} (GPT2LMHeadModel)")
+    print(f"exported run {spec.run!r} to {args.out} ({ARCHITECTURE_OF[spec.model.family]})")
     return 0

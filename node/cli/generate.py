@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from models.generate import Sampler, sample
-from models.hf_export import load_gpt2
+from models.hf_export import load_hf
 from models.stages import Stage
 from node.daemon.join import join_run, member_invite
 from node.files import load_or_create_key
@@ -47,7 +47,7 @@ def sample_text(
     here, before the first byte."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    config, state = load_gpt2(model_dir)
+    config, state = load_hf(model_dir)
     model = Stage(config)
     model.load_state_dict(state)
     model.eval()

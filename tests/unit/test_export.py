@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from models.hf_export import ExportError, load_gpt2, save_gpt2
+from models.hf_export import ExportError, load_hf, save_hf
 from models.stages import Stage, even_boundaries
 
 CFG = ModelConfig(block_size=32, n_layer=3, n_head=2, n_embd=32, init_seed=7)
@@ -35,7 +35,7 @@ def _whole_state(stages: list[Stage]) -> dict[str, torch.Tensor]:
 def test_transformers_loads_the_export_and_computes_the_pipelines_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     stages = _trained_stages(CFG, 2)
-    save_gpt2(tmp_path / "model", _whole_state(stages), CFG)
+    save_hf(tmp_path / "model", _whole_state(stages), CFG)
 
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
     x = torch.randint(0, CFG.vocab_size, (3, CFG.block_size), generator=torch.Generator())
@@ -49,8 +49,8 @@ def test_transformers_loads_the_export_and_computes_the_pipelines_logits(tmp_pat
 def test_an_export_loads_back_into_the_same_model(tmp_path):
     stages = _trained_stages(CFG, 3)
     state = _whole_state(stages)
-    save_gpt2(tmp_path / "model", state, CFG)
-    config, loaded = load_gpt2(tmp_path / "model")
+    save_hf(tmp_path / "model", state, CFG)
+    config, loaded = load_hf(tmp_path / "model")
     assert config == CFG
     assert loaded.keys() == state.keys()
     assert all(torch.equal(loaded[k], state[k]) for k in state)
@@ -62,11 +62,11 @@ def test_bad_exports_and_directories_are_refused(tmp_path):
     state = _whole_state(_trained_stages(CFG, 1))
     del state["blocks.2.attn.qkv.weight"]
     with pytest.raises(ExportError, match="lacks 1 tensors"):
-        save_gpt2(tmp_path / "model", state, CFG)
+        save_hf(tmp_path / "model", state, CFG)
     assert not (tmp_path / "model" / "model.safetensors").exists()
     with pytest.raises(ExportError, match="bias=False"):
-        save_gpt2(tmp_path / "m2", {}, ModelConfig(bias=False))
+        save_hf(tmp_path / "m2", {}, ModelConfig(bias=False))
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "config.json").write_text("{}")
     with pytest.raises(ExportError, match="not a model exported by swarmtrain"):
-        load_gpt2(tmp_path / "junk")
+        load_hf(tmp_path / "junk")

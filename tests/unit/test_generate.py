@@ -13,7 +13,7 @@ import torch
 
 from models.config import ModelConfig
 from models.generate import Sampler
-from models.hf_export import save_gpt2
+from models.hf_export import save_hf
 from models.stages import Stage, even_boundaries
 from node.cli.generate import sample_swarm, sample_text
 
@@ -61,7 +61,7 @@ def test_generation_through_the_stages_writes_what_their_export_writes(
     tmp_path: Path, temperature: float
 ) -> None:
     stages = [Stage(CFG, r) for r in even_boundaries(CFG, 3)]
-    save_gpt2(tmp_path, {k: v for s in stages for k, v in s.state_dict().items()}, CFG)
+    save_hf(tmp_path, {k: v for s in stages for k, v in s.state_dict().items()}, CFG)
     exported = b"".join(sample_text(tmp_path, PROMPT, 12, temperature=temperature, seed=5))
     router = _Router(stages)
     swarm = sample_swarm(router, PROMPT, 12, temperature=temperature, seed=5)  # type: ignore[arg-type]
