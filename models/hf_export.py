@@ -74,7 +74,6 @@ def load_hf(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, from_hf(weights, config)
 
 
-
 def _config_json(config: ModelConfig) -> dict:
     try:
         return hf_config(config)
