@@ -6,7 +6,8 @@ fields:
 
 - ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``,
   ``dashboard`` (the dashboard page's URL) and ``metrics`` (its Prometheus URL): both
-  None with ``--dashboard off``.
+  None with ``--dashboard off``; ``log`` and ``events``: the paths of the node's log file
+  (``node.logs``) and of this event log.
 - ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
 - ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
   ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer

@@ -13,6 +13,7 @@ from node import events
 from node.cli.maddrs import check_can_listen
 from node.daemon.node import Node, NodeSettings, until_stopped, write_maddrs
 from node.dashboard.address import check_can_bind, parse_address
+from node.logs import log_to_file
 from node.measure.capacity import pick_device
 from node.rpc.membership import read_invite
 from protocol.records import RecordError
@@ -90,10 +91,17 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
                 maddrs=maddrs,
                 dashboard=dashboard and dashboard.url,
                 metrics=dashboard and dashboard.metrics_url,
+                log=str(settings.log_path(node.peer_id)),
+                events=str(settings.events_path(node.peer_id)),
             )
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
+            print(
+                f"log: {settings.log_path(node.peer_id)}  "
+                f"events: {settings.events_path(node.peer_id)}",
+                flush=True,
+            )
             if dashboard is not None:
                 print(f"dashboard: {dashboard.url}  metrics: {dashboard.metrics_url}", flush=True)
             if maddrs_file:  # after the printout: whoever waits for this file may read it
@@ -153,4 +161,5 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     check_before_start(settings)
     node = Node.start(settings)  # opens the node's event log
+    log_to_file(node.settings.log_path(node.peer_id), verbose=args.verbose)
     return uvloop.run(serve(node, args.maddrs_file))

@@ -141,6 +141,13 @@ class NodeSettings:
         root = default_identity_path(self.run).parent / "events"
         return self.events or root / f"{peer_id}.jsonl"
 
+    def log_path(self, peer_id: str) -> Path:
+        """The node's rotating log file (``node.logs``): beside ``--events`` when that is
+        given, else in the run's folder, one file per peer id."""
+        if self.events is not None:
+            return self.events.with_suffix(".log")
+        return default_identity_path(self.run).parent / "logs" / f"{peer_id}.log"
+
     def owner_key_path(self) -> Path:
         return (self.owner_key or DEFAULT_OWNER_KEY).expanduser()
 

@@ -2,6 +2,7 @@
 
 import signal
 import time
+from pathlib import Path
 
 from tests.swarm import launch_node, status, stop_all, wait_until
 
@@ -44,6 +45,10 @@ def test_three_nodes_discover_and_leave(tmp_path):
         assert b.stop(signal.SIGTERM) == 0
         assert time.monotonic() - started < 10, "SIGTERM must stop a node within seconds"
         assert b.events("node.stopped"), "it closed cleanly"
+        # Its log file, named when it started, holds its own lines (not its children's).
+        log = b.events("node.started")[-1]["log"]
+        text = Path(log).read_text()
+        assert "took stage" in text and "received: stopping" in text, text[-2000:]
         assert b.peer_id not in _present(status(run, a.maddr)), "SIGTERM: gone at once"
 
         c.stop(signal.SIGKILL)
