@@ -244,13 +244,15 @@ def test_the_api_answers_after_a_peer_is_killed(swarm) -> None:
     # The victim shares its stage with another peer: the pipeline keeps a peer per stage.
     stage_of = {n.name: n.stage() for n in swarm}
     victim = next(n for n in swarm[1:] if sum(s == stage_of[n.name] for s in stage_of.values()) > 1)
+
+    def listed() -> bool:
+        return victim.peer_id in {p["peer_id"] for p in _state(url)["swarm"]["peers"]}
+
+    wait_until(listed, 30, "the victim in the stage table before it is killed")
     victim.stop(signal.SIGKILL)
     killed = time.monotonic()
 
-    def gone() -> bool:  # each request answered within HTTP_TIMEOUT_S, or the test fails
-        return victim.peer_id not in {p["peer_id"] for p in _state(url)["swarm"]["peers"]}
-
-    wait_until(gone, 30, "the killed peer's record to expire from the stage table")
+    wait_until(lambda: not listed(), 30, "the killed peer's record to expire from the stage table")
     assert time.monotonic() - killed >= 1.0  # it went by expiry: it could not announce
     trained = _metric(url, "swarmtrain_samples_trained_total")
     wait_until(
