@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from models.data import Corpus, load_corpus
+from models.data import Corpus
 from models.pretrained import Checkpoint, load_into, load_stage_state, verify_files
 from models.stages import Stage
 from models.training import StageOptimizer
@@ -45,6 +45,7 @@ from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
 from node.dashboard.server import Dashboard
 from node.dashboard.snapshot import snapshot_of
+from node.data import training_data
 from node.files import (
     default_identity_path,
     load_or_create_identity,
@@ -100,6 +101,8 @@ class NodeSettings:
     invite: str | None = None  # private runs: the invite token from the run's owner
     # Runs started from a Hugging Face checkpoint: this machine's copy of it.
     pretrained: Path | None = None
+    # Runs with sharded data (``RunSpec.dataset``): this machine's copy of the shards.
+    data: Path | None = None
     owner_key: Path | None = None  # default: ~/.swarmtrain/owner.key
     # Used only by the node that starts a new public run by name: the run's spec.
     preset: str = "tiny"
@@ -341,7 +344,7 @@ class Node:
         self.pretrained = await asyncio.to_thread(pretrained_copy, spec, s.pretrained)
         self._measure()
         if s.train:
-            self.corpus = await asyncio.to_thread(load_corpus, spec.data)
+            self.corpus = await asyncio.to_thread(training_data, spec, s.data)
 
     async def _open_dashboard(self) -> None:
         """Serve the dashboard (``--dashboard``) until the node closes."""
