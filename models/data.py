@@ -12,14 +12,15 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 if TYPE_CHECKING:
     from models.shards import TokenStream
 
-    Tokens = torch.Tensor | TokenStream
+# What the samplers index: bytes as a uint8 tensor, or a run's shards.
+Tokens: TypeAlias = "torch.Tensor | TokenStream"
 
 STDLIB = "stdlib"
 _VAL_PER_MILLE = 50  # 5% of files (or bytes, for a single file) go to validation

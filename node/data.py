@@ -26,6 +26,7 @@ from models.shards import (
 )
 from models.tokenizer import TOKENIZER_FILE, FileTokenizer, load_tokenizer
 from node.files import write_atomic
+from protocol.data_split import TokenRange
 from protocol.run_spec import DatasetSpec, RunSpec, ShardSpec, TokenizerSpec
 
 logger = logging.getLogger(__name__)
@@ -103,18 +104,21 @@ def open_dataset(dataset: DatasetSpec, directory: Path) -> Corpus:
     verify_dataset(dataset, directory)
     return Corpus(
         str(directory),
-        token_stream(dataset, directory, [(s.name, 0, s.tokens) for s in dataset.train]),
-        token_stream(dataset, directory, [(s.name, 0, s.tokens) for s in dataset.val]),
+        token_stream(dataset, directory, [TokenRange(s.name, 0, s.tokens) for s in dataset.train]),
+        token_stream(dataset, directory, [TokenRange(s.name, 0, s.tokens) for s in dataset.val]),
         len(dataset.train) + len(dataset.val),
     )
 
 
 def token_stream(
-    dataset: DatasetSpec, directory: Path, ranges: Sequence[tuple[str, int, int]]
+    dataset: DatasetSpec, directory: Path, ranges: Sequence[TokenRange]
 ) -> TokenStream:
-    """The tokens of ``ranges`` (shard name, start, end) of ``directory``'s shards, in
-    order, as one stream (memory-mapped: nothing is read until indexed)."""
-    return TokenStream([open_shard(directory / name, dataset.dtype)[a:b] for name, a, b in ranges])
+    """The tokens of ``ranges`` of ``directory``'s shards (e.g. a trainer's share,
+    ``protocol.data_split.share_of``), in order, as one stream (memory-mapped: nothing is
+    read until indexed)."""
+    return TokenStream(
+        [open_shard(directory / r.shard, dataset.dtype)[r.start : r.end] for r in ranges]
+    )
 
 
 def training_data(spec: RunSpec, directory: Path | None) -> Corpus:
