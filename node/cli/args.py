@@ -521,6 +521,28 @@ def _owner_key(p: argparse.ArgumentParser) -> None:
     )
 
 
+def tokenizer_arguments(p: argparse.ArgumentParser) -> None:
+    """``swarmtrain tokenizer``."""
+    actions = p.add_subparsers(dest="action", required=True)
+    train = actions.add_parser("train", help="train a BPE tokenizer on local text")
+    train.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        type=Path,
+        metavar="PATH",
+        help="text files, JSONL files (*.jsonl) and directories of them",
+    )
+    train.add_argument("--text-field", default="text", help="the JSONL field holding the text")
+    train.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        required=True,
+        help="tokens in the vocabulary (the model's vocab_size: 32000 for the llama presets)",
+    )
+    train.add_argument("--out", type=Path, required=True, help="writes DIR/tokenizer.json")
+
+
 def member_arguments(p: argparse.ArgumentParser) -> None:
     """How a command that joins a run without serving a stage (``train``, ``export``,
     ``generate``) proves membership of a private run: an invite, or the run's owner key."""
