@@ -7,7 +7,8 @@ maps it as it is. Shards are named ``train-NNNNN.bin`` and ``val-NNNNN.bin``; ev
 but the last of each split holds exactly ``shard_tokens`` tokens.
 
 Sources are text files (one document each), JSONL files (``*.jsonl``: one document per
-line, its text in a field) and directories of them. Documents go to validation by a hash
+line, its text in a field), Parquet files (``*.parquet``, one document per row; needs the
+``parquet`` extra, pyarrow) and directories of them. Documents go to validation by a hash
 of their name (a file's path under the directory given, ``:LINE`` added for JSONL), so
 the split is the same on every machine with the same files; with no document held out,
 the tail of the last training tokens is (at most half of them, and 5% of the total).
@@ -58,7 +59,8 @@ def read_documents(paths: Sequence[Path], text_field: str = "text") -> Iterator[
     """(name, text) of every document in ``paths`` (files and directories, in sorted order
     within a directory; hidden files skipped). ``ValueError`` naming the file (and line)
     for text that is not UTF-8, a JSONL line that is not a JSON object with a string
-    ``text_field``, a Parquet file (not supported), or a path that does not exist."""
+    ``text_field`` (a Parquet row likewise, or pyarrow missing), or a path that does not
+    exist."""
     for given in paths:
         root = given.expanduser()
         if root.is_file():
@@ -77,7 +79,8 @@ def _hidden(path: Path, root: Path) -> bool:
 
 def _file_documents(path: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
     if path.suffix == ".parquet":
-        raise ValueError(f"{path}: Parquet is not supported; convert it to JSONL")
+        yield from _parquet_documents(path, name, text_field)
+        return
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -104,6 +107,27 @@ def _file_documents(path: Path, name: str, text_field: str) -> Iterator[tuple[st
                 f"{path}:{number}: no string field {text_field!r} (choose it with --text-field)"
             )
         yield f"{name}:{number}", value
+
+
+def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
+    """One document per row of a Parquet file's ``text_field`` column (named ``:ROW``)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"{path}: reading Parquet needs pyarrow: pip install 'swarmtrain[parquet]'"
+        ) from None
+    try:
+        column = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+    except Exception as e:  # pyarrow's errors (ArrowInvalid, ArrowIOError, KeyError) vary
+        raise ValueError(
+            f"{path}: not a Parquet file with a column {text_field!r} (choose it with "
+            f"--text-field): {type(e).__name__}: {e}"
+        ) from None
+    for row, value in enumerate(column, start=1):
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: row {row}: {text_field!r} is not a string")
+        yield f"{name}:{row}", value
 
 
 def _is_val(name: str) -> bool:

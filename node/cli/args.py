@@ -447,7 +447,8 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         type=Path,
         metavar="PATH",
-        help="train on these text files, JSONL files (*.jsonl) and directories of them: "
+        help="train on these text files, JSONL (*.jsonl) and Parquet (*.parquet) files, and "
+        "directories of them: "
         "tokenized once into shards that the spec pins by sha256 (default: the stdlib's "
         "sources, read as bytes)",
     )
@@ -531,7 +532,7 @@ def tokenizer_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         type=Path,
         metavar="PATH",
-        help="text files, JSONL files (*.jsonl) and directories of them",
+        help="text files, JSONL (*.jsonl) and Parquet (*.parquet) files, and directories of them",
     )
     train.add_argument("--text-field", default="text", help="the JSONL field holding the text")
     train.add_argument(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -84,14 +85,11 @@ def test_jsonl_with_a_text_field_and_a_malformed_line(tmp_path):
         list(read_documents([path]))
 
 
-def test_non_utf8_text_and_parquet_are_refused_naming_the_file(tmp_path):
+def test_non_utf8_text_is_refused_naming_the_file(tmp_path):
     _texts(tmp_path / "src", n=2)
     (tmp_path / "src" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.txt: not UTF-8 text \(byte 3 is 0xe9\)"):
         list(read_documents([tmp_path / "src"]))
-    (tmp_path / "t.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ValueError, match=r"t.parquet: Parquet is not supported"):
-        list(read_documents([tmp_path / "t.parquet"]))
     with pytest.raises(ValueError, match="no such file or directory"):
         list(read_documents([tmp_path / "nowhere"]))
 
@@ -140,3 +138,23 @@ def test_run_create_with_data_pins_the_shards_and_nodes_check_them(tmp_path, cap
     assert main([*argv[:-2], "--data", str(src), "--data-out", str(tmp_path / "d2")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bad.jsonl:1: not valid JSON" in err, err
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    with pytest.raises(
+        ValueError, match=r"t.parquet: reading Parquet needs pyarrow: .*\[parquet\]"
+    ):
+        list(read_documents([tmp_path / "t.parquet"]))
+
+
+def test_parquet_rows_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"body": ["one", "two"]}), tmp_path / "t.parquet")
+    docs = list(read_documents([tmp_path / "t.parquet"], text_field="body"))
+    assert docs == [("t.parquet:1", "one"), ("t.parquet:2", "two")]
+    with pytest.raises(ValueError, match=r"t.parquet: not a Parquet file with a column 'text'"):
+        list(read_documents([tmp_path / "t.parquet"]))
