@@ -94,7 +94,9 @@ def _file_documents(path: Path, name: str, text_field: str) -> Iterator[tuple[st
     if path.suffix not in JSONL_SUFFIXES:
         yield name, text
         return
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" alone: JSON strings may hold U+2028 and the like unescaped, which
+    # str.splitlines would cut.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

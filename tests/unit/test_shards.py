@@ -74,10 +74,10 @@ def test_a_modified_or_missing_shard_is_named(tmp_path):
 
 def test_jsonl_with_a_text_field_and_a_malformed_line(tmp_path):
     path = tmp_path / "d.jsonl"
-    rows = [{"body": f"row {i}", "id": i} for i in range(3)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    rows = [{"body": f"row {i}\u2028", "id": i} for i in range(3)]
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n")
     docs = list(read_documents([path], text_field="body"))
-    assert docs == [("d.jsonl:1", "row 0"), ("d.jsonl:2", "row 1"), ("d.jsonl:3", "row 2")]
+    assert docs == [(f"d.jsonl:{i + 1}", f"row {i}\u2028") for i in range(3)]
     with pytest.raises(ValueError, match=r"d.jsonl:1: no string field 'text'"):
         list(read_documents([path]))
     path.write_text('{"text": "fine"}\n{"text": "broken\n')
