@@ -460,7 +460,7 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="with --data: a tokenizer.json (swarmtrain tokenizer train) to cut the data with; "
-        "its vocabulary must be the model's (default: bytes)",
+        "its vocabulary must be the model's (default: --from-pretrained's own, else bytes)",
     )
     create.add_argument(
         "--data-out",

@@ -150,21 +150,30 @@ def _data_dir(args: argparse.Namespace, spec_file: Path) -> Path:
 
 
 def _shards(args: argparse.Namespace, model: ModelConfig | None, spec_file: Path) -> dict:
-    """Tokenize ``--data`` into shards (``node.data.write_dataset``) after checking the
-    tokenizer suits the model; the ``RunSpec`` fields that record them."""
+    """Tokenize ``--data`` into shards (``node.data.write_dataset``) with ``--tokenizer``,
+    else a ``--from-pretrained`` checkpoint's own, else bytes, after checking it suits the
+    model; the ``RunSpec`` fields that record them."""
     from models.config import preset
-    from models.tokenizer import load_tokenizer
+    from models.tokenizer import TOKENIZER_FILE, load_tokenizer
     from node.data import SHARDS, write_dataset
     from protocol.run_spec import check_vocabulary
 
     model = model or preset(args.preset or DEFAULT_PRESET)[0]
-    check_vocabulary(load_tokenizer(args.tokenizer).vocab_size, model.vocab_size)
+    tokenizer = args.tokenizer
+    if tokenizer is None and args.from_pretrained is not None:
+        tokenizer = args.from_pretrained / TOKENIZER_FILE  # its own, unless told otherwise
+        if not tokenizer.is_file():
+            raise ValueError(
+                f"the checkpoint {args.from_pretrained} has no {TOKENIZER_FILE}: give the "
+                "tokenizer its data is cut with (--tokenizer FILE)"
+            )
+    check_vocabulary(load_tokenizer(tokenizer).vocab_size, model.vocab_size)
     where = _data_dir(args, spec_file)
     dataset = write_dataset(
         args.data,
         where,
         text_field=args.text_field,
-        tokenizer=args.tokenizer,
+        tokenizer=tokenizer,
         min_tokens=model.block_size + 2,
     )
     tokens = sum(s.tokens for s in dataset.train)

@@ -11,6 +11,7 @@ import torch
 from models.tokenizer import TOKENIZER_FILE, load_tokenizer
 from node.cli.main import main
 from node.data import open_dataset, write_dataset
+from protocol.run_spec import read_spec_file
 
 TEXT = "the quick brown fox jumps over the lazy dog; a lazy fox naps.\n"
 
@@ -72,3 +73,21 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tokenizer, tmp_path
     assert len(err.splitlines()) == 1, err
     assert "the tokenizer has 300 tokens but the model's embedding has 256" in err
     assert not (tmp_path / "lab.json").exists() and not (tmp_path / "lab-data").exists()
+
+
+def test_a_run_from_a_checkpoint_cuts_its_data_with_its_tokenizer(tokenizer, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tests.hf_checkpoints import tiny_llama
+
+    _, checkpoint = tiny_llama(tmp_path, vocab_size=300)
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "a.txt").write_text(TEXT * 200)
+    argv = ["run", "create", "ft", "--from-pretrained", str(checkpoint), "--data", str(src),
+            "--owner-key", str(tmp_path / "o.key"), "--out", str(tmp_path / "ft.json")]  # fmt: skip
+    assert main(argv) == 2
+    assert f"checkpoint {checkpoint} has no tokenizer.json" in capsys.readouterr().err
+    (checkpoint / TOKENIZER_FILE).write_bytes(tokenizer.read_bytes())
+    assert main(argv) == 0
+    dataset = read_spec_file((tmp_path / "ft.json").read_text()).spec.dataset
+    assert dataset.tokenizer.sha256 == hashlib.sha256(tokenizer.read_bytes()).hexdigest()
