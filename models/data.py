@@ -12,8 +12,15 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
+
+if TYPE_CHECKING:
+    from models.shards import TokenStream
+
+# What the samplers index: bytes as a uint8 tensor, or a run's shards.
+Tokens: TypeAlias = "torch.Tensor | TokenStream"
 
 STDLIB = "stdlib"
 _VAL_PER_MILLE = 50  # 5% of files (or bytes, for a single file) go to validation
@@ -25,11 +32,12 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Corpus:
-    """Training and validation bytes of one source, as uint8 tensors."""
+    """Training and validation tokens of one source: uint8 tensors of bytes, or a run's
+    shards (``models.shards.TokenStream``); the samplers index either alike."""
 
     source: str
-    train: torch.Tensor
-    val: torch.Tensor
+    train: Tokens
+    val: Tokens
     n_files: int
 
 
@@ -100,13 +108,13 @@ def stream_seed(seed: int, stream: int) -> int:
 
 
 def sample_batches(
-    data: torch.Tensor, block_size: int, batch_size: int, seed: int, start: int = 0
+    data: Tokens, block_size: int, batch_size: int, seed: int, start: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless random windows: inputs (B, T) and next-byte targets (B, T), as int64, from
     batch ``start`` on. Batch ``i`` depends on ``seed`` and ``i`` alone, so a reader that
     drew ``n`` batches goes on where it stopped with ``start=n``."""
     if len(data) <= block_size + 1:
-        raise DataError(f"{len(data)} bytes are too few for windows of {block_size + 1}")
+        raise DataError(f"{len(data)} tokens are too few for windows of {block_size + 1}")
     gen = torch.Generator()
     for i in itertools.count(start):
         gen.manual_seed(zlib.crc32(f"{seed}#{i}".encode()))
@@ -115,7 +123,7 @@ def sample_batches(
 
 
 def eval_batches(
-    data: torch.Tensor, block_size: int, batch_size: int, n_batches: int
+    data: Tokens, block_size: int, batch_size: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed, evenly spaced windows: the same validation set on every machine."""
     n = batch_size * n_batches
@@ -124,7 +132,7 @@ def eval_batches(
 
 
 def _windows(
-    data: torch.Tensor, starts: torch.Tensor, block_size: int
+    data: Tokens, starts: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     idx = starts[:, None] + torch.arange(block_size + 1)  # (B, T+1)
     chunk = data[idx].long()

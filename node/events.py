@@ -31,6 +31,9 @@ fields:
   ``"averaged"``, ``"fallback"`` and a timed ``"alone"``); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
+- ``data.share``: ``trainers`` (live peers counted as trainers, this one included),
+  ``ranges`` and ``tokens`` (of the run's training shards this node's trainer now reads:
+  ``protocol.data_split``); in runs with shards, whenever the share changes.
 - ``call.failed``: ``stage``, ``peer``, ``error`` (the exception's class and message): a
   call of this node's trainer failed; that peer is banned from its calls for a while.
   ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``

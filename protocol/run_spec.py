@@ -59,6 +59,53 @@ class PretrainedSpec(BaseModel):
     files: Annotated[dict[FileName, Sha256], Field(min_length=2, max_length=1024)]
 
 
+class ShardSpec(BaseModel):
+    """One data shard (``models.shards``): its file name, token count and sha256."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: FileName
+    tokens: Annotated[int, Field(ge=1, le=2**40)]
+    sha256: Sha256
+
+
+class TokenizerSpec(BaseModel):
+    """A Hugging Face ``tokenizer.json`` the run's shards were cut with, pinned by its
+    sha256; it travels with the shards (``DATA_DIR/tokenizer.json``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sha256: Sha256
+    vocab_size: Annotated[int, Field(ge=257, le=2**31)]
+
+
+Shards = Annotated[tuple[ShardSpec, ...], Field(min_length=1, max_length=100_000)]
+
+
+class DatasetSpec(BaseModel):
+    """A run's data tokenized once into shards (``swarmtrain run create --data``), pinned
+    by hash: every trainer points ``--data DIR`` at its own copy and checks it first.
+    ``val`` are the shards held out for validation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: Literal["uint16", "uint32"]
+    tokenizer: TokenizerSpec | None = None  # None: byte-level (vocabulary 256)
+    train: Shards
+    val: Shards
+
+    def model_post_init(self, _context) -> None:
+        names = [s.name for s in (*self.train, *self.val)]
+        if len(set(names)) != len(names):
+            raise ValueError("dataset: a shard is named twice")
+        if self.vocab_size > 1 << 16 and self.dtype == "uint16":
+            raise ValueError(f"dataset: {self.vocab_size} tokens do not fit uint16 shards")
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self.tokenizer is None else self.tokenizer.vocab_size
+
+
 class AveragingSpec(BaseModel):
     """How the peers of a stage average (``node.averaging.averager``)."""
 
@@ -114,6 +161,9 @@ class RunSpec(BaseModel):
     # The checkpoint its initial weights come from; None: from ``arch.init_seed``. Left
     # out of the signed bytes when None, so specs without it read as they did before.
     pretrained: PretrainedSpec | None = None
+    # The shards the run trains and validates on (``data`` is then ``"shards"``); None: the
+    # bytes of ``data`` (stdlib or a folder). Left out of the signed bytes when None.
+    dataset: DatasetSpec | None = None
 
     @field_validator("arch", "optimizer")
     @classmethod
@@ -131,6 +181,8 @@ class RunSpec(BaseModel):
                     f"a {self.pretrained.architecture} checkpoint needs family {family!r}, "
                     f"got arch.family {self.model.family!r}"
                 )
+        if self.dataset is not None:
+            check_vocabulary(self.dataset.vocab_size, self.model.vocab_size)
 
     @property
     def model(self) -> ModelConfig:
@@ -156,6 +208,22 @@ class RunSpec(BaseModel):
         if not 0 <= stage < self.n_stages:
             raise ValueError(f"stage {stage} out of range: the run has {self.n_stages} stages")
         return StageRange(*self.boundaries[stage])
+
+
+def check_vocabulary(tokens: int, embedding: int) -> None:
+    """``ValueError`` unless a tokenizer of ``tokens`` ids suits a model embedding
+    ``embedding`` of them: equal, or byte-level (256) into any larger embedding."""
+    if tokens == embedding or (tokens == 256 and embedding > 256):
+        return
+    raise ValueError(
+        f"the tokenizer has {tokens} tokens but the model's embedding has {embedding}: "
+        f"train the tokenizer with --vocab-size {embedding} or choose a preset that matches"
+    )
+
+
+# Fields added after specs were first signed: left out of the signed bytes when None, so a
+# spec without them is the same bytes as before they existed.
+_OPTIONAL_FIELDS = ("pretrained", "dataset")
 
 
 def make_run_spec(
@@ -222,8 +290,8 @@ def earliest_spec(specs: list[SignedSpec]) -> SignedSpec:
 def sign_run_spec(spec: RunSpec, owner_key: Ed25519PrivateKey) -> SignedSpec:
     if peer_id_of(owner_key.public_key()) != spec.owner:
         raise ValueError(f"this key is not the owner ({spec.owner}) of run {spec.run!r}")
-    payload = spec.model_dump_json(exclude={"pretrained"} if spec.pretrained is None else None)
-    payload = payload.encode()
+    omitted = {name for name in _OPTIONAL_FIELDS if getattr(spec, name) is None}
+    payload = spec.model_dump_json(exclude=omitted).encode()
     raw = msgpack.packb({"spec": payload, "sig": sign(owner_key, _SPEC_DOMAIN, payload)})
     return SignedSpec(spec, raw)
 

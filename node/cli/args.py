@@ -152,6 +152,13 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         "files are checked against the hashes in the run's spec before a stage is loaded)",
     )
     p.add_argument(
+        "--data",
+        type=Path,
+        metavar="DIR",
+        help="runs with sharded data (run create --data): this machine's copy of the shards "
+        "(checked against the hashes in the run's spec before training)",
+    )
+    p.add_argument(
         "--owner-key",
         type=Path,
         help="the run owner's key (default ~/.swarmtrain/owner.key): signs a new run's spec; "
@@ -411,6 +418,12 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
         "--in-flight", type=positive_int, default=4, help="micro-batches in flight at once"
     )
     p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
+    p.add_argument(
+        "--data",
+        type=Path,
+        metavar="DIR",
+        help="runs with sharded data: this machine's copy of the shards (checked first)",
+    )
     p.add_argument("--csv", type=Path, help="write the loss curve to this CSV file")
     member_arguments(p)
 
@@ -429,6 +442,32 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         "node needs its own copy (swarmtrain node --pretrained DIR)",
     )
     create.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    create.add_argument(
+        "--data",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="train on these text files, JSONL (*.jsonl) and Parquet (*.parquet) files, and "
+        "directories of them: "
+        "tokenized once into shards that the spec pins by sha256 (default: the stdlib's "
+        "sources, read as bytes)",
+    )
+    create.add_argument(
+        "--text-field", default="text", help="with --data: the JSONL field holding the text"
+    )
+    create.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="FILE",
+        help="with --data: a tokenizer.json (swarmtrain tokenizer train) to cut the data with; "
+        "its vocabulary must be the model's (default: --from-pretrained's own, else bytes)",
+    )
+    create.add_argument(
+        "--data-out",
+        type=Path,
+        metavar="DIR",
+        help="with --data: where the shards go (default: NAME-data beside the spec file)",
+    )
     create.add_argument(
         "--dry-run",
         action="store_true",
@@ -481,6 +520,28 @@ def _owner_key(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_OWNER_KEY,
         help=f"the owner's key file (default {DEFAULT_OWNER_KEY}; `create` makes it if missing)",
     )
+
+
+def tokenizer_arguments(p: argparse.ArgumentParser) -> None:
+    """``swarmtrain tokenizer``."""
+    actions = p.add_subparsers(dest="action", required=True)
+    train = actions.add_parser("train", help="train a BPE tokenizer on local text")
+    train.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        type=Path,
+        metavar="PATH",
+        help="text files, JSONL (*.jsonl) and Parquet (*.parquet) files, and directories of them",
+    )
+    train.add_argument("--text-field", default="text", help="the JSONL field holding the text")
+    train.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        required=True,
+        help="tokens in the vocabulary (the model's vocab_size: 32000 for the llama presets)",
+    )
+    train.add_argument("--out", type=Path, required=True, help="writes DIR/tokenizer.json")
 
 
 def member_arguments(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,11 @@ COMMANDS = {
         "node.cli.args:run_arguments",
         "node.cli.run:run",
     ),
+    "tokenizer": Command(
+        "train a BPE tokenizer on local text (for run create --tokenizer)",
+        "node.cli.args:tokenizer_arguments",
+        "node.cli.tokenizer:run",
+    ),
     "status": Command(
         "show the peers and stages of a run",
         "node.cli.args:status_arguments",

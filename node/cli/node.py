@@ -40,6 +40,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         spec_file=args.spec,
         invite=read_invite(args.invite),
         pretrained=args.pretrained,
+        data=args.data,
         owner_key=args.owner_key,
         initial_peers=tuple(args.initial_peers),
         host_maddrs=tuple(args.host_maddrs),

@@ -102,7 +102,11 @@ def _create(args: argparse.Namespace) -> int:
         for line in memory_table(model, even_boundaries(model, args.stages)):
             print(line)
         return 0
+    if args.data is None and (args.tokenizer is not None or args.data_out is not None):
+        raise ValueError("--tokenizer and --data-out go with --data PATH...")
     key = load_or_create_key(args.owner_key)
+    out = args.out or Path(f"{args.name}.spec.json")
+    data = {} if args.data is None else _shards(args, model, out)
     averaging = AveragingSpec(mode=args.averaging, inner_steps=args.inner_steps)
     spec = make_run_spec(
         args.name,
@@ -116,8 +120,8 @@ def _create(args: argparse.Namespace) -> int:
         averaging=averaging,
         private=args.private,
         max_staleness=args.max_staleness,
+        **data,
     )
-    out = args.out or Path(f"{args.name}.spec.json")
     signed = owned_spec(args.owner_key, key, spec)
     write_atomic(out, spec_file_text(signed).encode())
     kind = "private" if spec.private else "public"
@@ -125,13 +129,57 @@ def _create(args: argparse.Namespace) -> int:
     print(f"created {kind} run {spec.run} ({what}, {spec.n_stages} stages){again}: {out}")
     key_flag = "" if args.owner_key == DEFAULT_OWNER_KEY else f" --owner-key {args.owner_key}"
     copy = "" if pretrained is None else f" --pretrained {args.from_pretrained}"
+    if spec.dataset is not None:
+        copy += f" --data {_data_dir(args, out)}"
     print(f"start its first node with: swarmtrain node --spec {out}{key_flag}{copy}")
     if pretrained is not None:
         print("every node needs its own copy of the checkpoint (--pretrained DIR): its files")
         print(f"are checked against the run's hashes ({', '.join(sorted(pretrained.files))})")
+    if spec.dataset is not None:
+        shards = len(spec.dataset.train) + len(spec.dataset.val)
+        print(f"every trainer needs its own copy of the {shards} data shards (--data DIR): they")
+        print("are checked against the run's hashes before training")
     if spec.private:
         print(f"invite a machine with:    swarmtrain run invite --run {spec.run} --peer PEER_ID")
     return 0
+
+
+def _data_dir(args: argparse.Namespace, spec_file: Path) -> Path:
+    """Where ``--data``'s shards go: ``--data-out``, or ``NAME-data`` beside the spec file."""
+    return args.data_out or spec_file.parent / f"{args.name}-data"
+
+
+def _shards(args: argparse.Namespace, model: ModelConfig | None, spec_file: Path) -> dict:
+    """Tokenize ``--data`` into shards (``node.data.write_dataset``) with ``--tokenizer``,
+    else a ``--from-pretrained`` checkpoint's own, else bytes, after checking it suits the
+    model; the ``RunSpec`` fields that record them."""
+    from models.config import preset
+    from models.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from node.data import SHARDS, write_dataset
+    from protocol.run_spec import check_vocabulary
+
+    model = model or preset(args.preset or DEFAULT_PRESET)[0]
+    tokenizer = args.tokenizer
+    if tokenizer is None and args.from_pretrained is not None:
+        tokenizer = args.from_pretrained / TOKENIZER_FILE  # its own, unless told otherwise
+        if not tokenizer.is_file():
+            raise ValueError(
+                f"the checkpoint {args.from_pretrained} has no {TOKENIZER_FILE}: give the "
+                "tokenizer its data is cut with (--tokenizer FILE)"
+            )
+    check_vocabulary(load_tokenizer(tokenizer).vocab_size, model.vocab_size)
+    where = _data_dir(args, spec_file)
+    dataset = write_dataset(
+        args.data,
+        where,
+        text_field=args.text_field,
+        tokenizer=tokenizer,
+        min_tokens=model.block_size + 2,
+    )
+    tokens = sum(s.tokens for s in dataset.train)
+    print(f"wrote {len(dataset.train)} training and {len(dataset.val)} validation shards "
+          f"({tokens:,} training tokens) to {where}")  # fmt: skip
+    return {"data": SHARDS, "dataset": dataset}
 
 
 def memory_table(model: ModelConfig, stages: Sequence[StageRange]) -> list[str]:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.data import load_corpus
 from node.cli.args import DEFAULT_OWNER_KEY
 from node.cli.progress import Progress
 from node.daemon.join import join_run, member_invite
+from node.data import training_data
 from node.files import load_or_create_key, write_atomic
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from node.rpc.dht import SwarmDHT
@@ -83,19 +83,21 @@ async def open_trainer(
     invite: str | None = None,
     on_step: Callable[[str], None] | None = None,
     owner_key: Path = DEFAULT_OWNER_KEY,
+    data: Path | None = None,
 ) -> Trainer:
     """A ``Trainer`` for the run ``dht`` is in, once its spec is found (and, in a private
     run, once ``invite``, or the run's owner key at ``owner_key``, proved us a member).
     ``NodeError`` if the run has no spec there (``node.daemon.join.find_spec``: within
     seconds when peers answer) or we are no member. ``on_step`` hears what it is doing
-    (reading the spec, loading data)."""
+    (reading the spec, loading data). ``data``: this machine's copy of a sharded run's
+    shards (``node.data.training_data``)."""
     step = on_step or (lambda _: None)
     step(f"reading the spec of run {dht.run}")
     invite_for = member_invite(invite, owner_key, dht.peer_id)
     joined = await join_run(dht, invite_for, spec_timeout_s=spec_timeout_s)
     spec = joined.spec
     step(f"loading the training data ({spec.data})")
-    corpus = await asyncio.to_thread(load_corpus, spec.data)
+    corpus = await asyncio.to_thread(training_data, spec, data)
     p2p = await dht.replicate_p2p()
     return Trainer(dht, p2p, spec, corpus, settings, membership=joined.membership)
 
@@ -148,7 +150,7 @@ async def _train(dht: SwarmDHT, args: argparse.Namespace) -> int:
     settings = TrainerSettings(in_flight=args.in_flight, stream=args.stream)
     invite = read_invite(args.invite)
     trainer = await open_trainer(
-        dht, settings, invite=invite, on_step=say, owner_key=args.owner_key
+        dht, settings, invite=invite, on_step=say, owner_key=args.owner_key, data=args.data
     )
     csv = CsvLog(args.csv) if args.csv else None
     stopped: TrainerError | None = None

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from models.data import Corpus, load_corpus
+from models.data import Corpus
 from models.pretrained import Checkpoint, load_into, load_stage_state, verify_files
 from models.stages import Stage
 from models.training import StageOptimizer
@@ -45,6 +45,7 @@ from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
 from node.dashboard.server import Dashboard
 from node.dashboard.snapshot import snapshot_of
+from node.data import token_stream, training_data
 from node.files import (
     default_identity_path,
     load_or_create_identity,
@@ -62,6 +63,7 @@ from node.rpc.membership import MembershipGate
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
+from protocol.data_split import TokenRange, share_of
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
 from protocol.ownership import check_run_id
@@ -100,6 +102,8 @@ class NodeSettings:
     invite: str | None = None  # private runs: the invite token from the run's owner
     # Runs started from a Hugging Face checkpoint: this machine's copy of it.
     pretrained: Path | None = None
+    # Runs with sharded data (``RunSpec.dataset``): this machine's copy of the shards.
+    data: Path | None = None
     owner_key: Path | None = None  # default: ~/.swarmtrain/owner.key
     # Used only by the node that starts a new public run by name: the run's spec.
     preset: str = "tiny"
@@ -341,7 +345,7 @@ class Node:
         self.pretrained = await asyncio.to_thread(pretrained_copy, spec, s.pretrained)
         self._measure()
         if s.train:
-            self.corpus = await asyncio.to_thread(load_corpus, spec.data)
+            self.corpus = await asyncio.to_thread(training_data, spec, s.data)
 
     async def _open_dashboard(self) -> None:
         """Serve the dashboard (``--dashboard``) until the node closes."""
@@ -769,7 +773,12 @@ class Node:
                 )
                 losses.clear()
 
+        share: tuple[TokenRange, ...] = ()
+        if self.spec.dataset is not None and self.peers_read_at is None:
+            with contextlib.suppress(Exception):  # else the share waits for the watch loop
+                self.peers, self.peers_read_at = await self.dht.peers(), time.time()
         while True:  # whatever stops the trainer pauses it: the node goes on serving
+            share = self._read_share(trainer, share)
             try:
                 await trainer.train(100, on_result)
             except TrainerError as e:
@@ -778,6 +787,26 @@ class Node:
             except Exception:
                 logger.exception("the trainer failed; trying again in %.0f s", TRAIN_PAUSE_S)
                 await asyncio.sleep(TRAIN_PAUSE_S)
+
+    def _read_share(
+        self, trainer: Trainer, share: tuple[TokenRange, ...]
+    ) -> tuple[TokenRange, ...]:
+        """In a run with shards, point ``trainer`` at this node's share of them among the
+        run's live peers (``protocol.data_split``, from the peers ``_watch_loop`` last read;
+        every peer counts as a trainer, so a ``--no-train`` peer's share goes unread rather
+        than read twice) when it differs from ``share``; the share it reads now."""
+        dataset, directory = self.spec.dataset, self.settings.data
+        if dataset is None or directory is None:
+            return share
+        trainers = {p.peer_id for p in self.peers} | {self.peer_id}
+        new = share_of([(s.name, s.tokens) for s in dataset.train], trainers, self.peer_id)
+        if new != share:
+            tokens = token_stream(dataset, directory.expanduser(), new)
+            trainer.read_from(tokens)
+            events.emit("data.share", trainers=len(trainers), ranges=len(new), tokens=len(tokens))
+            logger.info("reading %d of the run's %d training tokens (%d trainers)", len(tokens),
+                        sum(s.tokens for s in dataset.train), len(trainers))  # fmt: skip
+        return new
 
     async def _watch_loop(self) -> None:
         """Log and emit who joins and leaves the run (``watch.Members``) and, every

@@ -34,7 +34,7 @@ from typing import Literal, TypeVar
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from models.data import eval_batches, sample_batches, stream_seed
+from models.data import Tokens, eval_batches, sample_batches, stream_seed
 from node import events
 from node.pipeline import client as stage_client
 from node.pipeline.client import StageRefused, StageTimeout, StageUnavailable
@@ -321,14 +321,22 @@ class Trainer(StageRouter):
     ) -> None:
         super().__init__(dht, p2p, spec, settings, membership=membership, local=local, calls=calls)
         self.corpus = corpus
-        self._data: Iterator = sample_batches(
-            corpus.train,
-            spec.model.block_size,
-            spec.optim.micro_batch_size,
-            stream_seed(spec.seed, settings.stream),
-            start=settings.start,
-        )
         self._drawn = 0  # micro-batches read from the stream
+        self._data: Iterator = self._batches(corpus.train)
+
+    def _batches(self, train: Tokens) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return sample_batches(
+            train,
+            self.spec.model.block_size,
+            self.spec.optim.micro_batch_size,
+            stream_seed(self.spec.seed, self.settings.stream),
+            start=self.data_position,
+        )
+
+    def read_from(self, train: Tokens) -> None:
+        """Draw the next micro-batches from ``train`` instead (this trainer's share of the
+        run's shards changed: ``protocol.data_split``), going on at ``data_position``."""
+        self._data = self._batches(train)
 
     @property
     def data_position(self) -> int:

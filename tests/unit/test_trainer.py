@@ -54,6 +54,7 @@ class _Stages:
     served: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, stage, peer)
     failed: list[str] = field(default_factory=list)
     flags: list[dict[str, Any]] = field(default_factory=list)  # each forward's train, infer
+    inputs: list[torch.Tensor] = field(default_factory=list)  # of each stage-0 forward
 
     def calls(self) -> StageCalls:
         return StageCalls(
@@ -69,6 +70,8 @@ class _Stages:
     async def forward(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any) -> torch.Tensor:
         self._serve("forward", peer, kw["stage"])
         self.flags.append({"train": kw["train"], "infer": kw["infer"]})
+        if kw["stage"] == 0:
+            self.inputs.append(x)
         return torch.zeros(*x.shape[:2], SPEC.model.n_embd)
 
     async def logits(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any) -> torch.Tensor:
@@ -94,6 +97,18 @@ def _trainer(stages: _Stages, stage_of_peers: list[int]) -> tuple[Trainer, list[
     settings = TrainerSettings(in_flight=1, refresh_s=60.0)  # the view: as the test leaves it
     trainer = Trainer(dht, p2p, SPEC, corpus, settings, calls=stages.calls())  # type: ignore[arg-type]
     return trainer, peers
+
+
+def test_a_trainer_pointed_at_other_data_goes_on_at_its_position() -> None:
+    stages = _Stages(failing_stage=-1, error=StageUnavailable)
+    trainer, _ = _trainer(stages, [0, 1])
+    asyncio.run(trainer.train(2))
+    share = torch.full((4 * SPEC.model.block_size,), 7)  # a new share: every token is 7
+    trainer.read_from(share)
+    asyncio.run(trainer.train(3))
+    assert trainer.data_position == 5
+    assert all(bool((x == 7).all()) for x in stages.inputs[2:])
+    assert not any(bool((x == 7).all()) for x in stages.inputs[:2])
 
 
 @pytest.mark.parametrize("failing_stage", [0, 1])
