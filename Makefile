@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/swarmtrain demo --baseline
 
 # Everything: ruff, the unit tier, then the live tier (real p2pd daemons and swarms) in
-# two workers (the groups are in tests/live/conftest.py): most live tests wait on timers
+# three workers (the groups are in tests/live/conftest.py): most live tests wait on timers
 # and peers, not on the cores. The tests that fork hivemind averagers from the test
 # process itself run apart, in a plain pytest process: forked from an xdist worker (which
 # runs threads of its own), an averager child now and then never started.
@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest tests/unit --durations=10
-	$(BIN)/pytest tests/live -n 2 --dist loadgroup --durations=10 --ignore=$(FORKS_AVERAGERS)
+	$(BIN)/pytest tests/live -n 3 --dist loadgroup --durations=10 --ignore=$(FORKS_AVERAGERS)
 	$(BIN)/pytest $(FORKS_AVERAGERS) --durations=5
 
 # The unit tier alone: no processes, no sockets, under a minute.
