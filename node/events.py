@@ -6,6 +6,11 @@ fields:
 
 - ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``.
 - ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
+- ``node.reachability`` (once at start, after peers were asked to dial the node back):
+  ``reachable`` (true, false, or null: unknown), ``address`` (where peers reached it, or
+  null), ``observed`` (the IP peers see its connections come from, or null), ``yes`` and
+  ``no`` (peers that did and did not reach it), ``serves`` (false: it holds no stage and
+  runs as a trainer only; its DHT stays a client), ``relay`` (null: no relay is used).
 - ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
   ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer
   steps of its stages), ``stage_peers`` (peers on its stages, itself included),
@@ -27,6 +32,8 @@ fields:
   ``"loaded"``); ``digest`` (``hash``: 8 hex digits, ``norm``, ``sketch``: 4 floats) of
   the parameters the copies agree on, when digests are on (``SWARMTRAIN_LOG_DIGESTS``),
   except for ``"abandoned"``.
+- ``train.progress`` (every 10 micro-batches of this node's trainer): ``micro_batches``
+  (trained since start), ``loss`` (of the last one).
 - ``call.failed``: ``stage``, ``peer``, ``error`` (the exception's class and message): a
   call of this node's trainer failed; that peer is banned from its calls for a while.
   ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``

@@ -78,6 +78,7 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
     loop.set_exception_handler(_quiet_when_p2pd_is_gone)
     try:
         if await until_stopped(stop, node.prepare()):  # a stop meanwhile: just close
+            print(node.reachability_line(), flush=True)
             maddrs = node.dht.visible_maddrs()
             events.emit("node.started", run=node.spec.run, peer=node.peer_id, maddrs=maddrs)
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
@@ -89,6 +90,8 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             def on_ready() -> None:
                 if settings.archive is not None:
                     line = f"archiving the {node.spec.n_stages} stages in {settings.archive}"
+                elif node.stage is None:
+                    line = "training only: this node serves no stage (not reachable)"
                 else:
                     line = (
                         f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}"

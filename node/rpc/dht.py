@@ -36,7 +36,9 @@ from node.rpc.child_process import die_with_parent
 from node.rpc.gossip import PUBSUB_FLAGS
 from node.rpc.hivemind_compat import (
     DHTCompat,
+    become_dht_server,
     cap_frames,
+    forget_client_mode,
     install,
     p2pd_options,
     routing_table_size,
@@ -469,6 +471,14 @@ class SwarmDHT:
         while (spec := await self.spec()) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         return spec
+
+    async def become_server(self) -> int:
+        """Turn a DHT started with ``client_mode`` into a full DHT node: from now on peers
+        add it to their routing tables and send it lookups (call it once others are known
+        to be able to dial this node). Returns how many known peers were told at once."""
+        told = await self.dht.run_coroutine(become_dht_server, return_future=True)
+        forget_client_mode(self.dht)
+        return told
 
     async def known_peers(self) -> int:
         """How many DHT peers this node's routing table holds: 0 until it has reached one
