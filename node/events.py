@@ -6,11 +6,13 @@ fields:
 
 - ``node.started``: ``run`` (the run id others name to join), ``peer``, ``maddrs``.
 - ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
-- ``node.reachability`` (once at start, after peers were asked to dial the node back):
-  ``reachable`` (true, false, or null: unknown), ``address`` (where peers reached it, or
-  null), ``observed`` (the IP peers see its connections come from, or null), ``yes`` and
-  ``no`` (peers that did and did not reach it), ``serves`` (false: it holds no stage and
-  runs as a trainer only; its DHT stays a client), ``relay`` (null: no relay is used).
+- ``node.reachability`` (at start, after peers were asked to dial the node back; again,
+  every 10 s while the answer is unknown, until one is definite): ``reachable`` (true,
+  false, or null: unknown), ``address`` (where peers reached it, or null), ``observed``
+  (the IP peers see its connections come from, or null), ``yes`` and ``no`` (peers that
+  did and did not reach it), ``serves`` (false: found unreachable at start, it holds no
+  stage and runs as a trainer only, and its DHT stays a client), ``relay`` (null: no
+  relay is used).
 - ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
   ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer
   steps of its stages), ``stage_peers`` (peers on its stages, itself included),

@@ -66,6 +66,7 @@ OWN_INVITE_S = 30 * 86400.0  # an owner's node invites itself for this long
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
 HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
+REACHABILITY_RECHECK_S = 10.0  # while no peer could tell whether this node is reachable
 MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
 TRAIN_EVENT_EVERY = 10  # micro-batches between two ``train.progress`` events
 
@@ -243,6 +244,9 @@ class Node:
         # Whether peers can dial us (``_find_reachability``, in ``prepare``): unknown until
         # asked. A node found unreachable holds no stage and trains only.
         self.reachability = Reachability(None)
+        # Whether it holds stages: decided by the verdict at start (a later verdict leaves
+        # it serving; routing then skips it by its record).
+        self.serves = True
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -324,10 +328,18 @@ class Node:
         add(self.p2p.shutdown)
         dial_back = await DialBack.create(self.p2p, callers=self.callers)
         add(dial_back.shutdown)
-        maddrs = self.dht.visible_maddrs()
-        self.reachability = r = await check_reachability(self.p2p, await self._askers(), maddrs)
-        if r.serves:
+        self.reachability = await self._ask_reachability()
+        self.serves = self.reachability.serves
+        if self.serves:
             await self.dht.become_server()
+        self._report_reachability()
+
+    async def _ask_reachability(self) -> Reachability:
+        maddrs = self.dht.visible_maddrs()
+        return await check_reachability(self.p2p, await self._askers(), maddrs)
+
+    def _report_reachability(self) -> None:
+        r = self.reachability
         events.emit(
             "node.reachability",
             reachable=r.reachable,
@@ -335,12 +347,28 @@ class Node:
             observed=r.observed,
             yes=r.yes,
             no=r.no,
-            serves=r.serves,
+            serves=self.serves,
             relay=None,
         )
         (logger.info if r.reachable is not False else logger.warning)(
             "%s", self.reachability_line()
         )
+
+    async def _recheck_reachability(self) -> None:
+        """While nobody could tell (the first node of a run, or peers that disagreed), ask
+        again every ``REACHABILITY_RECHECK_S``, and report the first definite verdict (in
+        the record, an event and the log)."""
+        while self.reachability.reachable is None:
+            await asyncio.sleep(REACHABILITY_RECHECK_S)
+            try:
+                found = await self._ask_reachability()
+            except Exception as e:  # a P2P hiccup: ask again later
+                logger.debug("reachability re-check failed: %s", e)
+                continue
+            if found.reachable is not None:
+                self.reachability = found
+                self._report_reachability()
+                self._changed.set()
 
     async def _askers(self) -> list[PeerID]:
         """Whom to ask for a dial-back, likeliest answerers first: the run's peers known to
@@ -371,6 +399,11 @@ class Node:
         if r.reachable is None:
             why = "the peers asked disagreed" if asked else "no peer could be asked yet"
             return f"reachability unknown ({why}): serving as if reachable"
+        what = (
+            "peers will not route calls to its stages"
+            if self.serves
+            else "it has no relay: running as a trainer only (it serves no stage)"
+        )
         ports = []
         for m in self.dht.visible_maddrs():
             with contextlib.suppress(ValueError):
@@ -379,8 +412,8 @@ class Node:
         public = r.observed if r.observed and ":" not in r.observed else "PUBLIC_IP"
         return (
             f"not reachable: {r.no} of {asked} peers could not dial this node at its "
-            "announced addresses, and it has no relay: running as a trainer only (it serves "
-            f"no stage). To serve, forward TCP port {port} on your router to this machine "
+            f"announced addresses, and {what}. To serve, forward TCP port {port} on your "
+            "router to this machine "
             f"and pass --announce-maddrs /ip4/{public}/tcp/{port} (with --host-maddrs "
             f"/ip4/0.0.0.0/tcp/{port})"
         )
@@ -511,7 +544,8 @@ class Node:
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
                 tasks.create_task(self._watch_loop(), name="watch"),
             ]
-            serves = self.reachability.serves  # if not, a trainer only: no stage to hold
+            background.append(tasks.create_task(self._recheck_reachability(), name="reachability"))
+            serves = self.serves  # if not, a trainer only: no stage to hold
             if serves and not await until_stopped(stop, self._join()):
                 for task in background:
                     task.cancel()

@@ -84,11 +84,15 @@ def _maddr_at(node: NodeProcess, address: str) -> str:
     return next(m for m in node.maddrs_file.read_text().split() if f"/{address}/" in m)
 
 
-def _reachability(node: NodeProcess) -> dict:
+def _reachability(node: NodeProcess, definite: bool = False) -> dict:
+    """``node``'s latest ``node.reachability`` event (with ``definite``: its first that
+    is not unknown)."""
+
     def said() -> dict | None:
         if not node.alive():
             raise RuntimeError(f"node {node.name} exited:\n{node.output()[-2000:]}")
-        found = node.events("node.reachability")
+        found = [e for e in node.events("node.reachability")
+                 if not definite or e["reachable"] is not None]  # fmt: skip
         return found[-1] if found else None
 
     return wait_until(said, 60, f"node {node.name} to find out whether it is reachable")
@@ -97,7 +101,8 @@ def _reachability(node: NodeProcess) -> dict:
 def test_home_nodes_behind_nat_train_and_are_never_routed_to(homes_net, tmp_path):
     """2 public nodes and 2 home nodes (tiny, 2 stages, training on): each home finds it is
     not reachable (event and record), holds no stage, is never called (no call fails on
-    it) and trains through the public nodes; a joining public node finds it is reachable."""
+    it) and trains through the public nodes; a joining public node finds it is reachable,
+    and so does the first node (which had nobody to ask at start) once peers joined."""
     net, nodes = homes_net, []
     try:
 
@@ -124,6 +129,10 @@ def test_home_nodes_behind_nat_train_and_are_never_routed_to(homes_net, tmp_path
             assert said["observed"] == net.homes[homes.index(home)].router.address, said
         first.wait_serving(90)
         public.wait_serving(90)
+        assert first.events("node.reachability")[0]["reachable"] is None
+        said = _reachability(first, definite=True)
+        assert said["reachable"] is True and said["serves"], said
+        assert f"/{net.hosts[0].address}/" in said["address"], said
 
         def trained(node: NodeProcess) -> bool:
             return any(e["micro_batches"] >= 20 for e in node.events("train.progress"))
@@ -138,6 +147,7 @@ def test_home_nodes_behind_nat_train_and_are_never_routed_to(homes_net, tmp_path
             assert record["reachable"] is False and record["stage"] is None, record
             assert not home.events("stage.held"), "an unreachable node holds no stage"
         assert records[public.peer_id]["reachable"] is True
+        assert records[first.peer_id]["reachable"] is True
         failed_on_homes = [e for n in nodes for e in n.events("call.failed")
                            if e["peer"] in {h.peer_id for h in homes}]  # fmt: skip
         assert failed_on_homes == []
