@@ -96,7 +96,10 @@ class Network:
 
     ``hosts`` are public: one per profile in ``profiles``. ``homes`` sit behind NAT, one per
     profile in ``home_profiles``, each behind a router of its own, or all behind one router
-    (with the first home's profile) when ``shared_router``."""
+    (with the first home's profile) when ``shared_router``. ``subnet`` (three octets) is
+    the bridge's: a non-private one (only inside these namespaces) lets libp2p treat the
+    hosts as on the public internet, which its AutoNAT, relay addresses and hole punching
+    require; the homes' LANs stay private."""
 
     def __init__(
         self,
@@ -104,6 +107,7 @@ class Network:
         home_profiles: Sequence[Profile] = (),
         *,
         shared_router: bool = False,
+        subnet: str = SUBNET,
     ) -> None:
         routers = min(len(home_profiles), 1) if shared_router else len(home_profiles)
         if not 1 <= len(profiles) + routers <= 200 or len(home_profiles) > 200:
@@ -117,7 +121,7 @@ class Network:
             Host(
                 i,
                 f"{PREFIX}{self.tag}h{i}",
-                f"{SUBNET}.{i + 2}",
+                f"{subnet}.{i + 2}",
                 p,
                 f"{PREFIX}{self.tag}h{i}a",
                 f"{PREFIX}{self.tag}h{i}b",
@@ -129,7 +133,7 @@ class Network:
             Host(
                 first + j,
                 f"{PREFIX}{self.tag}r{j}",
-                f"{SUBNET}.{first + j + 2}",
+                f"{subnet}.{first + j + 2}",
                 home_profiles[j],
                 f"{PREFIX}{self.tag}r{j}a",
                 f"{PREFIX}{self.tag}r{j}b",
