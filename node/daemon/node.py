@@ -269,6 +269,7 @@ class Node:
                 # they can dial it (``_find_reachability``); the first node is dialled by
                 # every joiner, so it is a full DHT node from the start.
                 client_mode=bool(settings.initial_peers),
+                peer_routing=True,
             )
         except BaseException:
             os.close(lock_fd)

@@ -234,8 +234,14 @@ class SwarmDHT:
         client_mode: bool = False,
         startup_timeout_s: float = 60.0,
         pubsub: bool = False,
+        peer_routing: bool = False,
     ) -> SwarmDHT:
         """Start hivemind's DHT (in its own process) and join ``initial_peers``, if any.
+
+        ``client_mode``: hivemind's DHT runs as a client (``become_server`` turns it into a
+        full node). ``peer_routing``: ``p2pd``'s own libp2p DHT, which finds the addresses
+        of peers it is not connected to, serves others even so (a node's always does: a
+        peer that joined through it finds the rest of the swarm through it).
 
         Blocking, and to be called from the main thread: the DHT process is forked, and a
         fork from a worker thread of a running uvloop can leave the child unable to start
@@ -250,6 +256,7 @@ class SwarmDHT:
             "host_maddrs": list(host_maddrs),
             "announce_maddrs": list(announce_maddrs) or None,
             "client_mode": client_mode,
+            "dht_mode": "server" if peer_routing or not client_mode else "client",
             "record_validators": [RunRecordValidator(run)],
             "start": False,
         }
