@@ -78,12 +78,12 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
     loop.set_exception_handler(_quiet_when_p2pd_is_gone)
     try:
         if await until_stopped(stop, node.prepare()):  # a stop meanwhile: just close
-            print(node.reachability_line(), flush=True)
             maddrs = node.dht.visible_maddrs()
             events.emit("node.started", run=node.spec.run, peer=node.peer_id, maddrs=maddrs)
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
+            print(node.reachability_line(), flush=True)
             if maddrs_file:  # after the printout: whoever waits for this file may read it
                 write_maddrs(maddrs_file, maddrs)
 
