@@ -76,6 +76,17 @@ REVOCATIONS_TTL_S = 365 * 86400.0
 MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
 MAX_CLAIMS = 1000  # claim records read at once
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
+# Every p2pd offers a circuit relay (p2pd's default). Its flags take effect once its
+# AutoNAT finds it public (docs/nat.md; go-libp2p's own limits apply before): small, so
+# that relaying for others cannot eat a volunteer's link: 4 reservations in all, 4
+# circuits per peer, 128 KiB each way and 2 minutes per circuit (p2pd's defaults: 128
+# reservations, 16 circuits, 4 GiB, 30 minutes).
+RELAY_LIMIT_FLAGS = (
+    "-relayMaxReservations=4",
+    "-relayMaxCircuits=4",
+    "-relayDataLimit=131072",
+    "-relayTimeLimit=2m0s",
+)
 
 
 class SpecConflict(RecordError):
@@ -267,8 +278,9 @@ class SwarmDHT:
         socket_dir = _socket_dir()
         try:
             # The DHT's process, forked in start(), starts p2pd with these options: sockets
-            # in a directory of ours (removed whatever happens to p2pd), GossipSub if asked.
-            extra_args = PUBSUB_FLAGS if pubsub else ()
+            # in a directory of ours (removed whatever happens to p2pd), GossipSub if asked,
+            # small relay limits.
+            extra_args = (*(PUBSUB_FLAGS if pubsub else ()), *RELAY_LIMIT_FLAGS)
             with p2pd_options(socket_dir=socket_dir, extra_args=extra_args):
                 dht.start()
             dht.wait_until_ready(timeout=startup_timeout_s)
