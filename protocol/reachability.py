@@ -105,9 +105,10 @@ def dial_target(maddr: str) -> tuple[str, int]:
 
 
 def observed_ip(maddr: str) -> str | None:
-    """The IP of an ``/ip4`` or ``/ip6`` multiaddr (the address a connection comes from)."""
+    """The IP a connection comes from, given its remote multiaddr: None for a relayed one
+    (its IP is the relay's, not the peer's) and for anything but ``/ip4`` or ``/ip6``."""
     parts = maddr.split("/")
-    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6") or "p2p-circuit" in parts:
         return None
     try:
         return str(ipaddress.ip_address(parts[2]))

@@ -15,6 +15,7 @@ from protocol.reachability import (
     decode,
     dial_target,
     encode,
+    observed_ip,
     verdict,
 )
 
@@ -38,6 +39,13 @@ def test_dial_targets_are_ip_tcp_addresses_only():
                 ADDR + "/p2p-circuit"):  # fmt: skip
         with pytest.raises(ValueError):
             dial_target(bad)
+
+
+def test_a_relayed_connection_tells_nothing_about_where_the_peer_is():
+    assert observed_ip("/ip4/10.77.0.9/tcp/51234") == "10.77.0.9"
+    relayed = "/ip4/10.77.0.2/tcp/4001/p2p/12D3KooWJBUPEnJM45URrg8vwQF2avZFj64LhqLsesoiHbRkj269"
+    assert observed_ip(relayed + "/p2p-circuit") is None  # 10.77.0.2 is the relay
+    assert observed_ip("/dns4/example.org/tcp/1") is None
 
 
 def test_messages_round_trip_and_bad_bytes_raise_one_error():
