@@ -9,6 +9,13 @@ fields:
   None with ``--dashboard off``; ``log`` and ``events``: the paths of the node's log file
   (``node.logs``) and of this event log.
 - ``node.state``: ``state`` (a ``protocol.records.PeerState`` name).
+- ``node.reachability`` (at start, after peers were asked to dial the node back; again,
+  every 10 s while the answer is unknown, until one is definite): ``reachable`` (true,
+  false, or null: unknown), ``address`` (where peers reached it, or null), ``observed``
+  (the IP peers see its connections come from, or null), ``yes`` and ``no`` (peers that
+  did and did not reach it), ``serves`` (false: found unreachable at start, it holds no
+  stage and runs as a trainer only, and its DHT stays a client), ``relay`` (null: no
+  relay is used).
 - ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
   ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer
   steps of its stages), ``stage_peers`` (peers on its stages, itself included),
@@ -34,6 +41,8 @@ fields:
 - ``data.share``: ``trainers`` (live peers counted as trainers, this one included),
   ``ranges`` and ``tokens`` (of the run's training shards this node's trainer now reads:
   ``protocol.data_split``); in runs with shards, whenever the share changes.
+- ``train.progress`` (every 10 micro-batches of this node's trainer): ``micro_batches``
+  (trained since start), ``loss`` (of the last one).
 - ``call.failed``: ``stage``, ``peer``, ``error`` (the exception's class and message): a
   call of this node's trainer failed; that peer is banned from its calls for a while.
   ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``

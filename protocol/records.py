@@ -102,6 +102,10 @@ class PeerInfo(BaseModel):
     samples_served: Annotated[int, Field(ge=0, le=2**62)] = 0
     started: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     ttl_s: RecordTTL | None = None
+    # Whether other peers can dial it (``protocol.reachability``): None while unknown (no
+    # peer asked yet, or they disagreed; records from before the field also read None).
+    # An unreachable peer is never routed to.
+    reachable: bool | None = None
 
     def model_post_init(self, _context) -> None:
         n = len(self.throughput)
@@ -121,7 +125,12 @@ class PeerInfo(BaseModel):
 
     @property
     def routable(self) -> bool:
-        return self.state is PeerState.SERVING and self.stage is not None
+        """Serving a stage, and not known to be unreachable."""
+        return (
+            self.state is PeerState.SERVING
+            and self.stage is not None
+            and self.reachable is not False
+        )
 
 
 def encode_peer_info(info: PeerInfo, key: Ed25519PrivateKey) -> bytes:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from subprocess import Popen
 
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
@@ -50,11 +51,20 @@ def swarmtrain(*args: str, home: str | None = None) -> Popen:
     )
 
 
-def status(run: str, maddr: str, timeout: float = 60) -> dict:
-    """``swarmtrain status --json`` as a dict."""
+def status(
+    run: str,
+    maddr: str,
+    timeout: float = 60,
+    *,
+    host_maddr: str = LOCAL,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+) -> dict:
+    """``swarmtrain status --json`` as a dict; ``wrap`` turns the command into the one to
+    run (e.g. inside a network namespace)."""
+    command = [sys.executable, "-m", "node.cli", "status", "--run", run, "--initial-peers",
+               maddr, "--host-maddrs", host_maddr, "--json"]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "node.cli", "status", "--run", run, "--initial-peers", maddr,
-         "--host-maddrs", LOCAL, "--json"],
+        wrap(command) if wrap else command,
         capture_output=True, text=True, timeout=timeout,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip

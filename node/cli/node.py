@@ -98,6 +98,7 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
+            print(node.reachability_line(), flush=True)
             print(
                 f"log: {settings.log_path(node.peer_id)}  "
                 f"events: {settings.events_path(node.peer_id)}",
@@ -111,6 +112,8 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             def on_ready() -> None:
                 if settings.archive is not None:
                     line = f"archiving the {node.spec.n_stages} stages in {settings.archive}"
+                elif node.stage is None:
+                    line = "training only: this node serves no stage (not reachable)"
                 else:
                     line = (
                         f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}"

@@ -82,6 +82,7 @@ def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
                 "bandwidth_source": p.bandwidth_source,
                 "load": p.load,
                 "samples_served": p.samples_served,
+                "reachable": p.reachable,
                 "uptime_s": None if p.started is None else round(max(0.0, now - p.started), 1),
                 "age_s": round(max(0.0, now - p.timestamp), 1),
             }
@@ -96,7 +97,7 @@ def render(view: dict) -> str:
     width = max([len(p["short_id"]) for p in view["peers"]] + [4])
     lines = [
         f"{'peer':<{width}} {'stage':>5} {'state':<8} {'device':<18} {'samples/s':>10} "
-        f"{'up/down Mbit/s':>16} {'served':>9} {'uptime':>8} {'age s':>6}"
+        f"{'up/down Mbit/s':>16} {'served':>9} {'uptime':>8} {'age s':>6} reachable"
     ]
     for p in view["peers"]:
         stage = "-" if p["stage"] is None else str(p["stage"])
@@ -109,10 +110,13 @@ def render(view: dict) -> str:
             else "?"
         )
         up = "?" if p["uptime_s"] is None else duration(p["uptime_s"])
+        reach = {True: "yes", False: "no", None: "?"}[p["reachable"]]
+        if p["reachable"] is False and p["stage"] is None:
+            reach += " (trainer only)"
         lines.append(
             f"{p['short_id']:<{width}} {stage:>5} {p['state']:<8} "
             f"{p['device'][:18]:<18} {tput:>10} {bw:>16} {p['samples_served']:>9} {up:>8} "
-            f"{p['age_s']:>6.1f}"
+            f"{p['age_s']:>6.1f} {reach}"
         )
     lines.append("")
     for s in view["stages"]:

@@ -60,6 +60,7 @@ from node.placement.driver import Placement
 from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
 from node.rpc.membership import MembershipGate
+from node.rpc.reach import DialBack, check_reachability, shuffled
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
@@ -67,6 +68,7 @@ from protocol.data_split import TokenRange, share_of
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
 from protocol.ownership import check_run_id
+from protocol.reachability import Reachability, dial_target
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
 from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file
@@ -79,7 +81,9 @@ REVOCATIONS_REFRESH_S = 10.0
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
 HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
+REACHABILITY_RECHECK_S = 10.0  # while no peer could tell whether this node is reachable
 MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
+TRAIN_EVENT_EVERY = 10  # micro-batches between two ``train.progress`` events
 
 
 @dataclass(frozen=True)
@@ -278,6 +282,12 @@ class Node:
         self.peers: list[PeerInfo] = []  # the run's peers, as ``_watch_loop`` last read them
         self.peers_read_at: float | None = None  # Unix seconds
         self._served_before = 0  # micro-batches served by stage servers since unloaded
+        # Whether peers can dial us (``_find_reachability``, in ``prepare``): unknown until
+        # asked. A node found unreachable holds no stage and trains only.
+        self.reachability = Reachability(None)
+        # Whether it holds stages: decided by the verdict at start (a later verdict leaves
+        # it serving; routing then skips it by its record).
+        self.serves = True
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -296,6 +306,11 @@ class Node:
                 announce_maddrs=settings.announce_maddrs,
                 identity_path=settings.identity_path(),
                 pubsub=True,  # the run's gossip topic (node.placement.driver)
+                # A joiner stays out of others' DHT routing tables until peers confirm
+                # they can dial it (``_find_reachability``); the first node is dialled by
+                # every joiner, so it is a full DHT node from the start.
+                client_mode=bool(settings.initial_peers),
+                peer_routing=True,
             )
         except BaseException:
             os.close(lock_fd)
@@ -338,6 +353,7 @@ class Node:
                 raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
         if s.second_stage is not None and s.second_stage == s.stage:
             raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
+        await self._find_reachability()
         self.checkpoints = s.archive or s.checkpoint_root(self.peer_id)
         await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.joined.signed)
         if s.archive is not None:
@@ -353,6 +369,106 @@ class Node:
         if address is not None:
             self.dashboard = await Dashboard.open(address, lambda: snapshot_of(self))
             self._resources.push_async_callback(self.dashboard.close)
+
+    async def _find_reachability(self) -> None:
+        """Ask peers to dial this node back (``node.rpc.reach``; it answers theirs from now
+        on) and act on the verdict: a node they can dial, or that cannot tell, becomes a
+        full DHT node; one they cannot stays a DHT client (peers never route DHT lookups
+        to it) and holds no stage. Emits ``node.reachability``."""
+        add = self._resources.push_async_callback
+        self.p2p = await self.dht.replicate_p2p()
+        add(self.p2p.shutdown)
+        dial_back = await DialBack.create(self.p2p, callers=self.callers)
+        add(dial_back.shutdown)
+        self.reachability = await self._ask_reachability()
+        self.serves = self.reachability.serves
+        if self.serves:
+            await self.dht.become_server()
+        self._report_reachability()
+
+    async def _ask_reachability(self) -> Reachability:
+        maddrs = self.dht.visible_maddrs()
+        return await check_reachability(self.p2p, await self._askers(), maddrs)
+
+    def _report_reachability(self) -> None:
+        r = self.reachability
+        events.emit(
+            "node.reachability",
+            reachable=r.reachable,
+            address=r.address,
+            observed=r.observed,
+            yes=r.yes,
+            no=r.no,
+            serves=self.serves,
+            relay=None,
+        )
+        (logger.info if r.reachable is not False else logger.warning)(
+            "%s", self.reachability_line()
+        )
+
+    async def _recheck_reachability(self) -> None:
+        """While nobody could tell (the first node of a run, or peers that disagreed), ask
+        again every ``REACHABILITY_RECHECK_S``, and report the first definite verdict (in
+        the record, an event and the log)."""
+        while self.reachability.reachable is None:
+            await asyncio.sleep(REACHABILITY_RECHECK_S)
+            try:
+                found = await self._ask_reachability()
+            except Exception as e:  # a P2P hiccup: ask again later
+                logger.debug("reachability re-check failed: %s", e)
+                continue
+            if found.reachable is not None:
+                self.reachability = found
+                self._report_reachability()
+                self._changed.set()
+
+    async def _askers(self) -> list[PeerID]:
+        """Whom to ask for a dial-back, likeliest answerers first: the run's peers known to
+        be reachable, those not known either way, other peers we are connected to (the
+        initial peers), and last those known to be unreachable (they can dial out)."""
+        try:
+            records = [p for p in await self.dht.peers() if p.peer_id != self.peer_id]
+        except Exception as e:  # a DHT hiccup: the connected peers still answer
+            logger.debug("reading the run's peers failed: %s", e)
+            records = []
+        connected = [p.peer_id.to_base58() for p in await self.p2p.list_peers()]
+        groups = [
+            [p.peer_id for p in records if p.reachable is True],
+            [p.peer_id for p in records if p.reachable is None],
+            connected,
+            [p.peer_id for p in records if p.reachable is False],
+        ]
+        ordered = [i for g in groups for i in shuffled(g, self.peer_id)]
+        return [PeerID.from_base58(i) for i in dict.fromkeys(ordered) if i != self.peer_id]
+
+    def reachability_line(self) -> str:
+        """One line for the person running the node: whether peers can dial it, and if
+        not, what to do about it."""
+        r = self.reachability
+        asked = r.yes + r.no
+        if r.reachable:
+            return f"reachable directly at {r.address} (confirmed by {r.yes} of {asked} peers)"
+        if r.reachable is None:
+            why = "the peers asked disagreed" if asked else "no peer could be asked yet"
+            return f"reachability unknown ({why}): serving as if reachable"
+        what = (
+            "peers will not route calls to its stages"
+            if self.serves
+            else "it has no relay: running as a trainer only (it serves no stage)"
+        )
+        ports = []
+        for m in self.dht.visible_maddrs():
+            with contextlib.suppress(ValueError):
+                ports.append(dial_target(m)[1])
+        port = str(ports[0]) if ports else "PORT"
+        public = r.observed if r.observed and ":" not in r.observed else "PUBLIC_IP"
+        return (
+            f"not reachable: {r.no} of {asked} peers could not dial this node at its "
+            f"announced addresses, and {what}. To serve, forward TCP port {port} on your "
+            "router to this machine "
+            f"and pass --announce-maddrs /ip4/{public}/tcp/{port} (with --host-maddrs "
+            f"/ip4/0.0.0.0/tcp/{port})"
+        )
 
     def _measure(self) -> None:
         assert self.spec is not None
@@ -396,6 +512,7 @@ class Node:
             samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
             started=self.started,
             ttl_s=self.settings.record_ttl_s,
+            reachable=self.reachability.reachable,
         )
 
     @property
@@ -425,8 +542,6 @@ class Node:
             await self._run_archive(stop, on_ready)
             return
         add = self._resources.push_async_callback
-        self.p2p = await self.dht.replicate_p2p()
-        add(self.p2p.shutdown)
         probe = await BandwidthProbe.create(self.p2p, callers=self.callers)
         add(probe.shutdown)
         self.gate = await MembershipGate.create(self.p2p, lambda: self.dht.policy, self.callers)
@@ -482,7 +597,9 @@ class Node:
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
                 tasks.create_task(self._watch_loop(), name="watch"),
             ]
-            if not await until_stopped(stop, self._join()):
+            background.append(tasks.create_task(self._recheck_reachability(), name="reachability"))
+            serves = self.serves  # if not, a trainer only: no stage to hold
+            if serves and not await until_stopped(stop, self._join()):
                 for task in background:
                     task.cancel()
                 return
@@ -490,9 +607,9 @@ class Node:
                 on_ready()
             if self.second is not None:  # a two-stage node never moves
                 background.append(tasks.create_task(self._load_second(), name="second-stage"))
-            elif self.settings.stage is None and self.settings.rebalance:
+            elif serves and self.settings.stage is None and self.settings.rebalance:
                 background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
-            if self.settings.checkpoint_every_s > 0:
+            if serves and self.settings.checkpoint_every_s > 0:
                 background.append(tasks.create_task(self._checkpoint_loop(), name="checkpoint"))
             if self.settings.bandwidth_mbps is None:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
@@ -765,6 +882,10 @@ class Node:
 
         def on_result(r: MicroBatchResult) -> None:
             losses.append(r.loss)
+            if trainer.stats.micro_batches % TRAIN_EVENT_EVERY == 0:
+                events.emit(
+                    "train.progress", micro_batches=trainer.stats.micro_batches, loss=r.loss
+                )
             if len(losses) == 50:
                 logger.info(
                     "trained %d micro-batches; mean loss of the last 50: %.3f",

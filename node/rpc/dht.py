@@ -40,7 +40,9 @@ from node.rpc.child_process import die_with_parent
 from node.rpc.gossip import PUBSUB_FLAGS
 from node.rpc.hivemind_compat import (
     DHTCompat,
+    become_dht_server,
     cap_frames,
+    forget_client_mode,
     install,
     p2pd_options,
     routing_table_size,
@@ -86,6 +88,17 @@ REVOCATIONS_TTL_S = 365 * 86400.0
 MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
 MAX_CLAIMS = 1000  # claim records read at once
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
+# Every p2pd offers a circuit relay (p2pd's default). Its flags take effect once its
+# AutoNAT finds it public (docs/nat.md; go-libp2p's own limits apply before): small, so
+# that relaying for others cannot eat a volunteer's link: 4 reservations in all, 4
+# circuits per peer, 128 KiB each way and 2 minutes per circuit (p2pd's defaults: 128
+# reservations, 16 circuits, 4 GiB, 30 minutes).
+RELAY_LIMIT_FLAGS = (
+    "-relayMaxReservations=4",
+    "-relayMaxCircuits=4",
+    "-relayDataLimit=131072",
+    "-relayTimeLimit=2m0s",
+)
 
 
 class SpecConflict(RecordError):
@@ -290,8 +303,14 @@ class SwarmDHT:
         client_mode: bool = False,
         startup_timeout_s: float = 60.0,
         pubsub: bool = False,
+        peer_routing: bool = False,
     ) -> SwarmDHT:
         """Start hivemind's DHT (in its own process) and join ``initial_peers``, if any.
+
+        ``client_mode``: hivemind's DHT runs as a client (``become_server`` turns it into a
+        full node). ``peer_routing``: ``p2pd``'s own libp2p DHT, which finds the addresses
+        of peers it is not connected to, serves others even so (a node's always does: a
+        peer that joined through it finds the rest of the swarm through it).
 
         Blocking, and to be called from the main thread: the DHT process is forked, and a
         fork from a worker thread of a running uvloop can leave the child unable to start
@@ -306,6 +325,7 @@ class SwarmDHT:
             "host_maddrs": list(host_maddrs),
             "announce_maddrs": list(announce_maddrs) or None,
             "client_mode": client_mode,
+            "dht_mode": "server" if peer_routing or not client_mode else "client",
             "record_validators": [
                 DirectoryValidator(),
                 *([RunRecordValidator(run)] if run is not None else []),
@@ -319,8 +339,9 @@ class SwarmDHT:
         socket_dir = _socket_dir()
         try:
             # The DHT's process, forked in start(), starts p2pd with these options: sockets
-            # in a directory of ours (removed whatever happens to p2pd), GossipSub if asked.
-            extra_args = PUBSUB_FLAGS if pubsub else ()
+            # in a directory of ours (removed whatever happens to p2pd), GossipSub if asked,
+            # small relay limits.
+            extra_args = (*(PUBSUB_FLAGS if pubsub else ()), *RELAY_LIMIT_FLAGS)
             with p2pd_options(socket_dir=socket_dir, extra_args=extra_args):
                 dht.start()
             dht.wait_until_ready(timeout=startup_timeout_s)
@@ -576,6 +597,14 @@ class SwarmDHT:
         while (spec := await self.spec()) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         return spec
+
+    async def become_server(self) -> int:
+        """Turn a DHT started with ``client_mode`` into a full DHT node: from now on peers
+        add it to their routing tables and send it lookups (call it once others are known
+        to be able to dial this node). Returns how many known peers were told at once."""
+        told = await self.dht.run_coroutine(become_dht_server, return_future=True)
+        forget_client_mode(self.dht)
+        return told
 
     async def known_peers(self) -> int:
         """How many DHT peers this node's routing table holds: 0 until it has reached one

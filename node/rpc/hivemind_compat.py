@@ -32,6 +32,10 @@ What is patched or overridden, and why:
   process group), where hivemind's would wait forever unregistering handlers.
 - ``DHTNode.protocol.routing_table.uid_to_peer_id`` (read by :func:`routing_table_size`):
   whether a node has reached any peer yet; hivemind has no call for it.
+- ``DHTProtocol.client_mode``, ``node_info`` and its handlers, and ``DHT._client_mode``
+  (:func:`become_dht_server`): a node joins as a DHT client and turns into a full DHT node
+  once peers confirm they can dial it; hivemind fixes the mode at start. In client mode
+  ``node_info`` is empty, so peers never add the node to their routing tables.
 - ``DHT._parent_pid`` and ``DecentralizedAverager._parent_pid`` (read by ``parent_pid``):
   the child process asks to die with the process that started it.
 - ``DecentralizedAverager.run`` (:class:`AveragerCompat`): the child disowns the parent's
@@ -79,8 +83,9 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.servicer import RPCHandler
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, dht_pb2
 from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +227,30 @@ class DHTCompat(_ForkedByHivemind, hivemind.DHT):
         with contextlib.suppress(Exception):
             async with asyncio.timeout(DETACH_TIMEOUT_S):
                 await (super()._shutdown() if p2pd_running(p2p) else p2p.shutdown())
+
+
+async def become_dht_server(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+    """Run in the DHT process (``DHT.run_coroutine``): turn a client-mode DHT node into a
+    full one, as ``DHTProtocol.create`` builds one (its handlers, and a ``node_info`` that
+    carries its id, so that peers it talks to add it to their routing tables), then ping
+    the peers it knows so they add it now. Returns how many it pinged (0 if it was a full
+    node already)."""
+    protocol = node.protocol
+    if not protocol.client_mode:
+        return 0
+    servicer = AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer)
+    await protocol.add_p2p_handlers(protocol.p2p, servicer)
+    protocol.node_info = dht_pb2.NodeInfo(node_id=node.node_id.to_bytes())
+    protocol.client_mode = False
+    known = list(protocol.routing_table.peer_id_to_uid)
+    await asyncio.gather(*(protocol.call_ping(peer) for peer in known))
+    return len(known)
+
+
+def forget_client_mode(dht: hivemind.DHT) -> None:
+    """In the process that built ``dht``: forget the mode ``DHT.client_mode`` cached, so
+    the next read (an averager's, at its construction) asks the DHT process again."""
+    dht._client_mode = None
 
 
 async def routing_table_size(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:

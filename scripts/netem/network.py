@@ -5,6 +5,13 @@ of a veth pair; the other end is a port of the bridge ``stn<tag>br``, which has 
 address: nothing is reachable from, or added to, the machine's own network. Upload is
 shaped with ``tbf`` on the host's end, download on the bridge's end. Every name starts
 with ``PREFIX``, so ``cleanup()`` finds whatever a crashed run left.
+
+Home hosts sit behind NAT, as behind a home router: router ``j`` is a namespace
+``stn<tag>r<j>`` on the bridge (an address after the public hosts', shaped by the home's
+profile, so homes behind one router share its link), and each home ``stn<tag>n<i>`` sits
+on the router's LAN ``10.78.<j>.0/24`` (the router is ``.1``, homes ``.2`` on). The router
+forwards and masquerades (nftables) what its homes send out, and drops every connection
+that starts on its public side: a home dials out to the bridge; nothing dials in.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from scripts.netem.profiles import Profile
 ROOT = Path(__file__).resolve().parents[2]  # the repository: ``scripts.netem`` imports from it
 PREFIX = "stn"
 SUBNET = "10.77.0"
+LAN_SUBNET = "10.78"  # router j's LAN is 10.78.<j>.0/24
 NODE_PORT = 4001  # the node's p2pd, on the namespace's 127.0.0.1
 RELAY_PORT = 4000  # the relay, on the namespace's address: what the node announces
 
@@ -63,25 +71,83 @@ class Host:
         return ["ip", "netns", "exec", self.ns, *args]
 
 
+@dataclass(frozen=True)
+class Home:
+    """A host behind ``router`` (NAT): it dials out to the bridge, nothing dials in. Its
+    ``address`` is on the router's LAN; peers see its connections come from the router's."""
+
+    index: int
+    ns: str
+    address: str
+    router: Host  # on the bridge; its profile is the home's access link
+
+    @property
+    def profile(self) -> Profile:
+        return self.router.profile
+
+    def exec(self, args: Sequence[str]) -> list[str]:
+        """``args`` run inside this home's namespace."""
+        return ["ip", "netns", "exec", self.ns, *args]
+
+
 class Network:
     """Builds the hosts on ``__enter__`` and removes everything on ``__exit__`` (also after
-    an exception or Ctrl-C; SIGTERM is turned into the same exit while it is open)."""
+    an exception or Ctrl-C; SIGTERM is turned into the same exit while it is open).
 
-    def __init__(self, profiles: Sequence[Profile]) -> None:
-        if not 1 <= len(profiles) <= 200:
-            raise ValueError(f"1..200 hosts, got {len(profiles)}")
+    ``hosts`` are public: one per profile in ``profiles``. ``homes`` sit behind NAT, one per
+    profile in ``home_profiles``, each behind a router of its own, or all behind one router
+    (with the first home's profile) when ``shared_router``. ``subnet`` (three octets) is
+    the bridge's: a non-private one (only inside these namespaces) lets libp2p treat the
+    hosts as on the public internet, which its AutoNAT, relay addresses and hole punching
+    require; the homes' LANs stay private."""
+
+    def __init__(
+        self,
+        profiles: Sequence[Profile],
+        home_profiles: Sequence[Profile] = (),
+        *,
+        shared_router: bool = False,
+        subnet: str = SUBNET,
+    ) -> None:
+        routers = min(len(home_profiles), 1) if shared_router else len(home_profiles)
+        if not 1 <= len(profiles) + routers <= 200 or len(home_profiles) > 200:
+            raise ValueError(
+                f"1..200 hosts and routers and at most 200 homes, got {len(profiles)} hosts, "
+                f"{routers} routers and {len(home_profiles)} homes"
+            )
         self.tag = uuid.uuid4().hex[:4]
         self.bridge = f"{PREFIX}{self.tag}br"
         self.hosts = [
             Host(
                 i,
                 f"{PREFIX}{self.tag}h{i}",
-                f"{SUBNET}.{i + 2}",
+                f"{subnet}.{i + 2}",
                 p,
                 f"{PREFIX}{self.tag}h{i}a",
                 f"{PREFIX}{self.tag}h{i}b",
             )  # fmt: skip
             for i, p in enumerate(profiles)
+        ]
+        first = len(profiles)
+        self.routers = [
+            Host(
+                first + j,
+                f"{PREFIX}{self.tag}r{j}",
+                f"{subnet}.{first + j + 2}",
+                home_profiles[j],
+                f"{PREFIX}{self.tag}r{j}a",
+                f"{PREFIX}{self.tag}r{j}b",
+            )  # fmt: skip
+            for j in range(routers)
+        ]
+        self.homes = [
+            Home(
+                i,
+                f"{PREFIX}{self.tag}n{i}",
+                f"{LAN_SUBNET}.{0 if shared_router else i}.{i + 2 if shared_router else 2}",
+                self.routers[0 if shared_router else i],
+            )  # fmt: skip
+            for i in range(len(home_profiles))
         ]
         self._old_sigterm = None
 
@@ -108,7 +174,7 @@ class Network:
     def _build(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
-        for h in self.hosts:
+        for h in [*self.hosts, *self.routers]:
             _ip("netns", "add", h.ns)
             _ip("link", "add", h.veth_bridge, "type", "veth", "peer", "name", h.veth_host)
             _ip("link", "set", h.veth_host, "netns", h.ns)
@@ -118,11 +184,68 @@ class Network:
             _ip("-n", h.ns, "link", "set", "lo", "up")
             _tc(h.ns, h.veth_host, h.profile.up_mbit)
             _tc(None, h.veth_bridge, h.profile.down_mbit)
+        for r in self.routers:
+            self._build_router(r)
+        for home in self.homes:
+            self._build_home(home)
+
+    def _lan(self, router: Host) -> str:
+        """``router``'s LAN prefix (three octets)."""
+        return f"{LAN_SUBNET}.{self.routers.index(router)}"
+
+    def _build_router(self, router: Host) -> None:
+        """Forwarding on, and NAT: masquerade what leaves by the bridge, and drop what
+        arrives there unless it belongs to a connection a home started."""
+        lan, wan = f"{self._lan(router)}.0/24", router.veth_host
+        r = subprocess.run(router.exec(["sysctl", "-qw", "net.ipv4.ip_forward=1"]),
+                           capture_output=True, text=True)  # fmt: skip
+        if r.returncode:
+            raise NetemUnavailable(f"cannot enable forwarding in a namespace: {r.stderr.strip()}")
+        rules = f"""
+            table ip {PREFIX}nat {{
+                chain postrouting {{
+                    type nat hook postrouting priority srcnat; policy accept;
+                    oifname "{wan}" ip saddr {lan} masquerade
+                }}
+                chain forward {{
+                    type filter hook forward priority filter; policy drop;
+                    ct state established,related accept
+                    iifname != "{wan}" oifname "{wan}" accept
+                    ip saddr {lan} ip daddr {lan} accept
+                }}
+            }}
+        """
+        if shutil.which("nft") is None:
+            raise NetemUnavailable("'nft' not found (install nftables): home hosts need NAT")
+        r = subprocess.run(router.exec(["nft", "-f", "-"]), input=rules, capture_output=True,
+                           text=True)  # fmt: skip
+        if r.returncode:
+            raise NetemUnavailable(f"nftables masquerade is unavailable: {r.stderr.strip()}")
+
+    def _build_home(self, home: Home) -> None:
+        router, lan = home.router, self._lan(home.router)
+        inside, outside = f"{home.ns}a", f"{home.ns}b"  # in the home, in the router
+        _ip("netns", "add", home.ns)
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        _ip("link", "set", inside, "netns", home.ns)
+        _ip("link", "set", outside, "netns", router.ns)
+        if _ip("-n", router.ns, "-o", "addr", "show", "to", f"{lan}.1", check=False).stdout:
+            # a router shared by several homes: one LAN bridge holds its side of each
+            _ip("-n", router.ns, "link", "set", outside, "master", "lan", "up")
+        else:
+            _ip("-n", router.ns, "link", "add", "lan", "type", "bridge")
+            _ip("-n", router.ns, "addr", "add", f"{lan}.1/24", "dev", "lan")
+            _ip("-n", router.ns, "link", "set", "lan", "up")
+            _ip("-n", router.ns, "link", "set", outside, "master", "lan", "up")
+        _ip("-n", home.ns, "addr", "add", f"{home.address}/24", "dev", inside)
+        _ip("-n", home.ns, "link", "set", inside, "up")
+        _ip("-n", home.ns, "link", "set", "lo", "up")
+        _ip("-n", home.ns, "route", "add", "default", "via", f"{lan}.1")
 
     def tx_bytes(self) -> int:
         """Bytes all hosts have sent onto the bridge so far (what crossed the 'wire')."""
         total = 0
-        for h in self.hosts:
+        for h in [*self.hosts, *self.routers]:
             with contextlib.suppress(OSError):
                 stats = Path(f"/sys/class/net/{h.veth_bridge}/statistics")
                 total += int((stats / "rx_bytes").read_text())

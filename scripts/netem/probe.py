@@ -2,6 +2,8 @@
 
 ``serve`` runs where a node would (behind the host's relay); ``measure`` runs in another
 host's namespace and prints one JSON line. The self-test compares it with the profiles.
+``connect`` says (one JSON line) whether a TCP connection to an address opens: what the
+NAT test asks from either side of a home router.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ CHUNK = 64 * 1024
 
 
 async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    mode = await reader.readexactly(1)
+    try:
+        mode = await reader.readexactly(1)
+    except asyncio.IncompleteReadError:  # a bare connect (``connect``): nothing to serve
+        writer.close()
+        return
     if mode == b"e":  # echo 64-byte pings
         while ping := await reader.read(64):
             writer.write(ping)
@@ -35,8 +41,8 @@ async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     writer.close()
 
 
-async def serve(port: int) -> None:
-    server = await asyncio.start_server(_serve_one, "127.0.0.1", port)
+async def serve(port: int, host: str = "127.0.0.1") -> None:
+    server = await asyncio.start_server(_serve_one, host, port)
     print("probe listening", flush=True)
     async with server:
         await server.serve_forever()
@@ -74,19 +80,38 @@ async def measure(host: str, port: int, seconds: float) -> dict:
     return {"rtt_ms": statistics.median(rtts) * 1000, "up_mbit": up, "down_mbit": down}
 
 
+async def connect(host: str, port: int, timeout: float) -> dict:
+    """``{"ok": true}`` if a TCP connection to ``host:port`` opens within ``timeout``,
+    else ``{"ok": false, "error": ...}``."""
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError) as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    writer.close()
+    return {"ok": True}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    c = sub.add_parser("connect")
+    c.add_argument("--to", required=True, metavar="ADDR:PORT")
+    c.add_argument("--timeout", type=float, default=3.0)
     m = sub.add_parser("measure")
     m.add_argument("--to", required=True, metavar="ADDR:PORT")
     m.add_argument("--seconds", type=float, default=3.0)
     args = p.parse_args()
     if args.cmd == "serve":
-        asyncio.run(serve(args.port))
+        asyncio.run(serve(args.port, args.host))
+        return
+    host, port = args.to.rsplit(":", 1)
+    if args.cmd == "connect":
+        print(json.dumps(asyncio.run(connect(host, int(port), args.timeout))))
     else:
-        host, port = args.to.rsplit(":", 1)
         print(json.dumps(asyncio.run(measure(host, int(port), args.seconds))))
 
 

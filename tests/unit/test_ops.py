@@ -200,3 +200,23 @@ def test_revoke_takes_a_unique_prefix_as_status_shows_it():
     assert asyncio.run(_full_peer_ids(Peers(), [short[IDS[1]]])) == [IDS[1]]
     with pytest.raises(ValueError, match="give more of the id"):
         asyncio.run(_full_peer_ids(Peers(), ["12D3KooW"]))
+
+
+def test_status_shows_reachability_and_counts_no_unreachable_server():
+    now = get_dht_time()
+    home = peer_info(RUN, IDS[0], stage=None, state="joining", reachable=False, timestamp=now)
+    public = peer_info(RUN, IDS[1], stage=0, reachable=True, timestamp=now)
+    # found unreachable after it took a stage: still listed, but routing skips it
+    late = peer_info(RUN, IDS[2], stage=1, reachable=False, timestamp=now)
+    view = summarize([home, public, late], 2, now)
+    rows = {p["peer_id"]: p for p in view["peers"]}
+    assert [rows[i]["reachable"] for i in IDS[:3]] == [False, True, False]
+    assert [s["serving"] for s in view["stages"]] == [1, 0]
+    lines = {line.split()[0]: line for line in render(view).splitlines()[1:4]}
+    assert lines[rows[IDS[0]]["short_id"]].endswith(" no (trainer only)")
+    assert lines[rows[IDS[1]]["short_id"]].endswith(" yes")
+    assert (
+        render(summarize([peer_info(RUN, IDS[0], timestamp=now)], 2, now))
+        .splitlines()[1]
+        .endswith(" ?")
+    )

@@ -140,6 +140,15 @@ def test_a_peer_without_a_stage_is_valid_but_not_routable():
     assert not info.routable
 
 
+def test_an_unreachable_peer_is_never_routable_and_old_records_read_unknown():
+    assert not _info(reachable=False).routable
+    assert _info(reachable=True).routable and _info().routable  # unknown: routable
+    assert _decode(encode_peer_info(_info(reachable=False), KEY)).reachable is False
+    old = json.loads(_info().model_dump_json())
+    del old["reachable"]  # a record from a node that predates the field
+    assert _decode(_signed(json.dumps(old).encode())).reachable is None
+
+
 # --- peer records: each rejection, by what is wrong -----------------------------------------
 
 

@@ -1,0 +1,147 @@
+"""Whether other peers can dial a node: the dial-back messages, and the verdict rule.
+
+A node asks a few peers "dial me back at these addresses" (``DialBackRequest``). Each
+opens a fresh TCP connection to every address whose IP is one it sees the asker connect
+from (any other address is refused unchecked: a dial-back never turns a peer into a port
+scanner of third parties) and checks that a libp2p listener answers there (its
+multistream header), then answers with what it saw (``DialBackAnswer``).
+
+Answers are claims: a hostile peer may lie either way. ``verdict`` therefore takes the
+strict majority of the peers that answered, and a tie (one yes against one no, or nobody
+answering) is "unknown", which the node treats as reachable: one peer's "no" cannot make
+a reachable node stop serving, and one peer's "yes" against another's "no" is not enough
+to call the node reachable in its record.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocol.records import first_error
+
+MAX_MADDRS = 8  # addresses checked per request
+MAX_MESSAGE_BYTES = 8 * 1024
+MULTISTREAM_HEADER = b"\x13/multistream/1.0.0\n"  # what a libp2p listener sends first
+
+Maddr = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ReachabilityError(ValueError):
+    """A dial-back request or answer that is malformed or too large."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DialBackRequest(_Message):
+    """Dial the asker back at these addresses (its announced multiaddrs)."""
+
+    maddrs: Annotated[tuple[Maddr, ...], Field(min_length=1, max_length=MAX_MADDRS)]
+
+
+class DialResult(_Message):
+    """One address of a request: whether a fresh connection reached a libp2p listener."""
+
+    maddr: Maddr
+    ok: bool
+    error: Annotated[str, Field(max_length=200)] | None = None
+
+
+class DialBackAnswer(_Message):
+    """What the answering peer saw: the addresses the asker's connections come from, and
+    the outcome for each address asked about."""
+
+    observed: Annotated[tuple[Maddr, ...], Field(max_length=MAX_MADDRS)]
+    results: Annotated[tuple[DialResult, ...], Field(max_length=MAX_MADDRS)]
+
+    @property
+    def reachable_at(self) -> str | None:
+        """The first address the peer reached, if any."""
+        return next((r.maddr for r in self.results if r.ok), None)
+
+
+_M = TypeVar("_M", bound=_Message)
+
+
+def encode(message: _Message) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def decode(raw: bytes, cls: type[_M]) -> _M:
+    """``cls`` from JSON bytes; ``ReachabilityError`` naming what is wrong."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ReachabilityError(
+            f"a {cls.__name__} of {len(raw)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"
+        )
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as e:
+        raise ReachabilityError(f"malformed {cls.__name__}: {first_error(e)}") from None
+
+
+def dial_target(maddr: str) -> tuple[str, int]:
+    """``(ip, port)`` of a ``/ip4/A/tcp/P`` or ``/ip6/A/tcp/P`` multiaddr (a ``/p2p/ID``
+    suffix allowed); ``ValueError`` for anything else (DNS names, QUIC, relays)."""
+    parts = maddr.split("/")
+    if parts[-2:-1] == ["p2p"]:
+        parts = parts[:-2]
+    if len(parts) != 5 or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+        raise ValueError(f"{maddr!r:.100} is not an /ip4 or /ip6 TCP address")
+    try:
+        ip = ipaddress.ip_address(parts[2])
+        port = int(parts[4])
+    except ValueError:
+        raise ValueError(f"{maddr!r:.100} has a bad IP address or port") from None
+    if ip.version != (4 if parts[1] == "ip4" else 6) or not 0 < port < 65536:
+        raise ValueError(f"{maddr!r:.100} has a bad IP address or port")
+    return str(ip), port
+
+
+def observed_ip(maddr: str) -> str | None:
+    """The IP a connection comes from, given its remote multiaddr: None for a relayed one
+    (its IP is the relay's, not the peer's) and for anything but ``/ip4`` or ``/ip6``."""
+    parts = maddr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6") or "p2p-circuit" in parts:
+        return None
+    try:
+        return str(ipaddress.ip_address(parts[2]))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """The verdict on this node: ``reachable`` True, False, or None (unknown: nobody
+    answered, or the answers tied); ``address``: where peers reached it; ``observed``:
+    the IP peers see its connections come from (a NAT router's, behind one); ``yes`` and
+    ``no``: how many peers answered each way."""
+
+    reachable: bool | None
+    address: str | None = None
+    observed: str | None = None
+    yes: int = 0
+    no: int = 0
+
+    @property
+    def serves(self) -> bool:
+        """Whether the node should serve (and be a full DHT node): unless found unreachable."""
+        return self.reachable is not False
+
+
+def verdict(answers: Sequence[DialBackAnswer]) -> Reachability:
+    """The strict majority of ``answers`` (one per peer that answered): reachable if more
+    peers reached the node than did not, unreachable if fewer, unknown on a tie."""
+    reached = [a.reachable_at for a in answers if a.reachable_at is not None]
+    yes, no = len(reached), len(answers) - len(reached)
+    seen = Counter(ip for a in answers for ip in {observed_ip(m) for m in a.observed} if ip)
+    observed = seen.most_common(1)[0][0] if seen else None
+    address = Counter(reached).most_common(1)[0][0] if reached else None
+    reachable = None if yes == no else yes > no
+    return Reachability(reachable, address if reachable else None, observed, yes, no)
