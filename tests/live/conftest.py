@@ -13,7 +13,8 @@ import pytest
 
 # Seconds per file, measured on a loaded 2-core machine: lone node 274, assignment 223,
 # ops 184, generate 179, records 160, pipeline 152, resume 145, private 112, node 110,
-# parity 98, archive 88, chaos 76, dashboard 65, cli 64, llama 40; the rest under 25.
+# parity 98, archive 88, chaos 76, nat 68, dashboard 65, cli 64, llama 40; the rest under
+# 25.
 GROUPS = {
     "test_lone_node.py": "a",
     "test_chaos.py": "a",
@@ -30,6 +31,7 @@ GROUPS = {
     "test_stage_rpc.py": "b",
     "test_bandwidth.py": "b",
     "test_fuzz.py": "b",
+    "test_nat.py": "b",
 }
 
 
