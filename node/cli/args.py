@@ -442,18 +442,11 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         "node needs its own copy (swarmtrain node --pretrained DIR)",
     )
     create.add_argument("--stages", type=int, default=2, help="pipeline stages")
-    create.add_argument(
-        "--data",
-        nargs="+",
-        type=Path,
-        metavar="PATH",
-        help="train on these text files, JSONL (*.jsonl) and Parquet (*.parquet) files, and "
-        "directories of them: "
-        "tokenized once into shards that the spec pins by sha256 (default: the stdlib's "
-        "sources, read as bytes)",
-    )
-    create.add_argument(
-        "--text-field", default="text", help="with --data: the JSONL field holding the text"
+    text_sources_arguments(
+        create,
+        required=False,
+        purpose="train on them, tokenized once into shards that the spec pins by sha256 "
+        "(default: the stdlib's sources, read as bytes)",
     )
     create.add_argument(
         "--tokenizer",
@@ -522,19 +515,29 @@ def _owner_key(p: argparse.ArgumentParser) -> None:
     )
 
 
+def text_sources_arguments(p: argparse.ArgumentParser, *, required: bool, purpose: str) -> None:
+    """``--data PATH...`` (text, JSONL and Parquet files, and directories of them) and
+    ``--text-field``, for the commands that read a user's text (``run create``,
+    ``tokenizer train``)."""
+    p.add_argument(
+        "--data",
+        nargs="+",
+        required=required,
+        type=Path,
+        metavar="PATH",
+        help="text files, JSONL (*.jsonl) and Parquet (*.parquet) files, and directories of "
+        f"them: {purpose}",
+    )
+    p.add_argument(
+        "--text-field", default="text", help="with --data: the JSONL field holding the text"
+    )
+
+
 def tokenizer_arguments(p: argparse.ArgumentParser) -> None:
     """``swarmtrain tokenizer``."""
     actions = p.add_subparsers(dest="action", required=True)
     train = actions.add_parser("train", help="train a BPE tokenizer on local text")
-    train.add_argument(
-        "--data",
-        nargs="+",
-        required=True,
-        type=Path,
-        metavar="PATH",
-        help="text files, JSONL (*.jsonl) and Parquet (*.parquet) files, and directories of them",
-    )
-    train.add_argument("--text-field", default="text", help="the JSONL field holding the text")
+    text_sources_arguments(train, required=True, purpose="the text to train it on")
     train.add_argument(
         "--vocab-size",
         type=positive_int,
