@@ -132,6 +132,19 @@ def listen_argument(p: argparse.ArgumentParser, text: str) -> None:
     )
 
 
+def initial_peers_argument(p: argparse.ArgumentParser, *, required: bool, text: str) -> None:
+    """``--initial-peers MADDR...``, each a peer's multiaddr checked as it is parsed;
+    ``required``: at least one, else none by default."""
+    if required:
+        p.add_argument(
+            "--initial-peers", nargs="+", required=True, type=peer_maddr, metavar="MADDR", help=text
+        )
+    else:
+        p.add_argument(
+            "--initial-peers", nargs="*", default=[], type=peer_maddr, metavar="MADDR", help=text
+        )
+
+
 def node_arguments(p: argparse.ArgumentParser) -> None:
     """``swarmtrain node``."""
     p.add_argument(
@@ -164,13 +177,10 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         help="the run owner's key (default ~/.swarmtrain/owner.key): signs a new run's spec; "
         "the owner's own node needs no invite",
     )
-    p.add_argument(
-        "--initial-peers",
-        nargs="*",
-        default=[],
-        type=peer_maddr,
-        metavar="MADDR",
-        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID, as a node "
+    initial_peers_argument(
+        p,
+        required=False,
+        text="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID, as a node "
         "prints at start); none: start a new run",
     )
     listen_argument(p, "where to listen (default: every interface, a free TCP port)")
@@ -359,13 +369,8 @@ def version() -> str:
 def run_peer_arguments(p: argparse.ArgumentParser) -> None:
     """The run to reach and how: for the commands that join a run without serving."""
     p.add_argument("--run", required=True, help="the run's id (NAME@FINGERPRINT)")
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        type=peer_maddr,
-        metavar="MADDR",
-        help="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
+    initial_peers_argument(
+        p, required=True, text="multiaddrs of nodes of the run (/ip4/HOST/tcp/PORT/p2p/PEER_ID)"
     )
     listen_argument(p, "where to listen")
 
@@ -389,13 +394,10 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
 
 def runs_arguments(p: argparse.ArgumentParser) -> None:
     """``swarmtrain runs``."""
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
+    initial_peers_argument(
+        p,
         required=True,
-        type=peer_maddr,
-        metavar="MADDR",
-        help="multiaddrs of nodes of any public run (/ip4/HOST/tcp/PORT/p2p/PEER_ID), e.g. "
+        text="multiaddrs of nodes of any public run (/ip4/HOST/tcp/PORT/p2p/PEER_ID), e.g. "
         "a community's published list",
     )
     listen_argument(p, "where to listen")
@@ -501,7 +503,7 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         help="peer ids to revoke, or unique prefixes of them (as swarmtrain status shows them)",
     )
     revoke.add_argument("--invite-id", nargs="*", default=[], metavar="ID")
-    revoke.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    initial_peers_argument(revoke, required=True, text="multiaddrs of nodes of the run")
     listen_argument(revoke, "where to listen")
     _owner_key(revoke)
 
@@ -577,9 +579,7 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
         help="a live run's id: download its stages from peers (a private run's as a member: "
         "--invite, or on the owner's machine its key)",
     )
-    p.add_argument(
-        "--initial-peers", nargs="+", default=[], metavar="MADDR", help="with --run: its nodes"
-    )
+    initial_peers_argument(p, required=False, text="with --run: its nodes")
     listen_argument(p, "with --run: where to listen")
     member_arguments(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each stage")
@@ -604,14 +604,7 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
         help="a live run's id: generate through its stages' peers, one forward through the "
         "pipeline per token (nothing is trained)",
     )
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        default=[],
-        type=peer_maddr,
-        metavar="MADDR",
-        help="with --run: multiaddrs of nodes of the run",
-    )
+    initial_peers_argument(p, required=False, text="with --run: multiaddrs of nodes of the run")
     listen_argument(p, "with --run: where to listen")
     member_arguments(p)
     p.add_argument(
