@@ -27,6 +27,7 @@ from node.averaging import state as stage_state
 from node.averaging.averager import StageAverager
 from node.averaging.process import MEMBERS_REFRESH_S
 from node.averaging.state import StageState
+from node.cli.client import client_dht
 from node.daemon import checkpoint
 from node.daemon.checkpoint import Checkpoint, CheckpointError
 from node.daemon.join import NodeError, announce_member, join_run, member_invite
@@ -154,19 +155,10 @@ def _from_swarm(args: argparse.Namespace) -> tuple[RunSpec, dict, list[str]]:
     with tempfile.TemporaryDirectory(prefix="swarmtrain-export-") as scratch:
         # A private run's export signs a record: it needs its identity's key.
         identity = args.identity or Path(scratch) / "identity.key"
-        key = load_or_create_key(identity)
-        dht = SwarmDHT.start(
-            args.run,
-            initial_peers=args.initial_peers,
-            host_maddrs=args.host_maddrs,
-            identity_path=identity,
-            client_mode=True,
-        )
-        try:
+        with client_dht(args, args.run, identity=identity) as dht:
+            key = load_or_create_key(identity)
             invite_for = member_invite(read_invite(args.invite), args.owner_key, dht.peer_id)
             return uvloop.run(from_swarm(dht, args.timeout, invite_for=invite_for, key=key))
-        finally:
-            dht.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:

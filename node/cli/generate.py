@@ -20,8 +20,8 @@ import torch
 from models.generate import Sampler, sample
 from models.hf_export import load_hf
 from models.stages import Stage
+from node.cli.client import client_dht
 from node.daemon.join import join_run, member_invite
-from node.files import load_or_create_key
 from node.pipeline.trainer import StageRouter, TrainerError, TrainerSettings
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import read_invite
@@ -128,19 +128,8 @@ def _from_swarm(args: argparse.Namespace) -> int:
     check_run_id(args.run)
     if not args.initial_peers:
         raise ValueError("--run needs --initial-peers: the address of a node of the run")
-    if args.identity is not None:
-        load_or_create_key(args.identity)
-    dht = SwarmDHT.start(
-        args.run,
-        initial_peers=args.initial_peers,
-        host_maddrs=args.host_maddrs,
-        identity_path=args.identity,
-        client_mode=True,
-    )
-    try:
+    with client_dht(args, args.run, identity=args.identity) as dht:
         return uvloop.run(_generate(dht, args))
-    finally:
-        dht.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:

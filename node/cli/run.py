@@ -26,6 +26,7 @@ from hivemind.utils import get_dht_time
 from models.config import ModelConfig
 from models.stages import StageRange, even_boundaries
 from node.cli.args import DEFAULT_OWNER_KEY, DEFAULT_PRESET
+from node.cli.client import client_dht
 from node.daemon.join import owned_spec
 from node.files import load_or_create_key, write_atomic
 from node.rpc.dht import SwarmDHT
@@ -241,13 +242,8 @@ def _revoke(args: argparse.Namespace) -> int:
     _check_owner(args.run, key, args.action)
     if not args.peer and not args.invite_id:
         raise ValueError("say what to revoke: --peer PEER_ID ... and/or --invite-id ID ...")
-    dht = SwarmDHT.start(
-        args.run, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, client_mode=True
-    )
-    try:
+    with client_dht(args, args.run) as dht:
         return asyncio.run(_publish_revocations(dht, key, args))
-    finally:
-        dht.shutdown()
 
 
 async def _full_peer_ids(dht: SwarmDHT, given: list[str]) -> list[str]:

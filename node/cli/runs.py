@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
+from node.cli.client import client_dht
 from node.cli.status import duration
 from node.daemon.join import NodeError
 from node.rpc.dht import SwarmDHT
@@ -157,17 +158,8 @@ def render(v: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    dht = SwarmDHT.start(
-        None,
-        initial_peers=args.initial_peers,
-        host_maddrs=args.host_maddrs,
-        client_mode=True,
-        startup_timeout_s=args.timeout,
-    )
-    try:
+    with client_dht(args, None, startup_timeout_s=args.timeout) as dht:
         found = asyncio.run(find_runs(dht, args.timeout, secrets.randbits(64)))
-    finally:
-        dht.shutdown()
     v = view(found, args.initial_peers, get_dht_time())
     print(json.dumps(v, indent=1) if args.json else render(v), flush=True)
     return 0

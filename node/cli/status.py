@@ -17,6 +17,7 @@ import sys
 
 from hivemind.utils import get_dht_time
 
+from node.cli.client import client_dht
 from node.daemon.join import find_spec
 from node.rpc.dht import SwarmDHT
 from protocol.identity import short_peer_ids
@@ -198,17 +199,10 @@ async def _status(dht: SwarmDHT, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    dht = SwarmDHT.start(
-        check_run_id(args.run),
-        initial_peers=args.initial_peers,
-        host_maddrs=args.host_maddrs,
-        client_mode=True,
-    )
-    try:
-        return asyncio.run(_status(dht, args))
-    except KeyboardInterrupt:
-        if args.watch is None:
-            raise
-        return 0  # how one stops watching
-    finally:
-        dht.shutdown()
+    with client_dht(args, check_run_id(args.run)) as dht:
+        try:
+            return asyncio.run(_status(dht, args))
+        except KeyboardInterrupt:
+            if args.watch is None:
+                raise
+            return 0  # how one stops watching

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.cli.args import DEFAULT_OWNER_KEY
+from node.cli.client import client_dht
 from node.cli.progress import Progress
 from node.daemon.join import join_run, member_invite
 from node.data import training_data
-from node.files import load_or_create_key, write_atomic
+from node.files import write_atomic
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import read_invite
@@ -178,17 +179,6 @@ async def _train(dht: SwarmDHT, args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    if args.identity is not None:
-        load_or_create_key(args.identity)
     say(f"connecting to the peers of run {args.run}")
-    dht = SwarmDHT.start(
-        check_run_id(args.run),
-        initial_peers=args.initial_peers,
-        host_maddrs=args.host_maddrs,
-        identity_path=args.identity,
-        client_mode=True,
-    )
-    try:
+    with client_dht(args, check_run_id(args.run), identity=args.identity) as dht:
         return uvloop.run(_train(dht, args))
-    finally:
-        dht.shutdown()
