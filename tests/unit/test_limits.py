@@ -9,6 +9,9 @@ import time
 
 import pytest
 
+from node.cli.args import parse_memory
+from node.cli.config import ConfigError, template, use_config_file
+from node.cli.main import command_parser
 from node.limits import (
     ACTIVATIONS,
     AVERAGING,
@@ -21,7 +24,10 @@ from node.limits import (
     burst_for,
     current_purpose,
     mbps_to_bytes,
+    memory_refusal,
+    stages_within,
 )
+from node.measure.bandwidth import advertised
 
 
 def test_a_full_bucket_lets_its_burst_through_at_once_then_holds_the_rate():
@@ -114,3 +120,68 @@ def test_the_purpose_is_the_context_s_else_the_default():
         assert current_purpose() == STATE
     finally:
         PURPOSE.reset(token)
+
+
+# -- the settings, and --max-memory's rule ---------------------------------------------
+
+
+def test_memory_sizes():
+    assert parse_memory("8G") == 8 * 2**30
+    assert parse_memory("8GiB") == parse_memory("8 GB") == 8 * 2**30
+    assert parse_memory("512M") == 512 * 2**20
+    assert parse_memory("1.5t") == int(1.5 * 2**40)
+    refused = [
+        ("8", "give a size with its unit"),
+        ("lots", "with its unit"),
+        ("xG", "not a size"),
+        ("0G", "more than 0"),
+        ("-1G", "more than 0"),
+        ("8X", "with its unit"),
+    ]
+    for bad, why in refused:
+        with pytest.raises(ValueError, match=why):
+            parse_memory(bad)
+
+
+def test_the_limits_are_flags_and_keys_of_the_settings_file(tmp_path):
+    parser = command_parser("node")
+    args = parser.parse_args(["--max-upload-mbps", "8", "--max-memory", "2G"])
+    assert (args.max_upload_mbps, args.max_download_mbps, args.max_memory) == (8.0, None, "2G")
+    path = tmp_path / "node.toml"
+    path.write_text('max-upload-mbps = 8\nmax-download-mbps = 20.5\nmax-memory = "512M"\n')
+    assert use_config_file(parser, path) == {
+        "max_upload_mbps": 8.0,
+        "max_download_mbps": 20.5,
+        "max_memory": "512M",
+    }
+    path.write_text('run = "x"\nmax-memory = "plenty"\n')
+    with pytest.raises(ConfigError, match=r"line 2: max-memory: 'plenty': give a size with its unit"):
+        use_config_file(command_parser("node"), path)
+    path.write_text("max-upload-mbps = 0\n")
+    with pytest.raises(ConfigError, match=r"line 1: max-upload-mbps: must be more than 0"):
+        use_config_file(command_parser("node"), path)
+    assert "max-upload-mbps" in template(command_parser("node"), "node")
+
+
+def test_memory_refusal_names_the_stage_that_does_not_fit():
+    mib = 2**20
+    needs = [3 * mib, 5 * mib, 2 * mib]
+    assert memory_refusal(needs, None, [0, 1]) is None
+    assert memory_refusal(needs, 8 * mib, [0, 1]) is None
+    assert memory_refusal(needs, 4 * mib, [1]) == (
+        1,
+        "stage 1 needs about 5 MiB, more than --max-memory allows (4 MiB)",
+    )
+    stage, why = memory_refusal(needs, 6 * mib, [0, 1])
+    assert stage == 1 and "besides stage 0" in why
+    assert stages_within(needs, 3 * mib) == [0, 2] and stages_within(needs, None) == [0, 1, 2]
+    assert stages_within(needs, mib) == []
+
+
+def test_the_advertised_bandwidth_is_capped_by_the_limits():
+    assert advertised((90.0, 300.0), 8.0, None) == (8.0, 300.0)
+    assert advertised((5.0, 300.0), 8.0, 100.0) == (5.0, 100.0)
+    assert advertised(50.0, None, 20.0) == (50.0, 20.0)  # one declared figure for both
+    assert advertised(None, 8.0, 20.0) == (8.0, 20.0)  # unmeasured: the limits
+    assert advertised(None, 8.0, None) is None  # still unknown one way
+    assert advertised(None, None, None) is None
