@@ -287,6 +287,7 @@ class Node:
         self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
         self.stage_needs: list[int] = []  # bytes each stage needs (with --max-memory)
+        self.fits_every_stage = True  # else it never moves (--max-memory)
         self.started = get_dht_time()  # for the uptime in our record
         self.dashboard: Dashboard | None = None
         self.trainer: Trainer | None = None  # once training
@@ -499,7 +500,8 @@ class Node:
         """``--max-memory``: refuse (``NodeError``, after a ``stage.refused`` event) pinned
         stages that do not fit, and a run none of whose stages does; announce no
         throughput for the stages that do not fit, so that assignment leaves them to
-        others."""
+        others; and where some do not fit, never move (a move may go to any stage that
+        nobody holds)."""
         s, budget = self.settings, self.settings.max_memory
         if budget is None:
             return
@@ -513,6 +515,7 @@ class Node:
             smallest = min(range(len(needs)), key=needs.__getitem__)
             self._refuse_stage(*limits.memory_refusal(needs, budget, [smallest]))
         self.throughput = tuple(t if i in fits else 0.0 for i, t in enumerate(self.throughput))
+        self.fits_every_stage = len(fits) == len(needs)
         logger.info("--max-memory: stages %s fit", fits)
 
     def _refuse_stage(self, stage: int, why: str) -> None:
@@ -657,7 +660,14 @@ class Node:
                 on_ready()
             if self.second is not None:  # a two-stage node never moves
                 background.append(tasks.create_task(self._load_second(), name="second-stage"))
-            elif serves and self.settings.stage is None and self.settings.rebalance:
+            elif (
+                serves
+                and self.settings.stage is None
+                and self.settings.rebalance
+                and (
+                    self.fits_every_stage  # else it stays: a move could go where it does not fit
+                )
+            ):
                 background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
             if serves and self.settings.checkpoint_every_s > 0:
                 background.append(tasks.create_task(self._checkpoint_loop(), name="checkpoint"))
