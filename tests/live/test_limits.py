@@ -29,6 +29,7 @@ from tests.swarm import cli_error, launch_node, status, stop_all, wait_until
 ANY = "/ip4/0.0.0.0/tcp/0"
 LINK = Profile("link100", up_mbit=100, down_mbit=100, delay_ms=0)
 LIMIT_MBPS = 8.0
+DOWN_LIMIT_MBPS = 20.0  # above what the node receives here: only its record is checked
 WINDOW_S = 20.0  # the link is read over this long, once the node serves and averages
 # What the link carries over the limit: TCP/IP headers (about 5 % of full segments),
 # libp2p's framing and encryption, and what is not limited (DHT, gossip, pings).
@@ -44,9 +45,11 @@ def net() -> Iterator[Network]:
         pytest.skip(f"cannot build the emulated network here: {e}")
 
 
-def _sent_bytes(host: Host) -> int:
-    """Bytes ``host`` has sent onto its link (its veth, as the bridge receives them)."""
-    return int(Path(f"/sys/class/net/{host.veth_bridge}/statistics/rx_bytes").read_text())
+def _link_bytes(host: Host) -> tuple[int, int]:
+    """Bytes ``host`` has sent onto its link and received from it (its veth's bridge end
+    counts them the other way round)."""
+    stats = Path(f"/sys/class/net/{host.veth_bridge}/statistics")
+    return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
 
 
 def _api(host: Host, url: str) -> dict:
@@ -85,7 +88,8 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
         c = launch_node(tmp_path, "c", run, initial_peers=seed, host_maddr=ANY, wrap=there.exec,
                         train=True, extra=["--stage", "1"], wait=False)  # fmt: skip
         nodes.append(c)
-        limit = ["--stage", "1", "--max-upload-mbps", str(LIMIT_MBPS)]
+        limit = ["--stage", "1", "--max-upload-mbps", str(LIMIT_MBPS),
+                 "--max-download-mbps", str(DOWN_LIMIT_MBPS)]  # fmt: skip
         b = launch_node(tmp_path, "b", run, initial_peers=seed, host_maddr=ANY, wrap=here.exec,
                         train=True, extra=limit, dashboard="auto", wait=False)  # fmt: skip
         nodes.append(b)
@@ -95,39 +99,41 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
         url = wait_until(lambda: b.events("node.started"), 30, "b's dashboard")[0]["dashboard"]
 
         # The window: the link's bytes and the node's own counters, at both ends of it.
-        before_state, before_link, started = _api(here, url), _sent_bytes(here), time.monotonic()
+        before_state, before_link, started = _api(here, url), _link_bytes(here), time.monotonic()
         rounds = _averaged(b)
         wait_until(
             lambda: time.monotonic() - started >= WINDOW_S and _averaged(b) > rounds,
             WINDOW_S + 120,
             "a window with an averaging round in it",
         )
-        after_link, elapsed, after_state = (
-            _sent_bytes(here),
-            time.monotonic() - started,
-            _api(here, url),
+        after_link, elapsed = _link_bytes(here), time.monotonic() - started
+        after_state = _api(here, url)
+        mbps, down_mbps = (
+            (a - b) * 8 / elapsed / 1e6 for a, b in zip(after_link, before_link, strict=True)
         )
-        mbps = (after_link - before_link) * 8 / elapsed / 1e6
         was, now = before_state["node"]["network"], after_state["node"]["network"]
         waited = now["waited_s"]["sent"] - was["waited_s"]["sent"]
         sent = {p: now["bytes_sent"][p] - was["bytes_sent"][p] for p in now["bytes_sent"]}
-        print(f"b sent {mbps:.2f} Mbit/s at its link over {elapsed:.0f} s (limit {LIMIT_MBPS}); "
-              f"its sends waited {waited:.1f} s; bytes by purpose: {sent}")  # fmt: skip
+        print(f"b sent {mbps:.2f} Mbit/s at its link over {elapsed:.0f} s (limit {LIMIT_MBPS}) "
+              f"and received {down_mbps:.2f}; its sends waited {waited:.1f} s; bytes sent by "
+              f"purpose: {sent}")  # fmt: skip
         assert mbps <= LIMIT_MBPS * OVERHEAD, f"{mbps:.2f} Mbit/s sent at the link"
-        # The limit was what held it: its sends waited for it, and it sent near it.
-        assert waited > 0.2 * elapsed, f"sends waited {waited:.1f} s of {elapsed:.0f} s"
-        assert mbps >= 0.5 * LIMIT_MBPS, f"only {mbps:.2f} Mbit/s: the node was not busy"
+        # The limit held it back: its sends waited for it, and the node was busy. (How
+        # busy varies with the machine's load, and routing sends fewer calls to a peer
+        # whose queue grows: these bounds are loose on purpose.)
+        assert waited >= 1.0, f"sends waited {waited:.1f} s of {elapsed:.0f} s"
+        assert mbps >= 0.25 * LIMIT_MBPS, f"only {mbps:.2f} Mbit/s: the node was not busy"
         for purpose in ("activations", "gradients", "averaging"):
             assert sent[purpose] > 0, sent
-        assert now["limit_mbps"] == {"sent": LIMIT_MBPS, "received": None}
+        assert now["limit_mbps"] == {"sent": LIMIT_MBPS, "received": DOWN_LIMIT_MBPS}
 
         # What the others plan with: the record says at most 8 Mbit/s up.
-        assert now["advertised_mbps"] is not None and now["advertised_mbps"]["up"] == LIMIT_MBPS
+        assert now["advertised_mbps"] == {"up": LIMIT_MBPS, "down": DOWN_LIMIT_MBPS}
         view = status(run, seed[0], host_maddr=ANY, wrap=there.exec)
         record = next(p for p in view["peers"] if p["peer_id"] == b.peer_id)
         assert record["bandwidth_up_mbps"] == LIMIT_MBPS, record
         assert record["bandwidth_source"] == "measured", record
-        assert record["bandwidth_down_mbps"] > LIMIT_MBPS, record  # no download limit
+        assert record["bandwidth_down_mbps"] == DOWN_LIMIT_MBPS, record
     finally:
         stop_all(nodes)
 
