@@ -127,13 +127,14 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
             assert sent[purpose] > 0, sent
         assert now["limit_mbps"] == {"sent": LIMIT_MBPS, "received": DOWN_LIMIT_MBPS}
 
-        # What the others plan with: the record says at most 8 Mbit/s up.
-        assert now["advertised_mbps"] == {"up": LIMIT_MBPS, "down": DOWN_LIMIT_MBPS}
+        # What the others plan with: the record says at most the limits (the measured
+        # figures, over a link of 100 Mbit/s, are above them on an idle machine).
         view = status(run, seed[0], host_maddr=ANY, wrap=there.exec)
         record = next(p for p in view["peers"] if p["peer_id"] == b.peer_id)
-        assert record["bandwidth_up_mbps"] == LIMIT_MBPS, record
         assert record["bandwidth_source"] == "measured", record
-        assert record["bandwidth_down_mbps"] == DOWN_LIMIT_MBPS, record
+        up, down = record["bandwidth_up_mbps"], record["bandwidth_down_mbps"]
+        assert 0 < up <= LIMIT_MBPS and 0 < down <= DOWN_LIMIT_MBPS, record
+        assert now["advertised_mbps"] == {"up": up, "down": down}
     finally:
         stop_all(nodes)
 
