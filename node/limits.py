@@ -35,6 +35,11 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
+from models.memory import stage_memory as count_stage_memory
+from node.pipeline.wire import COMPRESSIONS, compression_name
+from protocol.run_spec import RunSpec
+from protocol.stage_messages import wire_nbytes
+
 logger = logging.getLogger(__name__)
 
 ACTIVATIONS = "activations"  # a forward's request and reply (stage calls)
@@ -276,3 +281,41 @@ def stages_within(needs: list[int], budget: int | None) -> list[int]:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f}"
+
+
+def stage_bytes_per_sample(spec: RunSpec, stage: int) -> tuple[float, float]:
+    """(sent, received) bytes per training sample that a peer serving ``stage`` moves, for
+    planning: the stage's requests and replies (a forward and a backward, or the last
+    stage's one call) at the run's compression, and its share of the averaging rounds
+    (about twice its parameters each way per round, a round per ``target_batch_size``
+    samples, or per ``inner_steps`` of them in DiLoCo). Its own trainer's calls are not
+    counted: they are the trainer's, not the stage's."""
+    model, optim, averaging = spec.model, spec.optim, spec.averaging
+    hidden = wire_nbytes(compression_name(COMPRESSIONS[spec.compression]), "float32",
+                         model.block_size * model.n_embd)  # fmt: skip
+    tokens = 8 * model.block_size
+    first, last = stage == 0, stage == spec.n_stages - 1
+    inputs = tokens if first else hidden
+    back = 0 if first else hidden  # the gradient w.r.t. the inputs
+    if last:  # one call: inputs and targets in; the loss (8 bytes) and that gradient out
+        sent, received = 8 + back, inputs + tokens
+    else:  # a forward (inputs in, outputs out), then a backward (both in, a gradient out)
+        sent, received = hidden + back, 2 * inputs + hidden
+    element = 2 if averaging.compression == "float16" else 4
+    per_round = 2 * element * count_stage_memory(model, spec.stage_range(stage)).parameters
+    rounds = 1 / optim.target_batch_size
+    if averaging.mode == "diloco":
+        rounds /= averaging.inner_steps
+    return sent + per_round * rounds, received + per_round * rounds
+
+
+def throughput_within(
+    spec: RunSpec, stage: int, throughput: float, up_mbps: float | None, down_mbps: float | None
+) -> float:
+    """``throughput`` (samples/s of compute) capped by what the limits let the stage move
+    (``stage_bytes_per_sample``): what routing and assignment should plan with."""
+    sent, received = stage_bytes_per_sample(spec, stage)
+    for mbps, per_sample in ((up_mbps, sent), (down_mbps, received)):
+        if mbps is not None and per_sample > 0:
+            throughput = min(throughput, mbps_to_bytes(mbps) / per_sample)
+    return throughput

@@ -373,6 +373,7 @@ class Node:
             return  # an archive serves no stage: nothing to measure, no data to read
         self.pretrained = await asyncio.to_thread(pretrained_copy, spec, s.pretrained)
         self._measure()
+        self._fit_bandwidth()
         self._fit_memory()
         if s.train:
             self.corpus = await asyncio.to_thread(training_data, spec, s.data)
@@ -495,6 +496,19 @@ class Node:
                 stage_throughputs(self.spec, self.device, cache, remeasure=self.settings.remeasure)
             )
         logger.info("throughput per stage (samples/s): %s", self.throughput)
+
+    def _fit_bandwidth(self) -> None:
+        """``--max-upload-mbps`` / ``--max-download-mbps``: announce no more samples/s per
+        stage than the limits let the stage move (``limits.throughput_within``), so that
+        routing sends it no more calls, and assignment counts no more, than it can serve."""
+        up, down = self.settings.max_upload_mbps, self.settings.max_download_mbps
+        if up is None and down is None:
+            return
+        self.throughput = tuple(
+            limits.throughput_within(self.spec, stage, t, up, down)
+            for stage, t in enumerate(self.throughput)
+        )
+        logger.info("within the bandwidth limits, throughput per stage: %s", self.throughput)
 
     def _fit_memory(self) -> None:
         """``--max-memory``: refuse (``NodeError``, after a ``stage.refused`` event) pinned

@@ -3,7 +3,8 @@
 ``--max-upload-mbps 8`` on a node whose link (``scripts.netem``: a network namespace with
 a 100 Mbit/s veth) could carry far more: measured at the link, it sends at most about
 8 Mbit/s while it serves, trains and averages, its sends wait for the limit, and its
-record advertises 8 Mbit/s up. Skipped, saying why, where network namespaces, veth
+record advertises at most 8 Mbit/s up, and only the samples/s that 8 Mbit/s carries for
+its stage. Skipped, saying why, where network namespaces, veth
 pairs, bridges or ``tbf`` cannot be used (``NetemUnavailable``).
 
 ``--max-memory`` smaller than any stage of the run: the node refuses the stage, with a
@@ -135,6 +136,9 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
         up, down = record["bandwidth_up_mbps"], record["bandwidth_down_mbps"]
         assert 0 < up <= LIMIT_MBPS and 0 < down <= DOWN_LIMIT_MBPS, record
         assert now["advertised_mbps"] == {"up": up, "down": down}
+        # and its stage's samples/s no more than 8 Mbit/s carries (it declared 100: the
+        # harness's --throughput)
+        assert 0 < record["throughput"] < 100, record
     finally:
         stop_all(nodes)
 

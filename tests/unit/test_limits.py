@@ -8,7 +8,9 @@ import asyncio
 import time
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from models.memory import stage_memory as count_stage_memory
 from node.cli.args import parse_memory
 from node.cli.config import ConfigError, template, use_config_file
 from node.cli.main import command_parser
@@ -25,9 +27,13 @@ from node.limits import (
     current_purpose,
     mbps_to_bytes,
     memory_refusal,
+    stage_bytes_per_sample,
     stages_within,
+    throughput_within,
 )
 from node.measure.bandwidth import advertised
+from protocol.identity import peer_id_of
+from protocol.run_spec import make_run_spec
 
 
 def test_a_full_bucket_lets_its_burst_through_at_once_then_holds_the_rate():
@@ -185,3 +191,35 @@ def test_the_advertised_bandwidth_is_capped_by_the_limits():
     assert advertised(None, 8.0, 20.0) == (8.0, 20.0)  # unmeasured: the limits
     assert advertised(None, 8.0, None) is None  # still unknown one way
     assert advertised(None, None, None) is None
+
+
+# -- what a stage moves, and the throughput a node announces within its limits ----------
+
+
+def _spec(**settings):
+    owner = peer_id_of(Ed25519PrivateKey.generate().public_key())
+    return make_run_spec("lim", "tiny", 2, owner=owner, **settings)
+
+
+def test_what_a_stage_moves_per_sample():
+    spec = _spec()  # tiny: 64 positions of 64 floats, 32 samples a step
+    hidden, tokens = 64 * 64 * 4, 64 * 8
+    params = [count_stage_memory(spec.model, spec.stage_range(s)).parameters for s in (0, 1)]
+    rounds = [2 * 4 * p / 32 for p in params]
+    # stage 0: token ids in twice (forward, backward) and grad_outputs in; outputs out
+    assert stage_bytes_per_sample(spec, 0) == (hidden + rounds[0], 2 * tokens + hidden + rounds[0])
+    # the last stage: hidden states and targets in; the loss and their gradient out
+    assert stage_bytes_per_sample(spec, 1) == (8 + hidden + rounds[1], hidden + tokens + rounds[1])
+    half = stage_bytes_per_sample(_spec(compression="float16"), 1)
+    assert half[0] == 8 + hidden // 2 + rounds[1]
+    diloco = _spec(averaging={"mode": "diloco", "inner_steps": 10})
+    assert stage_bytes_per_sample(diloco, 1)[0] == 8 + hidden + rounds[1] / 10
+
+
+def test_the_limits_cap_the_throughput_a_node_announces():
+    spec = _spec()
+    sent, received = stage_bytes_per_sample(spec, 1)
+    assert throughput_within(spec, 1, 100.0, None, None) == 100.0
+    assert throughput_within(spec, 1, 100.0, 8.0, None) == pytest.approx(1e6 / sent)
+    assert throughput_within(spec, 1, 100.0, None, 8.0) == pytest.approx(1e6 / received)
+    assert throughput_within(spec, 1, 5.0, 8.0, 8.0) == 5.0  # compute is the bound
