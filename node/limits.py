@@ -1,5 +1,5 @@
-"""The bandwidth a volunteer lets the node use (``--max-upload-mbps``,
-``--max-download-mbps``), and the bytes it moves, by purpose.
+"""What a volunteer lets the node take: bandwidth (``--max-upload-mbps``,
+``--max-download-mbps``) and memory (``--max-memory``); and the bytes it moves, by purpose.
 
 ``TokenBucket`` is the rule, pure (the caller passes the clock): bytes are taken at
 ``rate`` per second with bursts of ``burst``; a take larger than what is left is granted
@@ -20,6 +20,10 @@ and are neither counted nor limited: they are small.
 The purpose of a frame is read from the ``PURPOSE`` context variable where the code that
 moves it set one (a stage call, a state download), else from the process's default
 (``set_default_purpose``: the averager process says ``averaging``).
+
+What the node plans with under its limits, pure: ``throughput_within`` (the samples/s of a
+stage that the bandwidth limits carry, from ``stage_bytes_per_sample``), and
+``memory_refusal`` / ``stages_within`` (which stages fit in ``--max-memory``).
 """
 
 from __future__ import annotations

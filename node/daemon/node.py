@@ -514,8 +514,7 @@ class Node:
         """``--max-memory``: refuse (``NodeError``, after a ``stage.refused`` event) pinned
         stages that do not fit, and a run none of whose stages does; announce no
         throughput for the stages that do not fit, so that assignment leaves them to
-        others; and where some do not fit, never move (a move may go to any stage that
-        nobody holds)."""
+        others; and where some do not fit, never move (``movable``)."""
         s, budget = self.settings, self.settings.max_memory
         if budget is None:
             return
@@ -541,6 +540,14 @@ class Node:
             reason=why,
         )
         raise NodeError(f"refusing stage {stage} of run {self.settings.run}: {why}")
+
+    @property
+    def movable(self) -> bool:
+        """Whether it may move to another stage: not pinned, rebalancing, and every stage
+        fits its memory (a move may go to a stage that nobody holds, whatever the mover's
+        throughput there)."""
+        s = self.settings
+        return s.stage is None and s.rebalance and self.fits_every_stage
 
     def advertised_bandwidth(self) -> tuple[float, float] | None:
         """(up, down) Mbit/s as our record says them: measured, else declared, capped by
@@ -674,14 +681,7 @@ class Node:
                 on_ready()
             if self.second is not None:  # a two-stage node never moves
                 background.append(tasks.create_task(self._load_second(), name="second-stage"))
-            elif (
-                serves
-                and self.settings.stage is None
-                and self.settings.rebalance
-                and (
-                    self.fits_every_stage  # else it stays: a move could go where it does not fit
-                )
-            ):
+            elif serves and self.movable:
                 background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
             if serves and self.settings.checkpoint_every_s > 0:
                 background.append(tasks.create_task(self._checkpoint_loop(), name="checkpoint"))
@@ -800,9 +800,8 @@ class Node:
     async def _hold(self, stage: int, role: str) -> None:
         """Build ``stage`` (its state from a peer of it, else from our newest checkpoint of
         it, else initial), and serve it."""
-        held = [self.stage] if role == "second" else []
-        if refusal := limits.memory_refusal(self.stage_needs, self.settings.max_memory,
-                                            [*held, stage]):  # fmt: skip
+        together = [self.stage, stage] if role == "second" else [stage]
+        if refusal := limits.memory_refusal(self.stage_needs, self.settings.max_memory, together):
             self._refuse_stage(*refusal)
         if role == "first":
             logger.info("took stage %d of %d", stage, self.spec.n_stages)
