@@ -171,9 +171,10 @@ def limit_arguments(p: argparse.ArgumentParser) -> None:
         "--max-memory",
         type=memory_size,
         metavar="SIZE",
-        help="memory the node's stages may take, e.g. 8G (GPU memory on CUDA, else RAM): "
-        "it takes only stages that fit, a second stage only if both do, and refuses to "
-        "start when no stage of the run fits (default: what is free)",
+        help='memory the node\'s stages may take, e.g. 8G or 512M ("8G" in a settings '
+        "file; GPU memory on CUDA, else RAM): it takes only stages that fit, a second stage "
+        "only if both do, and refuses to start when no stage of the run fits (default: no "
+        "limit; a second stage only if it fits in what is free)",
     )
 
 
