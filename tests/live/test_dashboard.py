@@ -213,6 +213,13 @@ def test_the_api_lists_every_peer_and_metrics_count_training(swarm) -> None:
         "sent": None,
         "received": None,
     }
+    # A node that loaded its stage's state from a peer counts those bytes as state (they
+    # travel through its averager process, which shares the counters).
+    downloaded = [n for n in swarm if n.events("stage.held")[0]["loaded"] == "peers"]
+    for node in downloaded:
+        got = _metric(node.dashboard, "swarmtrain_network_bytes_total", purpose="state",
+                      direction="received")  # fmt: skip
+        assert got and got > 10_000, (node.name, got)
     stage = str(stages[a.peer_id])
     assert _metric(url, "swarmtrain_stage_held", stage=stage, role="first") == 1
     wait_until(
