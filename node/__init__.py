@@ -10,4 +10,6 @@ subsystem:
 - ``rpc``: transport, DHT, gossip, the membership gate, hivemind compatibility.
 - ``harness``: local node processes for the demo, tests and benchmarks.
 - ``files``: atomic writes and the identity key file; ``events``: the structured event log.
+- ``limits``: the bandwidth and memory a volunteer lets the node take, and the bytes it
+  moves by purpose.
 """

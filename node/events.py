@@ -28,6 +28,9 @@ fields:
   ``source`` (the peer or archive node's id, or the checkpoint's path; null for
   ``"initial"``), ``step`` (the optimizer steps that state holds).
 - ``stage.released``: ``stage``.
+- ``stage.refused``: ``stage``, ``need`` (bytes training it takes), ``max_memory``
+  (``--max-memory``, bytes), ``reason`` (one line): the node refuses to take a stage that
+  would not fit (a pinned one, or any of a run none of whose stages fits: it then stops).
 - ``placement.chose``: ``stage`` (a joiner's choice), ``resumed`` (true: the stage of its own
   checkpoint, taken without choosing); ``placement.moved``: ``from``, ``to``.
 - ``averaging.round``: ``stage``, ``epoch`` (the one the copy is at now), ``peers`` (whose

@@ -30,9 +30,14 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-from hivemind.p2p import PeerID
+# hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
+from typing import AsyncIterator  # noqa: UP035
 
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+
+from node import limits
 from node.rpc.child_process import die_with_parent
 from node.rpc.hivemind_compat import AveragerCompat, cap_frames
 from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight, robust_mean
@@ -77,7 +82,20 @@ class StageAveragerProcess(AveragerCompat):
         # hang. Parts are small (512 KiB); one thread reduces them fast enough.
         torch.set_num_threads(1)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops us
+        limits.set_default_purpose(limits.AVERAGING)  # but state downloads: see below
         super().run()
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's, its bytes counted (and limited) as ``state``."""
+        limits.PURPOSE.set(limits.STATE)  # the stream's task
+        async for response in super().rpc_download_state(request, context):
+            yield response
+
+    async def _load_state_from_peers(self, future, timeout: float | None = None) -> None:
+        limits.PURPOSE.set(limits.STATE)  # this download's task, and the tasks it starts
+        return await super()._load_state_from_peers(future, timeout)
 
     def set_round(self, epoch: int, size: int | None) -> None:
         """Match only with peers at ``epoch`` (it becomes the group key's bits), and start

@@ -120,6 +120,64 @@ def dashboard_address(text: str) -> str:
     return text
 
 
+_MEMORY_UNITS = {"": None, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from a size with a binary unit: ``8G``, ``8GiB``, ``512M``, ``1.5T`` (K, M,
+    G, T: powers of 1024; a trailing ``B`` or ``iB`` is allowed). ``ValueError`` naming
+    the problem otherwise."""
+    raw = text.strip()
+    number = raw.rstrip("BbIi").rstrip()
+    unit = number[-1:].upper() if number[-1:].isalpha() else ""
+    number = number[: len(number) - len(unit)].strip()
+    scale = _MEMORY_UNITS.get(unit)
+    if scale is None:
+        raise ValueError(f"{text!r}: give a size with its unit, e.g. 8G or 512M")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (e.g. 8G or 512M)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r}: a size must be more than 0")
+    return int(value * scale)
+
+
+def memory_size(text: str) -> str:
+    """``--max-memory``: checked here (``parse_memory``), parsed again by the command."""
+    try:
+        parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def limit_arguments(p: argparse.ArgumentParser) -> None:
+    """What a volunteer lets the node take from the machine and the link."""
+    p.add_argument(
+        "--max-upload-mbps",
+        type=positive_float,
+        metavar="MBPS",
+        help="send at most this many Mbit/s (stage calls, averaging, state for joiners); "
+        "the node's record advertises at most this (default: no limit)",
+    )
+    p.add_argument(
+        "--max-download-mbps",
+        type=positive_float,
+        metavar="MBPS",
+        help="receive at most this many Mbit/s, likewise (default: no limit)",
+    )
+    p.add_argument(
+        "--max-memory",
+        type=memory_size,
+        metavar="SIZE",
+        help='memory the node\'s stages may take, e.g. 8G or 512M ("8G" in a settings '
+        "file; GPU memory on CUDA, else RAM): it takes only stages that fit, a second stage "
+        "only if both do, and refuses to start when no stage of the run fits (default: no "
+        "limit; a second stage only if it fits in what is free)",
+    )
+
+
 def listen_argument(p: argparse.ArgumentParser, text: str) -> None:
     """``--host-maddrs``: where this process's libp2p daemon listens."""
     p.add_argument(
@@ -261,6 +319,7 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="seconds between record refreshes (records expire after 3)",
     )
+    limit_arguments(p)
     p.add_argument("--no-train", action="store_true", help="serve only; run no trainer loop")
     p.add_argument(
         "--heartbeat",

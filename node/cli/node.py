@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 from node import events
+from node.cli.args import parse_memory
 from node.cli.maddrs import check_can_listen
 from node.daemon.node import Node, NodeSettings, until_stopped, write_maddrs
 from node.dashboard.address import check_can_bind, parse_address
@@ -58,6 +59,9 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         throughput=args.throughput,
         remeasure=args.remeasure,
         bandwidth_mbps=args.bandwidth_mbps,
+        max_upload_mbps=args.max_upload_mbps,
+        max_download_mbps=args.max_download_mbps,
+        max_memory=None if args.max_memory is None else parse_memory(args.max_memory),
         update_period_s=args.update_period,
         train=not args.no_train,
         heartbeat_s=args.heartbeat,

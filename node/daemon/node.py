@@ -27,7 +27,7 @@ from models.data import Corpus
 from models.pretrained import Checkpoint, load_into, load_stage_state, verify_files
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import events
+from node import events, limits
 from node.averaging.averager import AveragedStageServer, StageAverager
 from node.cli.args import DEFAULT_OWNER_KEY
 from node.daemon import checkpoint
@@ -52,7 +52,12 @@ from node.files import (
     load_or_create_key,
     write_atomic,
 )
-from node.measure.bandwidth import BandwidthError, BandwidthProbe, measure_bandwidth
+from node.measure.bandwidth import (
+    BandwidthError,
+    BandwidthProbe,
+    advertised,
+    measure_bandwidth,
+)
 from node.measure.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
 from node.pipeline.server import StageServer
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
@@ -117,6 +122,11 @@ class NodeSettings:
     throughput: float | None = None  # declared samples/s for every stage (skips measuring)
     remeasure: bool = False  # measure throughput again instead of using the cached figures
     bandwidth_mbps: float | None = None  # declared up and down
+    # What the volunteer lets the node take (None: no limit): Mbit/s sent and received
+    # (``node.limits``; the record advertises no more), and bytes of memory for its stages.
+    max_upload_mbps: float | None = None
+    max_download_mbps: float | None = None
+    max_memory: int | None = None
     cache_dir: Path | None = field(default_factory=lambda: Path("~/.cache/swarmtrain").expanduser())
     spec_timeout_s: float = 30.0
     train: bool = True  # run a trainer loop alongside the stage
@@ -276,6 +286,8 @@ class Node:
         self.gate: MembershipGate | None = None
         self.placement: Placement | None = None
         self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
+        self.stage_needs: list[int] = []  # bytes each stage needs (with --max-memory)
+        self.fits_every_stage = True  # else it never moves (--max-memory)
         self.started = get_dht_time()  # for the uptime in our record
         self.dashboard: Dashboard | None = None
         self.trainer: Trainer | None = None  # once training
@@ -298,6 +310,7 @@ class Node:
         settings = replace(settings, run=run)
         key, lock_fd = load_or_create_identity(settings.identity_path())
         events.open_log(settings.events_path(peer_id_of(key.public_key())))  # before the fork
+        limits.install(settings.max_upload_mbps, settings.max_download_mbps)
         try:
             dht = SwarmDHT.start(
                 run,
@@ -360,6 +373,8 @@ class Node:
             return  # an archive serves no stage: nothing to measure, no data to read
         self.pretrained = await asyncio.to_thread(pretrained_copy, spec, s.pretrained)
         self._measure()
+        self._fit_bandwidth()
+        self._fit_memory()
         if s.train:
             self.corpus = await asyncio.to_thread(training_data, spec, s.data)
 
@@ -482,10 +497,69 @@ class Node:
             )
         logger.info("throughput per stage (samples/s): %s", self.throughput)
 
+    def _fit_bandwidth(self) -> None:
+        """``--max-upload-mbps`` / ``--max-download-mbps``: announce no more samples/s per
+        stage than the limits let the stage move (``limits.throughput_within``), so that
+        routing sends it no more calls, and assignment counts no more, than it can serve."""
+        up, down = self.settings.max_upload_mbps, self.settings.max_download_mbps
+        if up is None and down is None:
+            return
+        self.throughput = tuple(
+            limits.throughput_within(self.spec, stage, t, up, down)
+            for stage, t in enumerate(self.throughput)
+        )
+        logger.info("within the bandwidth limits, throughput per stage: %s", self.throughput)
+
+    def _fit_memory(self) -> None:
+        """``--max-memory``: refuse (``NodeError``, after a ``stage.refused`` event) pinned
+        stages that do not fit, and a run none of whose stages does; announce no
+        throughput for the stages that do not fit, so that assignment leaves them to
+        others; and where some do not fit, never move (``movable``)."""
+        s, budget = self.settings, self.settings.max_memory
+        if budget is None:
+            return
+        needs = [stage_memory(self.spec, stage) for stage in range(self.spec.n_stages)]
+        self.stage_needs = needs
+        pinned = [stage for stage in (s.stage, s.second_stage) if stage is not None]
+        if refusal := limits.memory_refusal(needs, budget, pinned):
+            self._refuse_stage(*refusal)
+        fits = limits.stages_within(needs, budget)
+        if not fits:
+            smallest = min(range(len(needs)), key=needs.__getitem__)
+            self._refuse_stage(*limits.memory_refusal(needs, budget, [smallest]))
+        self.throughput = tuple(t if i in fits else 0.0 for i, t in enumerate(self.throughput))
+        self.fits_every_stage = len(fits) == len(needs)
+        logger.info("--max-memory: stages %s fit", fits)
+
+    def _refuse_stage(self, stage: int, why: str) -> None:
+        events.emit(
+            "stage.refused",
+            stage=stage,
+            need=self.stage_needs[stage],
+            max_memory=self.settings.max_memory,
+            reason=why,
+        )
+        raise NodeError(f"refusing stage {stage} of run {self.settings.run}: {why}")
+
+    @property
+    def movable(self) -> bool:
+        """Whether it may move to another stage: not pinned, rebalancing, and every stage
+        fits its memory (a move may go to a stage that nobody holds, whatever the mover's
+        throughput there)."""
+        s = self.settings
+        return s.stage is None and s.rebalance and self.fits_every_stage
+
+    def advertised_bandwidth(self) -> tuple[float, float] | None:
+        """(up, down) Mbit/s as our record says them: measured, else declared, capped by
+        ``--max-upload-mbps`` / ``--max-download-mbps``; None: unknown."""
+        s = self.settings
+        figure = self.bandwidth or s.bandwidth_mbps
+        return advertised(figure, s.max_upload_mbps, s.max_download_mbps)
+
     def info(self, state: PeerState | None = None) -> PeerInfo:
         """This node's record as of now."""
         assert self.spec is not None and self.device is not None
-        declared_bw = self.settings.bandwidth_mbps
+        up_down = self.advertised_bandwidth()
         return PeerInfo(
             peer_id=self.peer_id,
             run=self.settings.run,
@@ -493,13 +567,13 @@ class Node:
             device=self.device.description,
             throughput=self.throughput,
             throughput_source="declared" if self.settings.throughput is not None else "measured",
-            bandwidth_up_mbps=self.bandwidth[0] if self.bandwidth else declared_bw or 0.0,
-            bandwidth_down_mbps=self.bandwidth[1] if self.bandwidth else declared_bw or 0.0,
+            bandwidth_up_mbps=up_down[0] if up_down else 0.0,
+            bandwidth_down_mbps=up_down[1] if up_down else 0.0,
             bandwidth_source=(
                 "measured"
                 if self.bandwidth
                 else "declared"
-                if declared_bw is not None
+                if up_down  # declared, or the limits where nothing was measured
                 else "unknown"
             ),
             stage=self.stage,
@@ -607,7 +681,7 @@ class Node:
                 on_ready()
             if self.second is not None:  # a two-stage node never moves
                 background.append(tasks.create_task(self._load_second(), name="second-stage"))
-            elif serves and self.settings.stage is None and self.settings.rebalance:
+            elif serves and self.movable:
                 background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
             if serves and self.settings.checkpoint_every_s > 0:
                 background.append(tasks.create_task(self._checkpoint_loop(), name="checkpoint"))
@@ -678,6 +752,9 @@ class Node:
             return None
         if second is None:
             return None
+        if refusal := limits.memory_refusal(self.stage_needs, s.max_memory, [self.stage, second]):
+            logger.info("not taking stage %d as a second stage: %s", second, refusal[1])
+            return None
         need, free = stage_memory(self.spec, second), free_memory(self.device)
         if need > free:
             logger.info(
@@ -723,6 +800,9 @@ class Node:
     async def _hold(self, stage: int, role: str) -> None:
         """Build ``stage`` (its state from a peer of it, else from our newest checkpoint of
         it, else initial), and serve it."""
+        together = [self.stage, stage] if role == "second" else [stage]
+        if refusal := limits.memory_refusal(self.stage_needs, self.settings.max_memory, together):
+            self._refuse_stage(*refusal)
         if role == "first":
             logger.info("took stage %d of %d", stage, self.spec.n_stages)
         model = self.spec.model

@@ -133,6 +133,8 @@ def metric_families(
         _one(C, "peers_left_total", "Peers seen leaving the run", counts.peers_left),
     ]
 
+    out += network_families(s)
+
     # The swarm, as this node last read the run's records.
     view = summarize(list(s.peers), None if s.spec is None else s.spec.n_stages, s.time)
     peers = _gauge(
@@ -159,6 +161,45 @@ def metric_families(
              last and last.swarm_samples_per_s),
     ]  # fmt: skip
     return out
+
+
+def network_families(s: NodeSnapshot) -> list[Metric]:
+    """Bytes by purpose and direction, the waits for the limits, the limits and the
+    bandwidth the node's record advertises."""
+    out: list[Metric] = []
+    t = s.traffic
+    if t is not None:
+        moved = _counter(
+            "network_bytes_total",
+            "Bytes this node sent and received on its streams, by purpose (activations, "
+            "gradients, averaging, state, probe, other)",
+            ["purpose", "direction"],
+        )
+        for (purpose, direction), n in t.bytes.items():
+            moved.add_metric([purpose, direction], n)
+        waited = _counter(
+            "network_throttled_seconds_total",
+            "Seconds its sends and reads waited for --max-upload-mbps / --max-download-mbps",
+            ["direction"],
+        )
+        limit = _gauge(
+            "network_limit_bytes_per_second", "The limit a volunteer set, if any", ["direction"]
+        )
+        for direction, seconds in t.waited_s.items():
+            waited.add_metric([direction], seconds)
+            if t.limits[direction] is not None:
+                limit.add_metric([direction], t.limits[direction])
+        out += [moved, waited, limit]
+    advertised = _gauge(
+        "advertised_bandwidth_bytes_per_second",
+        "The bandwidth this node's record advertises (measured or declared, capped by its "
+        "limits), what routing and assignment plan with",
+        ["direction"],
+    )
+    if s.advertised_mbps is not None:
+        for direction, mbps in zip(("up", "down"), s.advertised_mbps, strict=True):
+            advertised.add_metric([direction], mbps * 1e6 / 8)
+    return [*out, advertised]
 
 
 class NodeCollector:

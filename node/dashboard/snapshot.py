@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from node.limits import TrafficCounts, traffic
 from protocol.records import PeerInfo
 from protocol.run_spec import RunSpec
 
@@ -76,6 +77,8 @@ class NodeSnapshot:
     calls: dict[int, int] = field(default_factory=dict)  # stage -> trainer calls answered
     peers: tuple[PeerInfo, ...] = ()  # the run's peers, as the node last read them
     peers_read_at: float | None = None  # Unix seconds
+    traffic: TrafficCounts | None = None  # bytes moved by purpose, and the limits (node.limits)
+    advertised_mbps: tuple[float, float] | None = None  # (up, down) its record says, if known
 
     @property
     def uptime_s(self) -> float:
@@ -150,4 +153,6 @@ def snapshot_of(node: Node) -> NodeSnapshot:
         calls=_calls_by_stage(stats.calls) if stats is not None else {},
         peers=tuple(node.peers),
         peers_read_at=node.peers_read_at,
+        traffic=traffic.counts(),
+        advertised_mbps=node.advertised_bandwidth(),
     )

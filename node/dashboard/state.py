@@ -16,6 +16,7 @@ from node.cli.status import summarize
 from node.dashboard.history import Point
 from node.dashboard.snapshot import NodeSnapshot, StageSnapshot
 from node.dashboard.tally import TallyCounts
+from node.limits import DIRECTIONS, RECEIVED, SENT
 from protocol.run_spec import RunSpec
 
 API_VERSION = 1
@@ -120,6 +121,29 @@ def node_section(snapshot: NodeSnapshot, counts: TallyCounts) -> dict[str, Any]:
         "checkpoints": counts.checkpoints,
         "moves": counts.moves,
         "stages": [_stage(st) for st in s.stages],
+        "network": network_section(s),
+    }
+
+
+def network_section(snapshot: NodeSnapshot) -> dict[str, Any]:
+    """Bytes this node sent and received, by purpose (``node.limits.PURPOSES``), the
+    seconds its sends and reads waited for its limits, the limits themselves (Mbit/s,
+    None: none) and the bandwidth its record advertises."""
+    t = snapshot.traffic
+    up_down = snapshot.advertised_mbps
+    section: dict[str, Any] = {
+        "advertised_mbps": None if up_down is None else {"up": up_down[0], "down": up_down[1]}
+    }
+    if t is None:
+        return section
+    by = {d: {p: n for (p, dd), n in t.bytes.items() if dd == d} for d in DIRECTIONS}
+    return section | {
+        "bytes_sent": by[SENT],
+        "bytes_received": by[RECEIVED],
+        "waited_s": {d: round(s, 3) for d, s in t.waited_s.items()},
+        "limit_mbps": {
+            d: None if r is None else round(r * 8 / 1e6, 3) for d, r in t.limits.items()
+        },
     }
 
 

@@ -29,6 +29,8 @@ import time
 from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 
+from node import limits
+from node.limits import PROBE, RECEIVED, SENT, TokenBucket
 from node.rpc.service import NodeServicer
 from protocol.routing import BanList
 
@@ -54,23 +56,6 @@ class BandwidthError(RuntimeError):
     nonsense. The node then advertises its bandwidth as unknown (or declared)."""
 
 
-class _Budget:
-    """A token bucket of bytes: ``take`` never waits, it says yes or no."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self._tokens, self._at = burst, time.monotonic()
-
-    def take(self, n: int) -> bool:
-        now = time.monotonic()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if n > self._tokens:
-            return False
-        self._tokens -= n
-        return True
-
-
 class BandwidthProbe(NodeServicer):
     """Answers other peers' bandwidth probes; build with ``await BandwidthProbe.create(p2p)``."""
 
@@ -91,7 +76,7 @@ class BandwidthProbe(NodeServicer):
             )
         self.max_bytes = max_bytes
         self._payload = os.urandom(max_bytes)  # incompressible; downloads are slices of it
-        self._budget = _Budget(rate_bps, burst_bytes)
+        self._budget = TokenBucket.full(rate_bps, burst_bytes, time.monotonic())
         self.callers = callers  # malformed or oversized calls count against their caller
         self.served = 0  # calls answered
         self.refusals = 0  # calls refused
@@ -112,6 +97,7 @@ class BandwidthProbe(NodeServicer):
         n = len(request.metadata)
         if n > self.max_bytes or request.tensors or request.uid:
             self._refuse(context, f"an upload of {n} bytes (the limit is {self.max_bytes})")
+        await limits.traffic.receive(n, PROBE)
         self.served += 1
         return runtime_pb2.ExpertResponse(metadata=_SIZE.pack(n))
 
@@ -124,12 +110,22 @@ class BandwidthProbe(NodeServicer):
         (n,) = _SIZE.unpack(request.metadata)
         if n > self.max_bytes:
             self._refuse(context, f"a download of {n} bytes (the limit is {self.max_bytes})")
-        if not self._budget.take(n):  # not the caller's fault: no strike
+        if not self._within_budget(n):  # not the caller's fault: no strike
             self._refuse(
                 context, f"a download of {n} bytes: busy, try again in a few seconds", strike=False
             )
+        await limits.traffic.send(n, PROBE)
         self.served += 1
         return runtime_pb2.ExpertResponse(metadata=self._payload[:n])
+
+    def _within_budget(self, n: int) -> bool:
+        """Take ``n`` bytes from the serving budget if they are there now (never waits)."""
+        budget, now = self._budget, time.monotonic()
+        budget.refill(now)
+        if n > budget.tokens:
+            return False
+        budget.take(n, now)
+        return True
 
     def _refuse(self, context: P2PContext, what: str, strike: bool = True) -> None:
         self.refusals += 1
@@ -174,6 +170,8 @@ async def measure_bandwidth(
             rtt = await fastest(stub.rpc_download, empty, lambda got: got == b"")
             up = await fastest(stub.rpc_upload, upload, lambda got: got == _SIZE.pack(nbytes))
             down = await fastest(stub.rpc_download, download, lambda got: len(got) == nbytes)
+            limits.traffic.count(rounds * nbytes, PROBE, SENT)
+            limits.traffic.count(rounds * nbytes, PROBE, RECEIVED)
     except TimeoutError:
         raise BandwidthError(f"peer {peer_id}: no measurement within {timeout} s") from None
     except P2PHandlerError as e:
@@ -185,6 +183,26 @@ async def measure_bandwidth(
     except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:
         raise BandwidthError(f"peer {peer_id} unreachable: {type(e).__name__}: {e}") from None
     return _mbps(nbytes, up, rtt), _mbps(nbytes, down, rtt)
+
+
+def advertised(
+    figure: tuple[float, float] | float | None, limit_up: float | None, limit_down: float | None
+) -> tuple[float, float] | None:
+    """(up, down) Mbit/s as a record says them: ``figure`` (measured (up, down), or one
+    declared figure for both; None: unknown) capped by the node's limits (None: none).
+    An unknown figure with both limits set is the limits; with one, still unknown."""
+    if isinstance(figure, tuple):
+        up, down = figure
+    else:
+        up = down = figure
+    if up is None:
+        if limit_up is None or limit_down is None:
+            return None
+        return limit_up, limit_down
+    return (
+        up if limit_up is None else min(up, limit_up),
+        down if limit_down is None else min(down, limit_down),
+    )
 
 
 def _mbps(nbytes: int, elapsed: float, rtt: float) -> float:

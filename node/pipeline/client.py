@@ -21,6 +21,7 @@ from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from node import limits
 from node.pipeline.server import StageServer, stage_namespace
 from node.pipeline.wire import (
     FAILED,
@@ -86,6 +87,8 @@ async def call(
         return await _call_local(local, peer_id, kind, metadata, tensors, timeout)
     handle = StageServer.handle_name(stage_namespace(stage), f"rpc_{kind}")
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
+    # the bytes both ways count (and wait for the node's limits) as the call's purpose
+    purpose = limits.PURPOSE.set(purpose_of(kind))
     try:
         async with asyncio.timeout(timeout):
             _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handle)
@@ -107,6 +110,14 @@ async def call(
         raise StageUnavailable(peer_id, f"malformed response: {e}") from None
     except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:
         raise StageUnavailable(peer_id, f"unreachable: {type(e).__name__}: {e}") from None
+    finally:
+        limits.PURPOSE.reset(purpose)
+
+
+def purpose_of(kind: str) -> str:
+    """What a stage call's bytes are, for ``node.limits``: a forward moves activations (a
+    last stage's reply to a training call carries a gradient too), a backward gradients."""
+    return limits.ACTIVATIONS if kind == FORWARD else limits.GRADIENTS
 
 
 async def _call_local(
@@ -149,6 +160,7 @@ async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[t
             raise StageRequestError(str(e)) from None
         except asyncio.IncompleteReadError:
             raise ConnectionError("the stream closed before the response was complete") from None
+        await limits.traffic.receive(frame.ByteSize() + limits.FRAME_OVERHEAD)
         if isinstance(frame, RPCError):
             raise P2PHandlerError(frame.message)
         if n_tensors is None:

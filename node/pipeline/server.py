@@ -64,6 +64,7 @@ from hivemind.proto import runtime_pb2
 
 from models.stages import Stage
 from models.training import StageOptimizer
+from node import limits
 from node.pipeline.executor import StageExecutor
 from node.pipeline.wire import (
     FAILED,
@@ -355,6 +356,7 @@ class StageServer(NodeServicer):
         """Inputs -> outputs; at the last stage inputs and targets -> loss (and, with
         ``train``, the gradient of ``loss * B`` w.r.t. the inputs), or with ``infer``
         inputs -> the logits of each sequence's last position."""
+        limits.PURPOSE.set(limits.ACTIVATIONS)  # the stream's task: what it reads and sends
         for message in await self._serve(FORWARD, requests, context):
             yield message
         await self._linger()
@@ -363,6 +365,7 @@ class StageServer(NodeServicer):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Inputs and grad_outputs -> gradient w.r.t. the inputs (none at stage 0)."""
+        limits.PURPOSE.set(limits.GRADIENTS)  # the stream's task: what it reads and sends
         for message in await self._serve(BACKWARD, requests, context):
             yield message
         await self._linger()
@@ -481,6 +484,7 @@ class StageServer(NodeServicer):
                     check_meta(self.contract, meta, run_id=self.run_id, kind=kind)
                     roles = self.contract.roles(kind, infer=meta.infer)
                 assembler.add(message)
+                await limits.traffic.receive(message.ByteSize() + limits.FRAME_OVERHEAD)
         except StageRequestError:
             await self._discard(requests, assembler.received)
             raise

@@ -186,6 +186,40 @@ def test_the_api_lists_every_peer_and_metrics_count_training(swarm) -> None:
         "the trained-samples counter to grow between two scrapes",
     )
     assert _metric(url, "swarmtrain_samples_served_total") > 0
+
+    # Bytes by purpose grow as the node trains and serves (4 peers over 2 stages: every
+    # node calls, or is called by, a peer of the other stage).
+    def moved() -> dict[tuple[str, str], float]:
+        return {
+            (purpose, direction): _metric(
+                url, "swarmtrain_network_bytes_total", purpose=purpose, direction=direction
+            )
+            for purpose in ("activations", "gradients")
+            for direction in ("sent", "received")
+        }
+
+    def all_moved() -> dict[tuple[str, str], float] | None:
+        m = moved()
+        return m if all(m.values()) else None
+
+    before = wait_until(all_moved, 60, "activations and gradients sent and received")
+    wait_until(
+        lambda: all(moved()[k] > n for k, n in before.items()),
+        60,
+        "the bytes-by-purpose counters to grow between two scrapes",
+    )
+    network = _state(url)["node"]["network"]
+    assert network["bytes_sent"]["activations"] > 0 and network["limit_mbps"] == {
+        "sent": None,
+        "received": None,
+    }
+    # A node that loaded its stage's state from a peer counts those bytes as state (they
+    # travel through its averager process, which shares the counters).
+    downloaded = [n for n in swarm if n.events("stage.held")[0]["loaded"] == "peers"]
+    for node in downloaded:
+        got = _metric(node.dashboard, "swarmtrain_network_bytes_total", purpose="state",
+                      direction="received")  # fmt: skip
+        assert got and got > 10_000, (node.name, got)
     stage = str(stages[a.peer_id])
     assert _metric(url, "swarmtrain_stage_held", stage=stage, role="first") == 1
     wait_until(

@@ -50,6 +50,32 @@ function drawRun(s) {
     `${run.averaging} averaging, batch ${run.target_batch_size} of ${run.micro_batch_size}-sample micro-batches`;
 }
 
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return i ? `${n.toFixed(1)} ${units[i]}` : `${n} B`;
+}
+
+// "activations 1.2 MiB, averaging 300 KiB" for a direction's bytes by purpose.
+function byPurpose(counts) {
+  if (!counts) return "–";
+  const parts = Object.entries(counts).filter(([, v]) => v > 0).map(([k, v]) => `${k} ${bytes(v)}`);
+  return parts.length ? parts.join(", ") : "none yet";
+}
+
+function networkFacts(net) {
+  if (!net) return [];
+  const limit = d => (net.limit_mbps && net.limit_mbps[d] !== null) ? `${fmt(net.limit_mbps[d])} Mbit/s` : "none";
+  const adv = net.advertised_mbps;
+  return [
+    ["bytes sent", byPurpose(net.bytes_sent)], ["bytes received", byPurpose(net.bytes_received)],
+    ["limits up / down", net.limit_mbps ? `${limit("sent")} / ${limit("received")}` : "–"],
+    ["advertised up / down", adv ? `${fmt(adv.up)} / ${fmt(adv.down)} Mbit/s` : "unknown"],
+  ];
+}
+
 function drawNode(s) {
   const n = s.node;
   const stages = n.stage === null ? "none yet" :
@@ -65,6 +91,7 @@ function drawNode(s) {
     ["averaging rounds", rounds || "none yet"],
     ["mean round", n.averaging_rounds.mean_s === null ? "–" : `${fmt(n.averaging_rounds.mean_s, 2)} s`],
     ["checkpoints", fmt(n.checkpoints)], ["moves", fmt(n.moves)],
+    ...networkFacts(n.network),
   ];
   $("node-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", k), el("dd", v)]));
   fillRows($("held-table").tBodies[0], n.stages.map(st => ({
