@@ -53,7 +53,7 @@ def test_bytes_are_capped_per_caller_and_in_total_but_one_request_always_fits():
     flight.release(a1)
     assert flight.charge(a2, 6 * MIB) is None
     assert flight.charge(a3, 5 * MIB) is Refusal.CALLER_BYTES  # 11 MiB > 10
-    b1, b2, c1 = flight.admit("b"), flight.admit("b"), flight.admit("c")
+    b1, _, c1 = flight.admit("b"), flight.admit("b"), flight.admit("c")
     assert flight.charge(b1, 8 * MIB) is None
     assert flight.charge(c1, 3 * MIB) is Refusal.TOTAL_BYTES  # 17 MiB > 16
     assert flight.nbytes == 14 * MIB
