@@ -1,11 +1,17 @@
 """The admission policy of stage servers (``protocol.admission``): caps on requests and
 bytes in flight, per caller and in total, the deadline for a request to arrive, and the
-tally of refusals."""
+tally of refusals; and a trainer's answer to a peer that sheds its call."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
+
 import pytest
 
+from node import events
+from node.pipeline.client import StageBusy
 from protocol.admission import (
     MIB,
     AdmissionLimits,
@@ -15,6 +21,7 @@ from protocol.admission import (
     Ticket,
     request_deadline_s,
 )
+from tests.unit.test_trainer import _Stages, _trainer
 
 
 def test_a_caller_gets_its_share_and_others_still_get_in():
@@ -109,3 +116,22 @@ def test_the_tally_forgets_the_oldest_callers_first():
         tally.note(caller, Refusal.TOTAL_REQUESTS, 0.0)
     assert [k[0] for k in tally._pending] == ["b", "c"]
     assert tally.note("a", Refusal.TOTAL_REQUESTS, 0.1) == 1  # forgotten: reported afresh
+
+
+def test_a_trainer_reroutes_a_call_shed_as_busy_without_dropping_the_busy_peer(
+    event_log: Path,
+) -> None:
+    """A busy peer is full, not broken: the call goes to the stage's other peer, and the
+    busy one stays in the view, left alone for ``busy_s`` only (not the 15 s ban)."""
+    stages = _Stages(1, StageBusy, "8 requests in flight (limit 8)")
+    trainer, peers = _trainer(stages, [0, 1, 1])
+    asyncio.run(trainer.train(2))
+    assert trainer.stats.micro_batches == 2
+    (failed,) = events.read_events(event_log, "call.failed")
+    (busy,) = stages.failed
+    assert failed["error"].startswith("StageBusy") and failed["peer"] == busy
+    (rerouted,) = events.read_events(event_log, "call.rerouted")
+    assert rerouted["stage"] == 1 and rerouted["peer"] != busy
+    assert busy in {c.peer_id for c in trainer.view[1]}
+    until = trainer._bans.until(busy, time.monotonic())
+    assert until is not None and until - time.monotonic() <= trainer.settings.busy_s
