@@ -482,14 +482,13 @@ class StageServer(NodeServicer):
             reason = self.shed(context, e.refusal)
             raise StageRequestError(BUSY + reason) from None
         except TimeoutError:
-            # Not malformed, maybe only slow: the caller may try another peer. Idle
-            # streams still count against it, as every refusal does.
+            # Not malformed, maybe only slow (a loaded caller, a slow link): shed, so that
+            # the caller may try another peer, and not held against it.
             if arrived:
                 reason = f"request not received within {deadline:.1f} s"
             else:
                 reason = f"request not received within {first:.1f} s (nothing arrived)"
             self.shed(context, Refusal.SLOW, reason)
-            self.refused(context, f"a {kind} request", reason)
             raise StageRequestError(BUSY + reason) from None
         except StageRequestError as e:
             self.refused(context, f"a {kind} request", str(e), cause)

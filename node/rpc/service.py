@@ -60,7 +60,7 @@ BAN_S = 60.0
 MEMBERSHIP = "membership"
 # Refused streams that may linger at once (``_refuse``); more are closed as soon as their
 # error is sent (a caller may then see a reset rather than the error).
-MAX_LINGERING = 64
+MAX_LINGERING = 128
 # The ticket of the stream a stream handler serves (``NodeServicer.in_flight``), if any.
 admitted_ticket: ContextVar[Ticket | None] = ContextVar("admitted_ticket", default=None)
 _lingering = 0  # refused streams lingering now, in this process (on its event loop)

@@ -171,11 +171,12 @@ def test_concurrent_max_size_requests_are_shed_and_memory_stays_bounded(victim):
         outcomes, honest = asyncio.run(body())
     print(f"{FLOOD} max-size forwards: {dict(outcomes)}; honest calls: {honest}; {sampler}")
     assert all(h.startswith("served") for h in honest), honest
-    # Mostly shed, with the BUSY refusal; the rest of the streams that were not served were
+    # Mostly shed, many with the BUSY refusal; the rest of the streams that were not served were
     # reset before the node's handler took them (p2pd could not hand them over that fast)
     # or after their refusal was sent (too many refused at once to linger for each).
-    assert outcomes["busy"] >= FLOOD // 2, outcomes
     assert outcomes["served"] <= FLOOD // 10, outcomes
+    assert outcomes["busy"] >= FLOOD // 4, outcomes
+    assert outcomes["StageTimeout"] == 0, outcomes  # every stream was answered or closed
     assert sampler.peak_rss - sampler.base_rss < 100 * MIB, str(sampler)
     assert _shed(victim, "caller_requests") > 0
 
@@ -214,3 +215,4 @@ def test_idle_streams_leave_descriptors_bounded_and_the_advertised_load_honest(v
     assert sampler.peak_fds - sampler.base_fds < 1_000, str(sampler)
     assert record["load"] <= 2, record  # nothing was admitted work
     assert _shed(victim, "caller_requests") > 0
+    assert _shed(victim, "slow") > 0  # the admitted idle streams were dropped
