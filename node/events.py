@@ -52,6 +52,11 @@ fields:
   (the same one when the stage has no other).
 - ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
   caller refused too often; every service of this node refuses it for a while.
+- ``rpc.refused``: ``service``, ``peer`` (the caller), ``reason`` (a
+  ``protocol.admission.Refusal`` value: ``caller_requests``, ``total_requests``,
+  ``caller_bytes``, ``total_bytes``, ``slow``), ``count`` (such refusals of that caller
+  since the last event for them): stage requests shed for load, or that did not arrive in
+  time; the first of each caller and reason at once, then at most one a second.
 - ``record.refused``: ``run``, ``reason``: this node refused to store or read a record of
   its run's DHT keys (written by the node's DHT process). For the run directory, which
   is no run's, ``run`` is null and ``key`` is ``"swarmtrain/runs"``.

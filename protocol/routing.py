@@ -120,11 +120,12 @@ class BanList:
                 f"strikes ({self.strikes}) and max_peers ({self.max_peers}) >= 1"
             )
 
-    def ban(self, peer_id: str, now: float) -> float:
-        """Ban ``peer_id`` from ``now``; returns the deadline."""
+    def ban(self, peer_id: str, now: float, duration_s: float | None = None) -> float:
+        """Ban ``peer_id`` from ``now`` for ``duration_s`` (default ``self.duration_s``;
+        shorter for a peer that is only busy); returns the deadline."""
         self._strikes.pop(peer_id, None)
         self._until.pop(peer_id, None)  # re-inserted last: the newest ban is forgotten last
-        self._until[peer_id] = until = now + self.duration_s
+        self._until[peer_id] = until = now + (self.duration_s if duration_s is None else duration_s)
         _forget_oldest(self._until, self.max_peers)
         return until
 

@@ -313,6 +313,28 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         help="declare up/down bandwidth in Mbit/s instead of measuring",
     )
     p.add_argument(
+        "--max-requests-per-peer",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="stage requests one peer may have in flight here; more are refused as busy",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="stage requests all peers together may have in flight here (memory: each "
+        "holds up to a stage's largest message)",
+    )
+    p.add_argument(
+        "--request-start-timeout",
+        type=positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a stage request's stream may stay silent after it opens",
+    )
+    p.add_argument(
         "--update-period",
         type=positive_float,
         default=5.0,

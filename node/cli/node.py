@@ -17,6 +17,7 @@ from node.dashboard.address import check_can_bind, parse_address
 from node.logs import log_to_file
 from node.measure.capacity import pick_device
 from node.rpc.membership import read_invite
+from protocol.admission import AdmissionLimits
 from protocol.records import RecordError
 from protocol.run_spec import read_spec_file
 
@@ -30,6 +31,11 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         raise ValueError("--second-stage needs --stage: a pinned node pins both")
     if args.second_stage is not None and args.second_stage == args.stage:
         raise ValueError(f"--second-stage {args.second_stage} is the node's --stage already")
+    if args.max_requests_per_peer > args.max_requests:
+        raise ValueError(
+            f"--max-requests-per-peer ({args.max_requests_per_peer}) must not exceed "
+            f"--max-requests ({args.max_requests})"
+        )
     if args.archive is not None:
         pinned = "--stage" if args.stage is not None else None
         if pinned:
@@ -70,6 +76,11 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         archive=args.archive,
         events=args.events,
         dashboard=args.dashboard,
+        limits=AdmissionLimits(
+            per_caller=args.max_requests_per_peer,
+            total=args.max_requests,
+            first_s=args.request_start_timeout,
+        ),
     )
 
 

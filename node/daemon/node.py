@@ -67,6 +67,7 @@ from node.rpc.gossip import GossipUnavailable
 from node.rpc.membership import MembershipGate
 from node.rpc.reach import DialBack, check_reachability, shuffled
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
+from protocol.admission import AdmissionLimits, InFlight
 from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
 from protocol.data_split import TokenRange, share_of
@@ -139,6 +140,8 @@ class NodeSettings:
     dashboard: str = DEFAULT_DASHBOARD  # HOST:PORT, PORT, "auto" or "off" (node.dashboard)
     heartbeat_s: float = HEARTBEAT_S
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
+    # Caps on stage requests in flight and how fast they must arrive (protocol.admission).
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
 
     @property
     def record_ttl_s(self) -> float:
@@ -270,6 +273,8 @@ class Node:
         self.joined: Joined | None = None
         # One for every service of this node: a peer refused by one is refused by all.
         self.callers = BanList(BAN_S, BAN_AFTER, BAN_WINDOW_S)
+        # Stage requests in flight, capped per caller and in total over all held stages.
+        self.in_flight = InFlight(settings.limits)
         self.device: Device | None = None
         self.throughput: tuple[float, ...] = ()
         self.corpus: Corpus | None = None
@@ -833,6 +838,8 @@ class Node:
                 averager=averager,
                 admission=self.gate.refusal if self.spec.private else None,
                 callers=self.callers,
+                in_flight=self.in_flight,
+                download_mbps=self.download_mbps,
             )
         except BaseException:
             await averager.shutdown()
@@ -930,6 +937,10 @@ class Node:
                         *self.bandwidth)  # fmt: skip
             self._changed.set()  # re-announce with the measured figures
             return
+
+    def download_mbps(self) -> float | None:
+        """This node's download bandwidth, measured or declared (None: unknown)."""
+        return self.bandwidth[1] if self.bandwidth else self.settings.bandwidth_mbps
 
     def _serving(self, stage: int) -> StageServer | None:
         """This node's server of ``stage``, if it serves it now (its own trainer calls it

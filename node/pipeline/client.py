@@ -4,7 +4,9 @@ and for generation, inference forwards and the last stage's logits.
 Every failure raises a ``StageCallError``: ``StageRefused`` when the server refused the
 request (it is malformed for the stage: do not retry it anywhere), ``StageUnavailable``
 when the peer could not serve it (unreachable, gone, failed, timed out, answered
-nonsense: retry on another peer of the stage).
+nonsense: retry on another peer of the stage), and of those ``StageBusy`` when the peer
+shed it for load (``protocol.admission.BUSY``: retry elsewhere, without holding it
+against the peer for long).
 
 Gradients follow ``models.training``'s convention: the last stage back-propagates
 ``loss * B``, so every gradient that comes back is a sum over the micro-batch's samples.
@@ -35,6 +37,7 @@ from node.pipeline.wire import (
     split_message,
 )
 from node.rpc.service import FrameError, read_frame
+from protocol.admission import BUSY
 from protocol.stage_messages import BACKWARD, FORWARD, StageMeta, StageRequestError
 
 DEFAULT_TIMEOUT = 30.0
@@ -60,6 +63,11 @@ class StageRefused(StageCallError):
 
 class StageUnavailable(StageCallError):
     """The peer did not serve the request: unreachable, gone, failed or answered nonsense."""
+
+
+class StageBusy(StageUnavailable):
+    """The peer shed the request for load (or it arrived too slowly): it works, but is
+    full now."""
 
 
 class StageTimeout(StageUnavailable):
@@ -103,6 +111,8 @@ async def call(
         raise StageTimeout(peer_id, f"no response within {timeout} s") from None
     except P2PHandlerError as e:
         message = str(e)
+        if BUSY in message:
+            raise StageBusy(peer_id, message.split(BUSY, 1)[1]) from None
         if REFUSED in message:
             raise StageRefused(peer_id, message.split(REFUSED, 1)[1]) from None
         raise StageUnavailable(peer_id, message.split(FAILED, 1)[-1]) from None

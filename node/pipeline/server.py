@@ -41,6 +41,17 @@ Every refusal counts against its caller (``NodeServicer.refused``): one that is 
 ``BAN_AFTER`` times within ``BAN_WINDOW_S`` is banned for ``BAN_S``, its streams refused
 before they are read. In a private run, refusals as a non-member are forgiven once the
 caller is admitted (it presented its invite after a restart of either side).
+
+Load (``protocol.admission``). Streams are admitted when they open against caps on requests
+in flight, per caller and for the node (``in_flight``, which a node shares among its
+stages), and charged the bytes their tensor headers declare; what does not fit is shed at
+once with a ``BUSY`` error the caller reroutes on, and counted (``rpc.refused`` events,
+``StageCounters.shed``), never as a strike. A stream must bring its metadata within
+``AdmissionLimits.first_s`` and its whole request by ``request_deadline_s`` (scaled to the
+stage's message limit over the node's download bandwidth, ``download_mbps``; at most
+``receive_timeout``), or it is dropped as ``slow``. ``load``, which the node advertises,
+counts only requests received whole and queued or computing: streams that are open but
+idle, or shed, are not work.
 """
 
 from __future__ import annotations
@@ -78,7 +89,15 @@ from node.pipeline.wire import (
     serialize,
     split_message,
 )
-from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, MEMBERSHIP, NodeServicer
+from node.rpc.service import (
+    BAN_AFTER,
+    BAN_S,
+    BAN_WINDOW_S,
+    MEMBERSHIP,
+    NodeServicer,
+    admitted_ticket,
+)
+from protocol.admission import BUSY, InFlight, Refusal, request_deadline_s
 from protocol.routing import BanList
 from protocol.stage_messages import (
     BACKWARD,
@@ -107,6 +126,14 @@ SHARE_WAIT_S = 0.5
 OPEN_S = 10.0
 
 
+class Shed(Exception):
+    """A request the stream's admission ticket cannot take on (``protocol.admission``)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.value)
+        self.refusal = refusal
+
+
 class Admission(enum.Enum):
     """Whether a stage takes a new training micro-batch now."""
 
@@ -127,6 +154,7 @@ class StageCounters:
     waiting: int = 0  # of those, still waiting
     overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
     inferred: int = 0  # inference forwards served (generation), not counted in ``forward``
+    shed: int = 0  # requests this server shed for load or for arriving too slowly
 
 
 def stage_namespace(stage: int) -> str:
@@ -138,7 +166,10 @@ class StageServer(NodeServicer):
     """Serves one stage of a run on a ``hivemind.P2P``; build with ``await create(...)``.
 
     Compute runs one request at a time on a worker thread holding ``lock``; the event
-    loop only moves bytes. ``load`` counts requests being received, queued or computed.
+    loop only moves bytes. ``load`` counts requests received whole and queued or computed.
+    ``in_flight``: the node's caps on requests in flight (its own, with the default
+    limits, if not given); ``download_mbps``: the node's download bandwidth now (None:
+    unknown), for how long a request may take to arrive.
     """
 
     service_name = "StageServer"
@@ -160,6 +191,8 @@ class StageServer(NodeServicer):
         keep_graphs: int = 4,
         keep_s: float = 60.0,
         lock: threading.Lock | None = None,
+        in_flight: InFlight | None = None,
+        download_mbps: Callable[[], float | None] = lambda: None,
     ) -> None:
         compression_type(compression)  # rejects unknown names now, not at the first response
         self.stage = stage
@@ -172,6 +205,8 @@ class StageServer(NodeServicer):
         self.close_grace = close_grace  # for a caller to close the stream after a response
         self.admission = admission  # a caller's peer id -> why it is refused (private runs)
         self.callers = BanList(BAN_S, BAN_AFTER, BAN_WINDOW_S) if callers is None else callers
+        self.in_flight = InFlight() if in_flight is None else in_flight
+        self.download_mbps = download_mbps
         # held while parameters or gradients are read or changed (an averager shares it)
         self.lock = lock or threading.Lock()
         self.executor = StageExecutor(
@@ -231,6 +266,7 @@ class StageServer(NodeServicer):
             waiting=self._waiting,
             overdue=self._overdue,
             inferred=self.executor.inferred,
+            shed=sum(self.shed_tally.totals.values()) if self.shed_tally else 0,
         )
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
@@ -408,11 +444,25 @@ class StageServer(NodeServicer):
     async def _serve(
         self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> list[runtime_pb2.ExpertResponse]:
-        self._load += 1
         cause = ""  # of a refusal, for the caller's ban count
         admitted: tuple[str, int] | None = None  # stays open only if it was served
+        loaded = False  # received whole: counted in ``load``
+        limits = self.in_flight.limits
+        deadline = min(
+            self.receive_timeout,
+            request_deadline_s(limits, self.contract.max_message_bytes, self.download_mbps()),
+        )
+        first = min(limits.first_s, deadline)
+        loop = asyncio.get_running_loop()
+        opened, arrived = loop.time(), False  # arrived: the first message did
+
+        def on_metadata() -> None:
+            nonlocal arrived
+            arrived = True
+            limit.reschedule(opened + deadline)
+
         try:
-            async with asyncio.timeout(self.receive_timeout):
+            async with asyncio.timeout(first) as limit:
                 if self.admission:
                     caller = context.remote_id.to_base58()
                     if refusal := self.admission(caller):
@@ -420,41 +470,56 @@ class StageServer(NodeServicer):
                         await self._discard(requests, 0)
                         raise StageRequestError(refusal)
                     self.callers.forgive(caller, MEMBERSHIP)
-                meta, serialized = await self._receive(kind, requests)
+                meta, serialized = await self._receive(kind, requests, on_metadata)
+            self._load += 1
+            loaded = True
             caller = context.remote_id.to_base58()
             if kind == FORWARD and meta.train and serialized:
                 admitted = (caller, meta.micro_batch)
                 await self._admit(admitted, int(serialized[0].size[0]))  # size: checked
-            loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(
                 self._thread, self._compute, meta, serialized, caller
             )
             admitted = None
-        except (StageRequestError, TimeoutError) as e:
-            reason = (
-                str(e)
-                if isinstance(e, StageRequestError)
-                else f"request not received within {self.receive_timeout} s"
-            )
-            self.refused(context, f"a {kind} request", reason, cause)
-            raise StageRequestError(REFUSED + reason) from None
+        except Shed as e:
+            reason = self.shed(context, e.refusal)
+            raise StageRequestError(BUSY + reason) from None
+        except TimeoutError:
+            # Not malformed, maybe only slow (a loaded caller, a slow link): shed, so that
+            # the caller may try another peer, and not held against it.
+            if arrived:
+                reason = f"request not received within {deadline:.1f} s"
+            else:
+                reason = f"request not received within {first:.1f} s (nothing arrived)"
+            self.shed(context, Refusal.SLOW, reason)
+            raise StageRequestError(BUSY + reason) from None
+        except StageRequestError as e:
+            self.refused(context, f"a {kind} request", str(e), cause)
+            raise StageRequestError(REFUSED + str(e)) from None
         except Exception as e:
             logger.exception(f"failed to serve a {kind} request from {context.remote_id}")
             raise RuntimeError(f"{FAILED}{type(e).__name__}: {e}") from None
         finally:
-            self._load -= 1
+            if loaded:
+                self._load -= 1
             if admitted is not None:  # refused, failed or cancelled: holds no step back
                 self._release(admitted)
         meta = encode_response_meta(len(outputs))
         return list(split_message(runtime_pb2.ExpertResponse, meta, outputs))
 
     async def _receive(
-        self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+        self,
+        kind: str,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        on_metadata: Callable[[], None] = lambda: None,
     ) -> tuple[StageMeta, list[runtime_pb2.Tensor]]:
-        """Read a request's messages, refusing it at the first part that breaks the contract."""
+        """Read a request's messages, refusing it at the first part that breaks the contract
+        (``StageRequestError``) or that the stream's ticket cannot be charged for
+        (``Shed``). ``on_metadata``: called once the first message has arrived."""
         meta: StageMeta | None = None
         batch: tuple[int, int] | None = None
         roles: tuple[str, ...] = ()
+        ticket = admitted_ticket.get()
 
         def check(index: int, header: runtime_pb2.Tensor) -> int:
             nonlocal batch
@@ -472,6 +537,8 @@ class StageServer(NodeServicer):
                 batch=batch,
             )
             batch = bt
+            if ticket is not None and (refusal := self.in_flight.charge(ticket, nbytes)):
+                raise Shed(refusal)
             return nbytes
 
         assembler = Assembler(self.contract.max_message_bytes, check)
@@ -480,12 +547,13 @@ class StageServer(NodeServicer):
                 if meta is None:
                     if not message.metadata:
                         raise StageRequestError("the first message must carry metadata")
+                    on_metadata()
                     meta = StageMeta.decode(message.metadata)
                     check_meta(self.contract, meta, run_id=self.run_id, kind=kind)
                     roles = self.contract.roles(kind, infer=meta.infer)
                 assembler.add(message)
                 await limits.traffic.receive(message.ByteSize() + limits.FRAME_OVERHEAD)
-        except StageRequestError:
+        except (StageRequestError, Shed):
             await self._discard(requests, assembler.received)
             raise
         if meta is None:

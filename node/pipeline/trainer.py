@@ -37,7 +37,7 @@ from hivemind.p2p import P2P, PeerID
 from models.data import Tokens, eval_batches, sample_batches, stream_seed
 from node import events
 from node.pipeline import client as stage_client
-from node.pipeline.client import StageRefused, StageTimeout, StageUnavailable
+from node.pipeline.client import StageBusy, StageRefused, StageTimeout, StageUnavailable
 from node.pipeline.server import StageServer
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
@@ -100,6 +100,7 @@ class TrainerSettings:
     # back), records then expire, and a view without them would starve the pipeline.
     view_grace_s: float = 6.0
     ban_s: float = 15.0
+    busy_s: float = 1.0  # how long a peer that shed our call for load is left alone
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
     start: int = 0  # the micro-batch of its stream it reads first (a resumed data position)
@@ -245,6 +246,14 @@ class StageRouter:
                     self._presented.discard(peer)  # it forgot us (restarted?): present again
                 elif WRONG_STAGE not in str(e):  # else: it moved to another stage since
                     raise TrainerError(f"stage {stage} peer {peer} refused our request: {e}") from e
+                retry = True
+                continue
+            except StageBusy as e:  # it is full, not broken: back off briefly, reroute
+                events.emit("call.failed", stage=stage, peer=peer, error=f"StageBusy: {e}")
+                self._bans.ban(peer, time.monotonic(), self.settings.busy_s)
+                self.stats.rerouted[stage] += 1
+                if all(c.peer_id in self._bans.banned(time.monotonic()) for c in candidates):
+                    await asyncio.sleep(self.settings.busy_s)  # every peer is busy or banned
                 retry = True
                 continue
             except (StageUnavailable, MembershipRefused) as e:

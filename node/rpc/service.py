@@ -14,6 +14,15 @@ Callers that keep being refused are banned (``callers``): their streams are refu
 anything is read, and their unary calls before the handler runs. A node gives all its
 services one ``BanList``, so that a peer refused by one (bad stage requests, bad bandwidth
 probes, forged invites) is refused by all.
+
+A service with an ``in_flight`` (``protocol.admission.InFlight``, which a node shares among
+its stage servers) admits each stream when it opens, before reading it: one over its
+caller's or the node's cap is shed at once with a ``BUSY`` error (``shed``: a ``rpc.refused``
+event, not a strike against the caller), and an admitted stream's ticket is the handler's
+``admitted_ticket`` until the stream ends. A refused stream lingers for the caller to read
+its error (``_refuse``), but at most ``MAX_LINGERING`` at once: past that, a flood of
+streams is closed right after its errors are sent, so that it cannot hold the node's
+descriptors.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import ClassVar
 
@@ -34,6 +44,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from node import events
 from node.rpc.hivemind_compat import DETACH_TIMEOUT_S, PinnedHandleNames, p2pd_running
+from protocol.admission import BUSY, InFlight, Refusal, RefusalTally, Ticket
 from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)
@@ -47,6 +58,12 @@ BAN_S = 60.0
 # The cause of a refusal as a non-member (``BanList.strike``): forgiven once the caller is
 # admitted, since a restart of either side makes a member look like a stranger for a while.
 MEMBERSHIP = "membership"
+# Refused streams that may linger at once (``_refuse``); more are closed as soon as their
+# error is sent (a caller may then see a reset rather than the error).
+MAX_LINGERING = 128
+# The ticket of the stream a stream handler serves (``NodeServicer.in_flight``), if any.
+admitted_ticket: ContextVar[Ticket | None] = ContextVar("admitted_ticket", default=None)
+_lingering = 0  # refused streams lingering now, in this process (on its event loop)
 
 
 class FrameError(Exception):
@@ -88,12 +105,20 @@ async def _refuse(
     """Send ``message`` as the stream's error, then drop what the caller still sends (at
     most ``max_bytes``, for at most ``REFUSAL_LINGER_S``) until it closes the stream:
     closing first lets the daemons reset the stream, and the caller then loses the error
-    (9 in 60 banned calls on loopback without this; none in 60 with it)."""
+    (9 in 60 banned calls on loopback without this; none in 60 with it). With
+    ``MAX_LINGERING`` refused streams lingering already, returns once the error is sent."""
+    global _lingering
     await _send_error(writer, message)
-    with contextlib.suppress(TimeoutError, ConnectionError):
-        async with asyncio.timeout(REFUSAL_LINGER_S):
-            while max_bytes > 0 and (data := await reader.read(2**16)):
-                max_bytes -= len(data)
+    if _lingering >= MAX_LINGERING:
+        return
+    _lingering += 1
+    try:
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            async with asyncio.timeout(REFUSAL_LINGER_S):
+                while max_bytes > 0 and (data := await reader.read(2**16)):
+                    max_bytes -= len(data)
+    finally:
+        _lingering -= 1
 
 
 class NodeServicer(PinnedHandleNames):
@@ -105,6 +130,8 @@ class NodeServicer(PinnedHandleNames):
     max_frame_bytes: ClassVar[int]  # the largest stream frame read: streaming services set it
     refusal_prefix: ClassVar[str] = ""  # starts what a caller refused for a bad frame reads
     callers: BanList | None = None  # callers banned after repeated refusals, if any
+    in_flight: InFlight | None = None  # caps on streams in flight, if any
+    shed_tally: RefusalTally | None = None  # shed requests, by caller and reason
     namespace: str | None = None  # prefixes the handlers' names: one service per namespace
     _p2p: P2P | None = None
 
@@ -159,47 +186,76 @@ class NodeServicer(PinnedHandleNames):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        """Feed the stream's messages to ``method`` and send back what it yields, until
-        either side ends (the caller closing the stream cancels the handler)."""
+        """Admit the stream (``in_flight``), then feed its messages to ``method`` and send
+        back what it yields, until either side ends (the caller closing the stream cancels
+        the handler)."""
         with contextlib.closing(writer):
             if banned := self.ban_refusal(context):
                 await _refuse(reader, writer, banned, max_bytes)
                 return
-            requests: asyncio.Queue[Message | None] = asyncio.Queue(MAX_PREFETCH)
-
-            async def read() -> None:
-                with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-                    while True:  # past the end of stream too: the caller closing ends it
-                        frame = await read_frame(reader, request_type, max_bytes)
-                        await requests.put(None if isinstance(frame, RPCError) else frame)
-
-            async def incoming() -> AsyncIterator[Message]:
-                while (request := await requests.get()) is not None:
-                    yield request
-
-            async def respond() -> None:
-                try:
-                    async for response in method(incoming(), context):
-                        await P2P.send_protobuf(response, writer)
-                except ConnectionError:
-                    return  # the caller is gone
-                except Exception as e:
-                    await _send_error(writer, str(e))
-
-            reading, responding = asyncio.create_task(read()), asyncio.create_task(respond())
+            ticket = None
+            if self.in_flight is not None:
+                ticket = self.in_flight.admit(context.remote_id.to_base58())
+                if isinstance(ticket, Refusal):
+                    reason = self.shed(context, ticket)
+                    await _refuse(reader, writer, BUSY + reason, max_bytes)
+                    return
             try:
-                await asyncio.wait((reading, responding), return_when=asyncio.FIRST_COMPLETED)
+                await self._read_and_respond(
+                    method, request_type, max_bytes, context, reader, writer, ticket
+                )
             finally:
-                for task in (reading, responding):
-                    task.cancel()
-                await asyncio.gather(reading, responding, return_exceptions=True)
-            error = None if reading.cancelled() else reading.exception()
-            if isinstance(error, FrameError):
-                self.refused(context, f"a {context.handle_name} stream", str(error))
-                message = self.refusal_prefix + str(error)
-                await _refuse(reader, writer, message, max_bytes)
-            elif error is not None:
-                logger.warning(f"reading a stream from {context.remote_id} failed: {error!r}")
+                if ticket is not None:
+                    self.in_flight.release(ticket)
+
+    async def _read_and_respond(
+        self,
+        method: Callable[[AsyncIterator[Message], P2PContext], AsyncIterator[Message]],
+        request_type: type[Message],
+        max_bytes: int,
+        context: P2PContext,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ticket: Ticket | None,
+    ) -> None:
+        """Feed the stream's messages to ``method`` and send back what it yields (see
+        ``_serve_stream``); ``ticket``: the stream's admission, as ``admitted_ticket``."""
+        admitted_ticket.set(ticket)  # the tasks below copy it
+        requests: asyncio.Queue[Message | None] = asyncio.Queue(MAX_PREFETCH)
+
+        async def read() -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:  # past the end of stream too: the caller closing ends it
+                    frame = await read_frame(reader, request_type, max_bytes)
+                    await requests.put(None if isinstance(frame, RPCError) else frame)
+
+        async def incoming() -> AsyncIterator[Message]:
+            while (request := await requests.get()) is not None:
+                yield request
+
+        async def respond() -> None:
+            try:
+                async for response in method(incoming(), context):
+                    await P2P.send_protobuf(response, writer)
+            except ConnectionError:
+                return  # the caller is gone
+            except Exception as e:
+                await _send_error(writer, str(e))
+
+        reading, responding = asyncio.create_task(read()), asyncio.create_task(respond())
+        try:
+            await asyncio.wait((reading, responding), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reading, responding):
+                task.cancel()
+            await asyncio.gather(reading, responding, return_exceptions=True)
+        error = None if reading.cancelled() else reading.exception()
+        if isinstance(error, FrameError):
+            self.refused(context, f"a {context.handle_name} stream", str(error))
+            message = self.refusal_prefix + str(error)
+            await _refuse(reader, writer, message, max_bytes)
+        elif error is not None:
+            logger.warning(f"reading a stream from {context.remote_id} failed: {error!r}")
 
     def ban_refusal(self, context: P2PContext) -> str | None:
         """Why the caller's requests are refused unread now, or None if it is not banned."""
@@ -214,6 +270,31 @@ class NodeServicer(PinnedHandleNames):
             f"{self.service_name}: peer {context.remote_id} is banned until {clock} "
             f"({until - now:.0f} s from now) after repeated refused requests"
         )
+
+    def shed(self, context: P2PContext, refusal: Refusal, reason: str = "") -> str:
+        """Count a request shed for load (or too slow to arrive): not a strike against its
+        caller. Logged and reported as a ``rpc.refused`` event with the number of such
+        refusals since the last (``shed_tally``: the first, then at most one a second per
+        caller and reason). Returns the reason to send back."""
+        caller = context.remote_id.to_base58()
+        if not reason:
+            reason = self.in_flight.reason(refusal, caller) if self.in_flight else refusal.value
+        if self.shed_tally is None:
+            self.shed_tally = RefusalTally()
+        count = self.shed_tally.note(caller, refusal, time.monotonic())
+        if count is not None:
+            events.emit(
+                "rpc.refused",
+                service=self.service_name,
+                peer=caller,
+                reason=refusal.value,
+                count=count,
+            )
+            logger.warning(
+                f"shed {count} request(s) from {context.remote_id} "
+                f"({context.handle_name}): {reason}"
+            )
+        return reason
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
         """Log a refused request and count it against its caller, which is banned (logged

@@ -25,6 +25,7 @@ from node.pipeline.wire import (
     serialize,
     split_message,
 )
+from protocol.admission import BUSY
 from protocol.stage_messages import (
     BACKWARD,
     FORWARD,
@@ -83,9 +84,11 @@ async def _exchange(client: P2P, peer, stage: int, kind: str, raw: bytes, timeou
             except (asyncio.IncompleteReadError, ConnectionError):
                 return "closed", ""
             if error is not None:
-                assert REFUSED in error.message, error.message  # not FAILED: no crash
+                # Not FAILED (no crash); a stalled request is BUSY (it may only be slow)
+                prefix = BUSY if error.message.startswith(BUSY) else REFUSED
+                assert prefix in error.message, error.message
                 assert len(error.message) < 400, error.message[:400]  # it is logged, too
-                return "refused", error.message.split(REFUSED, 1)[1]
+                return "refused", error.message.split(prefix, 1)[1]
             assert response is not None
             return "answered", ""
     finally:
