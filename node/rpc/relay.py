@@ -91,10 +91,11 @@ async def connect_relayed(p2p: P2P, records: Iterable[PeerInfo]) -> dict[str, st
     from node.rpc.hivemind_compat import connect
     from protocol.reachability import circuit_maddr
 
-    me = p2p.peer_id.to_base58()
-    relayed = [r for r in records if r.relay is not None and r.peer_id != me]
+    relayed = [r for r in records if r.relay is not None]
     if not relayed:
         return {}
+    me = p2p.peer_id.to_base58()
+    relayed = [r for r in relayed if r.peer_id != me]
 
     async def links() -> dict[str, str]:
         found: dict[str, set[str]] = {}
