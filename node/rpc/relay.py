@@ -110,7 +110,7 @@ async def connect_relayed(p2p: P2P, records: Iterable[PeerInfo]) -> dict[str, st
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 await connect(p2p, PeerID.from_base58(record.peer_id), [Multiaddr(maddr)])
         except (TimeoutError, P2PDaemonError, ValueError, OSError) as e:
-            logger.info("could not reach peer %s through its relay: %s", record.peer_id, e)
+            logger.debug("could not reach peer %s through its relay: %s", record.peer_id, e)
 
     before = await links()
     todo = [r for r in relayed if r.peer_id not in before]
