@@ -19,8 +19,10 @@ like on this machine:
 - ``nat`` (network namespaces only; not run unless named): the swarm with every peer of
   stage 1 behind NAT (a home each, serving through a circuit relay on the first node)
   against the same swarm all public, one after the other on one emulated network (the
-  bridge on a public-looking subnet, the ``--netem`` profile, ``home`` by default, for
-  every host); samples/s of each, and the seconds from a stage-1 node's start to serving.
+  bridge on a public-looking subnet, the ``--netem`` profile's rates, ``home`` by default,
+  for every host, without the latency relay: it hides where connections come from, which
+  AutoNAT needs); samples/s of each, and the seconds from a stage-1 node's start to
+  serving.
 
 ``--runs N`` repeats each scenario as N whole runs (a new swarm each, seeds differing) and
 ends with the median of each figure over the runs, with its range; ``results.json`` in
@@ -411,7 +413,8 @@ class Bench:
         with Network([link] * (n + 1), [link] * len(behind), subnet=NAT_SUBNET) as net:
             for variant in ("public", "nat"):
                 homes = dict(zip(behind, net.homes, strict=True)) if variant == "nat" else {}
-                swarm = BenchSwarm(workdir / variant, a.stages, a.peers, a.preset, net, homes)
+                swarm = BenchSwarm(workdir / variant, a.stages, a.peers, a.preset, net, homes,
+                                   direct=True)  # fmt: skip
                 try:
                     swarm.start()
                     rec = self.run_worker(swarm, phases, lambda *_: None)

@@ -292,7 +292,7 @@ class Node:
         self.peers_read_at: float | None = None  # Unix seconds
         self._served_before = 0  # micro-batches served by stage servers since unloaded
         # Whether peers can dial us (``_find_reachability``, in ``prepare``): unknown until
-        # asked. A node found unreachable holds no stage and trains only.
+        # asked. A node found unreachable serves through a relay, or else trains only.
         self.reachability = Reachability(None)
         # Unreachable, with relaying on: the relay (one of the initial peers, on which
         # p2pd reserves a slot) it serves through, announced in its record.
@@ -388,7 +388,8 @@ class Node:
         """Ask peers to dial this node back (``node.rpc.reach``; it answers theirs from now
         on) and act on the verdict: a node they can dial, or that cannot tell, becomes a
         full DHT node; one they cannot stays a DHT client (peers never route DHT lookups
-        to it) and holds no stage. Emits ``node.reachability``."""
+        to it) and serves through a relay (one of its initial peers, unless relaying is
+        off), or else holds no stage. Emits ``node.reachability``."""
         add = self._resources.push_async_callback
         self.p2p = await self.dht.replicate_p2p()
         add(self.p2p.shutdown)

@@ -21,8 +21,11 @@ from scripts.netem.network import NODE_PORT, Home, Host, Network, pids_in
 
 class BenchSwarm:
     """Node ``i`` serves stage ``i % stages``. Under ``net``, node ``i`` runs in host ``i``
-    (behind its latency relay), or in ``homes[i]`` (behind NAT: it serves through a circuit
-    relay on the first node), and the trainer in the last host."""
+    (behind its latency relay, unless ``direct``: then on the host's address, its link
+    shaped but not delayed), or in ``homes[i]`` (behind NAT: it serves through a circuit
+    relay on the first node), and the trainer in the last host. Behind the latency relay,
+    every connection reaches a node from 127.0.0.1, which hides from libp2p's AutoNAT where
+    peers are: swarms with homes need ``direct``."""
 
     def __init__(
         self,
@@ -32,11 +35,12 @@ class BenchSwarm:
         preset: str,
         net: Network | None = None,
         homes: dict[int, Home] | None = None,
+        direct: bool = False,
     ) -> None:
         self.workdir, self.stages, self.peers, self.preset, self.net = (
             workdir, stages, peers, preset, net,
         )  # fmt: skip
-        self.homes = homes or {}
+        self.homes, self.direct = homes or {}, direct
         self.launched: dict[str, float] = {}  # node name -> time.time() at launch
         self.nodes: list[NodeProcess] = []
         self.stage_of: dict[str, int] = {}
@@ -48,7 +52,7 @@ class BenchSwarm:
     def start(self, extra: dict[int, list[str]] | None = None) -> None:
         """Start every node (``extra[i]``: more arguments for node ``i``), until all serve."""
         extra = extra or {}
-        if self.net is not None:
+        if self.net is not None and not self.direct:
             for h in self.net.hosts[:-1]:
                 self.relays[h.ns] = self.net.start_relay(h)
         first_args = ["--preset", self.preset, "--stages", str(self.stages)]
@@ -70,6 +74,12 @@ class BenchSwarm:
             node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
                                extra=args, wait=False, host_maddr="/ip4/0.0.0.0/tcp/0",
                                wrap=self.homes[host_index].exec)  # fmt: skip
+        elif self.direct:
+            host = self.net.hosts[host_index]
+            node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
+                               extra=args, wait=False, wrap=host.exec,
+                               host_maddr=f"/ip4/{host.address}/tcp/{NODE_PORT}")  # fmt: skip
+            self.host_of[name] = host
         else:
             # Inside the host's namespace, announcing its relay, which delays its traffic.
             host = self.net.hosts[host_index]
