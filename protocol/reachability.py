@@ -16,6 +16,7 @@ to call the node reachable in its record.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.records import first_error
+from protocol.records import RELAY_MADDR_PATTERN, first_error
 
 MAX_MADDRS = 8  # addresses checked per request
 MAX_MESSAGE_BYTES = 8 * 1024
@@ -145,3 +146,44 @@ def verdict(answers: Sequence[DialBackAnswer]) -> Reachability:
     address = Counter(reached).most_common(1)[0][0] if reached else None
     reachable = None if yes == no else yes > no
     return Reachability(reachable, address if reachable else None, observed, yes, no)
+
+
+# A relayed peer advertises this share of what its relay path carries (or of its own
+# throughput, if less): at equal throughput, routing sends more to direct peers.
+RELAY_PREFERENCE = 0.9
+
+
+def circuit_maddr(relay: str, peer_id: str) -> str:
+    """The address at which a peer that reserved a slot on ``relay`` (its
+    ``/ip4/A/tcp/P/p2p/RELAY`` address) is dialled through it."""
+    return f"{relay}/p2p-circuit/p2p/{peer_id}"
+
+
+def relay_peer_id(relay: str) -> str:
+    """The peer id at the end of a relay's ``.../p2p/ID`` address."""
+    return relay.rsplit("/p2p/", 1)[-1]
+
+
+def relayed_throughput(
+    throughput: Sequence[float], relay_mbps: float, bytes_per_sample: float
+) -> tuple[float, ...]:
+    """A relayed peer's throughput per stage as it advertises it: each stage's, capped by
+    the samples/s its relay's link carries (``relay_mbps``, the lesser of the relay's up
+    and down rates; 0 if unknown: no cap; every sample crosses it as ``bytes_per_sample``
+    each way), times ``RELAY_PREFERENCE``."""
+    cap = relay_mbps * 1e6 / 8 / bytes_per_sample if relay_mbps > 0 else float("inf")
+    return tuple(min(t, cap) * RELAY_PREFERENCE for t in throughput)
+
+
+def choose_relay(trusted: Sequence[str], reachable: dict[str, bool | None]) -> str | None:
+    """Which of the ``trusted`` relays (the initial peers, on which this node's ``p2pd``
+    reserves slots) to announce: the first whose peer is known to be reachable
+    (``reachable``: peer id -> its record's verdict), else the first not known to be
+    unreachable, else None. Only ``/ip4`` or ``/ip6`` TCP addresses with a peer id qualify
+    (what ``PeerInfo.relay`` holds)."""
+    usable = [m for m in trusted if re.fullmatch(RELAY_MADDR_PATTERN, m)]
+    for wanted in (True, None):
+        for maddr in usable:
+            if reachable.get(relay_peer_id(maddr)) is wanted:
+                return maddr
+    return None

@@ -27,6 +27,8 @@ MAX_RECORD_AGE_S = 120.0  # peers refresh every few seconds; older signed record
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(@[a-z2-7]{24})?$")
 MAX_MEMBERSHIP_CHARS = 2048  # a private run's membership proof, base64 (about 500 bytes)
 _PEER_DOMAIN = b"swarmtrain/peer-info"
+# A relay's TCP address and peer id: /ip4/A/tcp/P/p2p/ID or /ip6/A/tcp/P/p2p/ID.
+RELAY_MADDR_PATTERN = r"^/ip[46]/[0-9a-fA-F.:]+/tcp/[0-9]{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{1,64}$"
 
 Rate = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
 # How long a record lives in the DHT after its timestamp. A record that names it must be
@@ -104,8 +106,11 @@ class PeerInfo(BaseModel):
     ttl_s: RecordTTL | None = None
     # Whether other peers can dial it (``protocol.reachability``): None while unknown (no
     # peer asked yet, or they disagreed; records from before the field also read None).
-    # An unreachable peer is never routed to.
+    # An unreachable peer is never routed to, unless it serves through a relay:
     reachable: bool | None = None
+    # The circuit relay it serves through (``/ip4/A/tcp/P/p2p/RELAY``): callers dial it at
+    # ``RELAY/p2p-circuit/p2p/PEER`` (``protocol.reachability.circuit_maddr``).
+    relay: Annotated[str, Field(max_length=256, pattern=RELAY_MADDR_PATTERN)] | None = None
 
     def model_post_init(self, _context) -> None:
         n = len(self.throughput)
@@ -125,11 +130,12 @@ class PeerInfo(BaseModel):
 
     @property
     def routable(self) -> bool:
-        """Serving a stage, and not known to be unreachable."""
+        """Serving a stage, and reachable directly (or not known not to be) or through a
+        relay."""
         return (
             self.state is PeerState.SERVING
             and self.stage is not None
-            and self.reachable is not False
+            and (self.reachable is not False or self.relay is not None)
         )
 
 

@@ -16,6 +16,13 @@ like on this machine:
   partition and after it against before, how long until micro-batches flow around it
   (and when routing last sent it a call), and how long after reconnecting until it gets
   calls again.
+- ``nat`` (network namespaces only; not run unless named): the swarm with every peer of
+  stage 1 behind NAT (a home each, serving through a circuit relay on the first node)
+  against the same swarm all public, one after the other on one emulated network (the
+  bridge on a public-looking subnet, the ``--netem`` profile's rates, ``home`` by default,
+  for every host, without the latency relay: it hides where connections come from, which
+  AutoNAT needs); samples/s of each, and the seconds from a stage-1 node's start to
+  serving.
 
 ``--runs N`` repeats each scenario as N whole runs (a new swarm each, seeds differing) and
 ends with the median of each figure over the runs, with its range; ``results.json`` in
@@ -26,6 +33,7 @@ go to ``--out``.
 
     python -m scripts.bench_swarm --scenarios wiring churn straggler partition --runs 3
     python -m scripts.bench_swarm --netem home --scenarios churn
+    python -m scripts.bench_swarm --scenarios nat
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from scripts.swarm_bench.wire import loopback_bytes
 
 SLOWDOWN = 5.0
 SCENARIOS = ("wiring", "churn", "straggler", "partition")
+NAT_SUBNET = "44.77.0"  # public-looking, inside the namespaces only: AutoNAT needs one
 
 
 @dataclass
@@ -394,6 +403,36 @@ class Bench:
         markers = [(t - t0, what) for t, what in rec.events]
         self._plot(name, rec, markers, title, {label: [(t - t0, 100 * f) for t, f in share]})
 
+    def nat(self, workdir: Path) -> dict[str, float]:
+        a = self.args
+        n = a.stages * a.peers
+        behind = [i for i in range(n) if i % a.stages == 1]  # stage 1's peers
+        link = profile(a.netem or "home")
+        phases = [f"warmup:stochastic:{a.warmup}", f"run:stochastic:{a.repeat * a.phase}"]
+        figures: dict[str, float] = {}
+        with Network([link] * (n + 1), [link] * len(behind), subnet=NAT_SUBNET) as net:
+            for variant in ("public", "nat"):
+                homes = dict(zip(behind, net.homes, strict=True)) if variant == "nat" else {}
+                swarm = BenchSwarm(workdir / variant, a.stages, a.peers, a.preset, net, homes,
+                                   direct=True)  # fmt: skip
+                try:
+                    swarm.start()
+                    rec = self.run_worker(swarm, phases, lambda *_: None)
+                    serving = {n.name: n.events("stage.held")[0]["t"] - swarm.launched[n.name]
+                               for n in swarm.nodes}  # fmt: skip
+                finally:
+                    swarm.close()
+                figures[f"{variant}_samples_per_s"] = rec.phase_rate("run")
+                figures[f"{variant}_stage1_start_to_serving_s"] = max(
+                    serving[f"p{i}"] for i in behind
+                )
+        figures["nat_over_public"] = figures["nat_samples_per_s"] / figures["public_samples_per_s"]
+        print(f"nat, stage 1's {len(behind)} peers behind NAT (via a relay) vs public "
+              f"({link.name} links):")  # fmt: skip
+        for key, value in figures.items():
+            print(f"  {key:<36} {value:.2f}")
+        return figures
+
     def _plot(self, name, rec, markers, title, extra=None) -> None:
         if not self.plot:
             return
@@ -481,7 +520,7 @@ def _spread(xs: list[float], digits: int = 1) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=[*SCENARIOS, "nat"])
     p.add_argument("--netem", help="a link profile (scripts/netem/profiles.py) for every host")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--stages", type=int, default=2)

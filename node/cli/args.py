@@ -250,6 +250,7 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MADDR",
         help="addresses others should dial, e.g. behind port forwarding",
     )
+    relay_arguments(p)
     p.add_argument(
         "--identity", type=Path, help="key file (default ~/.swarmtrain/RUN/identity.key)"
     )
@@ -386,6 +387,28 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the JSON-lines event log (default: ~/.swarmtrain/NAME/events/PEER_ID.jsonl)",
     )
+
+
+def relay_arguments(p: argparse.ArgumentParser) -> None:
+    """The circuit relay a node offers, and whether it serves through one (node.rpc.relay)."""
+    from node.rpc.relay import RelaySettings  # light: no hivemind
+
+    d = RelaySettings()
+    p.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="neither offer a relay to peers behind NAT nor serve through one when not "
+        "reachable (then such a node only trains)",
+    )
+    g = p.add_argument_group("relay limits (what this node relays for peers behind NAT)")
+    g.add_argument("--relay-max-reservations", type=positive_int, default=d.max_reservations,
+                   help="peers that may hold a slot at once")  # fmt: skip
+    g.add_argument("--relay-max-circuits", type=positive_int, default=d.max_circuits,
+                   help="relayed connections open at once per peer")  # fmt: skip
+    g.add_argument("--relay-data-limit-mib", type=positive_int, default=d.data_limit_bytes >> 20,
+                   help="MiB each way before a relayed connection is reset")  # fmt: skip
+    g.add_argument("--relay-time-limit", type=positive_int, default=d.time_limit_s,
+                   metavar="SECONDS", help="lifetime of a relayed connection")  # fmt: skip
 
 
 def baseline_arguments(p: argparse.ArgumentParser) -> None:

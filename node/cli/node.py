@@ -17,6 +17,7 @@ from node.dashboard.address import check_can_bind, parse_address
 from node.logs import log_to_file
 from node.measure.capacity import pick_device
 from node.rpc.membership import read_invite
+from node.rpc.relay import RelaySettings
 from protocol.admission import AdmissionLimits
 from protocol.records import RecordError
 from protocol.run_spec import read_spec_file
@@ -52,6 +53,14 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         initial_peers=tuple(args.initial_peers),
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
+        relay=RelaySettings(
+            serve=not args.no_relay,
+            use=not args.no_relay,
+            max_reservations=args.relay_max_reservations,
+            max_circuits=args.relay_max_circuits,
+            data_limit_bytes=args.relay_data_limit_mib << 20,
+            time_limit_s=args.relay_time_limit,
+        ),
         identity=args.identity,
         device=args.device,
         stage=args.stage,

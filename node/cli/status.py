@@ -23,6 +23,7 @@ from node.rpc.dht import SwarmDHT
 from protocol.identity import short_peer_ids
 from protocol.membership import MembershipError, Revocations
 from protocol.ownership import check_run_id
+from protocol.reachability import relay_peer_id
 from protocol.records import PeerInfo, PeerState
 from protocol.routing import candidates_by_stage
 
@@ -84,6 +85,7 @@ def summarize(peers: list[PeerInfo], n_stages: int | None, now: float) -> dict:
                 "load": p.load,
                 "samples_served": p.samples_served,
                 "reachable": p.reachable,
+                "relay": p.relay and relay_peer_id(p.relay),  # the peer id it serves through
                 "uptime_s": None if p.started is None else round(max(0.0, now - p.started), 1),
                 "age_s": round(max(0.0, now - p.timestamp), 1),
             }
@@ -112,7 +114,9 @@ def render(view: dict) -> str:
         )
         up = "?" if p["uptime_s"] is None else duration(p["uptime_s"])
         reach = {True: "yes", False: "no", None: "?"}[p["reachable"]]
-        if p["reachable"] is False and p["stage"] is None:
+        if p["relay"] is not None:
+            reach += f" (via relay {p['relay'][-8:]})"
+        elif p["reachable"] is False and p["stage"] is None:
             reach += " (trainer only)"
         lines.append(
             f"{p['short_id']:<{width}} {stage:>5} {p['state']:<8} "

@@ -66,6 +66,7 @@ from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
 from node.rpc.membership import MembershipGate
 from node.rpc.reach import DialBack, check_reachability, shuffled
+from node.rpc.relay import RelaySettings, connect_relayed
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.admission import AdmissionLimits, InFlight
 from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
@@ -74,7 +75,13 @@ from protocol.data_split import TokenRange, share_of
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
 from protocol.ownership import check_run_id
-from protocol.reachability import Reachability, dial_target
+from protocol.reachability import (
+    Reachability,
+    choose_relay,
+    dial_target,
+    relay_peer_id,
+    relayed_throughput,
+)
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
 from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file
@@ -98,6 +105,8 @@ class NodeSettings:
     initial_peers: tuple[str, ...] = ()
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
+    # The relay this node offers, and whether it serves through one when not reachable.
+    relay: RelaySettings = RelaySettings()
     identity: Path | None = None  # default: ~/.swarmtrain/<run>/identity.key
     device: str = "auto"
     stage: int | None = None  # pin a stage instead of choosing one (a pinned node never moves)
@@ -300,8 +309,12 @@ class Node:
         self.peers_read_at: float | None = None  # Unix seconds
         self._served_before = 0  # micro-batches served by stage servers since unloaded
         # Whether peers can dial us (``_find_reachability``, in ``prepare``): unknown until
-        # asked. A node found unreachable holds no stage and trains only.
+        # asked. A node found unreachable serves through a relay, or else trains only.
         self.reachability = Reachability(None)
+        # Unreachable, with relaying on: the relay (one of the initial peers, on which
+        # p2pd reserves a slot) it serves through, announced in its record.
+        self.relay: str | None = None
+        self._relay_links: dict[str, str] = {}  # relayed peer -> how we are linked to it
         # Whether it holds stages: decided by the verdict at start (a later verdict leaves
         # it serving; routing then skips it by its record).
         self.serves = True
@@ -329,6 +342,7 @@ class Node:
                 # every joiner, so it is a full DHT node from the start.
                 client_mode=bool(settings.initial_peers),
                 peer_routing=True,
+                relay=settings.relay,
             )
         except BaseException:
             os.close(lock_fd)
@@ -394,17 +408,31 @@ class Node:
         """Ask peers to dial this node back (``node.rpc.reach``; it answers theirs from now
         on) and act on the verdict: a node they can dial, or that cannot tell, becomes a
         full DHT node; one they cannot stays a DHT client (peers never route DHT lookups
-        to it) and holds no stage. Emits ``node.reachability``."""
+        to it) and serves through a relay (one of its initial peers, unless relaying is
+        off), or else holds no stage. Emits ``node.reachability``."""
         add = self._resources.push_async_callback
         self.p2p = await self.dht.replicate_p2p()
         add(self.p2p.shutdown)
         dial_back = await DialBack.create(self.p2p, callers=self.callers)
         add(dial_back.shutdown)
         self.reachability = await self._ask_reachability()
-        self.serves = self.reachability.serves
-        if self.serves:
+        if not self.reachability.serves and self.settings.relay.use:
+            self.relay = await self._choose_relay()
+        self.serves = self.reachability.serves or self.relay is not None
+        if self.reachability.serves:
             await self.dht.become_server()
+        elif self.relay is not None:
+            self.dht.serve_averaging()  # peers reach its averagers through the relay
         self._report_reachability()
+
+    async def _choose_relay(self) -> str | None:
+        """The initial peer to serve through (``choose_relay``), by the run's records."""
+        try:
+            records = {p.peer_id: p.reachable for p in await self.dht.peers()}
+        except Exception as e:  # a DHT hiccup: choose among the initial peers blind
+            logger.debug("reading the run's peers failed: %s", e)
+            records = {}
+        return choose_relay(self.settings.initial_peers, records)
 
     async def _ask_reachability(self) -> Reachability:
         maddrs = self.dht.visible_maddrs()
@@ -420,7 +448,7 @@ class Node:
             yes=r.yes,
             no=r.no,
             serves=self.serves,
-            relay=None,
+            relay=self.relay and relay_peer_id(self.relay),
         )
         (logger.info if r.reachable is not False else logger.warning)(
             "%s", self.reachability_line()
@@ -471,6 +499,11 @@ class Node:
         if r.reachable is None:
             why = "the peers asked disagreed" if asked else "no peer could be asked yet"
             return f"reachability unknown ({why}): serving as if reachable"
+        if self.relay is not None:
+            return (
+                f"not reachable, serving through relay {relay_peer_id(self.relay)} "
+                f"({r.no} of {asked} peers could not dial this node directly)"
+            )
         what = (
             "peers will not route calls to its stages"
             if self.serves
@@ -570,7 +603,7 @@ class Node:
             run=self.settings.run,
             version=PROTOCOL_VERSION,
             device=self.device.description,
-            throughput=self.throughput,
+            throughput=self._advertised_throughput(),
             throughput_source="declared" if self.settings.throughput is not None else "measured",
             bandwidth_up_mbps=up_down[0] if up_down else 0.0,
             bandwidth_down_mbps=up_down[1] if up_down else 0.0,
@@ -592,7 +625,20 @@ class Node:
             started=self.started,
             ttl_s=self.settings.record_ttl_s,
             reachable=self.reachability.reachable,
+            relay=self.relay,
         )
+
+    def _advertised_throughput(self) -> tuple[float, ...]:
+        """Our throughput per stage, capped by the relay path when we serve through one
+        (``relayed_throughput``; the relay's rate from its record, as last read)."""
+        if self.relay is None:
+            return self.throughput
+        relay = relay_peer_id(self.relay)
+        rates = [min(p.bandwidth_up_mbps, p.bandwidth_down_mbps)
+                 for p in self.peers if p.peer_id == relay]  # fmt: skip
+        model = self.spec.model
+        per_sample = 2 * model.block_size * model.n_embd * 4  # activations and grads, fp32
+        return relayed_throughput(self.throughput, rates[0] if rates else 0.0, per_sample)
 
     @property
     def serving_second(self) -> int | None:
@@ -1034,6 +1080,7 @@ class Node:
                 logger.debug("reading the run's peers failed: %s", e)
             else:
                 self.peers, self.peers_read_at = peers, time.time()
+                await self._reach_relayed(peers)
                 first = members.seen is None
                 members.update(peers, loop.time())
                 members.report(first)
@@ -1041,6 +1088,20 @@ class Node:
                 next_beat = loop.time() + self.settings.heartbeat_s
                 self._heartbeat(peers).report()
             await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
+
+    async def _reach_relayed(self, peers: list[PeerInfo]) -> None:
+        """Keep a connection to every peer that serves through a relay (``p2pd`` dials it
+        only at addresses it holds, and never learns a relay's circuit address itself);
+        emit ``relay.link`` when how we are linked to one changes."""
+        try:
+            links = await connect_relayed(self.p2p, [p for p in peers if p.routable])
+        except Exception as e:  # a daemon hiccup: the next check retries
+            logger.debug("connecting to relayed peers failed: %s", e)
+            return
+        for peer, link in links.items():
+            if self._relay_links.get(peer) != link:
+                events.emit("relay.link", peer=peer, link=link)
+        self._relay_links = links
 
     def _heartbeat(self, peers: list[PeerInfo]) -> Heartbeat:
         return Heartbeat.of(

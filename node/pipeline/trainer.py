@@ -41,6 +41,7 @@ from node.pipeline.client import StageBusy, StageRefused, StageTimeout, StageUna
 from node.pipeline.server import StageServer
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
+from node.rpc.relay import connect_relayed
 from protocol.records import PeerInfo
 from protocol.routing import BanList, CallTimer, Candidate, candidates_by_stage, choose_peer
 from protocol.run_spec import RunSpec
@@ -160,6 +161,10 @@ class StageRouter:
         recent = [p for p, _ in self._seen.values()]
         self._view = candidates_by_stage(recent, self.spec.n_stages)
         self._refreshed = now
+        try:  # peers behind NAT: p2pd can dial them only at their relay's circuit address
+            await connect_relayed(self.p2p, [p for p in recent if p.routable])
+        except Exception as e:  # a daemon hiccup: their calls fail and reroute; retry next period
+            logger.debug("could not connect to relayed peers: %s", e)
 
     @property
     def view(self) -> tuple[tuple[Candidate, ...], ...]:

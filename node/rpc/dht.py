@@ -46,7 +46,9 @@ from node.rpc.hivemind_compat import (
     install,
     p2pd_options,
     routing_table_size,
+    serve_averaging,
 )
+from node.rpc.relay import RelaySettings
 from protocol.announce import (
     MAX_ANNOUNCE_AGE_S,
     RunAnnouncement,
@@ -88,17 +90,9 @@ REVOCATIONS_TTL_S = 365 * 86400.0
 MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
 MAX_CLAIMS = 1000  # claim records read at once
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
-# Every p2pd offers a circuit relay (p2pd's default). Its flags take effect once its
-# AutoNAT finds it public (docs/nat.md; go-libp2p's own limits apply before): small, so
-# that relaying for others cannot eat a volunteer's link: 4 reservations in all, 4
-# circuits per peer, 128 KiB each way and 2 minutes per circuit (p2pd's defaults: 128
-# reservations, 16 circuits, 4 GiB, 30 minutes).
-RELAY_LIMIT_FLAGS = (
-    "-relayMaxReservations=4",
-    "-relayMaxCircuits=4",
-    "-relayDataLimit=131072",
-    "-relayTimeLimit=2m0s",
-)
+# What a DHT's p2pd does about relays unless told (``node.rpc.relay``): it offers one, with
+# small limits, and reserves slots on none.
+CLIENT_RELAY = RelaySettings(use=False)
 
 
 class SpecConflict(RecordError):
@@ -304,13 +298,16 @@ class SwarmDHT:
         startup_timeout_s: float = 60.0,
         pubsub: bool = False,
         peer_routing: bool = False,
+        relay: RelaySettings = CLIENT_RELAY,
     ) -> SwarmDHT:
         """Start hivemind's DHT (in its own process) and join ``initial_peers``, if any.
 
         ``client_mode``: hivemind's DHT runs as a client (``become_server`` turns it into a
         full node). ``peer_routing``: ``p2pd``'s own libp2p DHT, which finds the addresses
         of peers it is not connected to, serves others even so (a node's always does: a
-        peer that joined through it finds the rest of the swarm through it).
+        peer that joined through it finds the rest of the swarm through it). ``relay``:
+        the relay it offers, and whether it reserves slots on ``initial_peers`` when its
+        AutoNAT finds it private (``node.rpc.relay``).
 
         Blocking, and to be called from the main thread: the DHT process is forked, and a
         fork from a worker thread of a running uvloop can leave the child unable to start
@@ -340,8 +337,8 @@ class SwarmDHT:
         try:
             # The DHT's process, forked in start(), starts p2pd with these options: sockets
             # in a directory of ours (removed whatever happens to p2pd), GossipSub if asked,
-            # small relay limits.
-            extra_args = (*(PUBSUB_FLAGS if pubsub else ()), *RELAY_LIMIT_FLAGS)
+            # the relay settings.
+            extra_args = (*(PUBSUB_FLAGS if pubsub else ()), *relay.flags(initial_peers))
             with p2pd_options(socket_dir=socket_dir, extra_args=extra_args):
                 dht.start()
             dht.wait_until_ready(timeout=startup_timeout_s)
@@ -605,6 +602,11 @@ class SwarmDHT:
         told = await self.dht.run_coroutine(become_dht_server, return_future=True)
         forget_client_mode(self.dht)
         return told
+
+    def serve_averaging(self) -> None:
+        """Averagers built from now on accept peers' requests although this DHT node stays
+        a client (a node that serves through a relay)."""
+        serve_averaging(self.dht)
 
     async def known_peers(self) -> int:
         """How many DHT peers this node's routing table holds: 0 until it has reached one

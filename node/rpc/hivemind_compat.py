@@ -30,12 +30,17 @@ What is patched or overridden, and why:
 - ``DHT._shutdown`` (overridden by :class:`DHTCompat`): within ``DETACH_TIMEOUT_S``, and
   with only our socket removed when ``p2pd`` is already gone (a Ctrl-C reaches the whole
   process group), where hivemind's would wait forever unregistering handlers.
+- ``P2P._client.connect`` (called by :func:`connect`): dials a peer at given addresses (a
+  relay's ``/p2p-circuit`` address); hivemind's ``P2P`` has no call for it.
 - ``DHTNode.protocol.routing_table.uid_to_peer_id`` (read by :func:`routing_table_size`):
   whether a node has reached any peer yet; hivemind has no call for it.
 - ``DHTProtocol.client_mode``, ``node_info`` and its handlers, and ``DHT._client_mode``
   (:func:`become_dht_server`): a node joins as a DHT client and turns into a full DHT node
   once peers confirm they can dial it; hivemind fixes the mode at start. In client mode
   ``node_info`` is empty, so peers never add the node to their routing tables.
+- ``DHT._client_mode`` (set by :func:`serve_averaging`): averagers read their mode from it
+  when built; a node served through a relay keeps a client DHT node but averages as a
+  full peer (others call it through the relay).
 - ``DHT._parent_pid`` and ``DecentralizedAverager._parent_pid`` (read by ``parent_pid``):
   the child process asks to die with the process that started it.
 - ``DecentralizedAverager.run`` (:class:`AveragerCompat`): the child disowns the parent's
@@ -86,6 +91,7 @@ from hivemind.p2p.servicer import RPCHandler
 from hivemind.proto import averaging_pb2, dht_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+from multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +186,12 @@ def p2pd_running(p2p: P2P) -> bool:
     return Path(p2p.daemon_listen_maddr["unix"]).exists()
 
 
+async def connect(p2p: P2P, peer: PeerID, maddrs: Sequence[Multiaddr]) -> None:
+    """Have ``p2p``'s daemon connect to ``peer`` at ``maddrs`` (and keep them in its
+    peerstore); ``P2PDaemonError`` if it could not."""
+    await p2p._client.connect(peer, maddrs)
+
+
 class PinnedHandleNames(ServicerBase):
     """A hivemind servicer whose handlers are named after ``service_name``: hivemind names
     them after the concrete class, so a subclass would serve where no client calls."""
@@ -251,6 +263,12 @@ def forget_client_mode(dht: hivemind.DHT) -> None:
     """In the process that built ``dht``: forget the mode ``DHT.client_mode`` cached, so
     the next read (an averager's, at its construction) asks the DHT process again."""
     dht._client_mode = None
+
+
+def serve_averaging(dht: hivemind.DHT) -> None:
+    """In the process that built ``dht``: averagers built from now on accept requests from
+    peers (they are not in client mode), whatever the DHT node's own mode."""
+    dht._client_mode = False
 
 
 async def routing_table_size(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:

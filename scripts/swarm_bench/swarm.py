@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,19 +16,32 @@ from pathlib import Path
 import psutil
 
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
-from scripts.netem.network import NODE_PORT, Host, Network, pids_in
+from scripts.netem.network import NODE_PORT, Home, Host, Network, pids_in
 
 
 class BenchSwarm:
     """Node ``i`` serves stage ``i % stages``. Under ``net``, node ``i`` runs in host ``i``
-    (behind its relay) and the trainer in the last host."""
+    (behind its latency relay, unless ``direct``: then on the host's address, its link
+    shaped but not delayed), or in ``homes[i]`` (behind NAT: it serves through a circuit
+    relay on the first node), and the trainer in the last host. Behind the latency relay,
+    every connection reaches a node from 127.0.0.1, which hides from libp2p's AutoNAT where
+    peers are: swarms with homes need ``direct``."""
 
     def __init__(
-        self, workdir: Path, stages: int, peers: int, preset: str, net: Network | None = None
+        self,
+        workdir: Path,
+        stages: int,
+        peers: int,
+        preset: str,
+        net: Network | None = None,
+        homes: dict[int, Home] | None = None,
+        direct: bool = False,
     ) -> None:
         self.workdir, self.stages, self.peers, self.preset, self.net = (
             workdir, stages, peers, preset, net,
         )  # fmt: skip
+        self.homes, self.direct = homes or {}, direct
+        self.launched: dict[str, float] = {}  # node name -> time.time() at launch
         self.nodes: list[NodeProcess] = []
         self.stage_of: dict[str, int] = {}
         self.host_of: dict[str, Host] = {}
@@ -38,7 +52,7 @@ class BenchSwarm:
     def start(self, extra: dict[int, list[str]] | None = None) -> None:
         """Start every node (``extra[i]``: more arguments for node ``i``), until all serve."""
         extra = extra or {}
-        if self.net is not None:
+        if self.net is not None and not self.direct:
             for h in self.net.hosts[:-1]:
                 self.relays[h.ns] = self.net.start_relay(h)
         first_args = ["--preset", self.preset, "--stages", str(self.stages)]
@@ -56,6 +70,16 @@ class BenchSwarm:
         if self.net is None:
             node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
                                extra=args, wait=False)  # fmt: skip
+        elif host_index in self.homes:  # behind NAT: dials out only, announces nothing
+            node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
+                               extra=args, wait=False, host_maddr="/ip4/0.0.0.0/tcp/0",
+                               wrap=self.homes[host_index].exec)  # fmt: skip
+        elif self.direct:
+            host = self.net.hosts[host_index]
+            node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
+                               extra=args, wait=False, wrap=host.exec,
+                               host_maddr=f"/ip4/{host.address}/tcp/{NODE_PORT}")  # fmt: skip
+            self.host_of[name] = host
         else:
             # Inside the host's namespace, announcing its relay, which delays its traffic.
             host = self.net.hosts[host_index]
@@ -65,6 +89,7 @@ class BenchSwarm:
                                wrap=host.exec)  # fmt: skip
             self.host_of[name] = host
         self.nodes.append(node)
+        self.launched[name] = time.time()
         self.stage_of[name] = stage
         return node
 

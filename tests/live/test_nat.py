@@ -99,16 +99,18 @@ def _reachability(node: NodeProcess, definite: bool = False) -> dict:
 
 
 def test_home_nodes_behind_nat_train_and_are_never_routed_to(homes_net, tmp_path):
-    """2 public nodes and 2 home nodes (tiny, 2 stages, training on): each home finds it is
-    not reachable (event and record), holds no stage, is never called (no call fails on
-    it) and trains through the public nodes; a joining public node finds it is reachable,
-    and so does the first node (which had nobody to ask at start) once peers joined."""
+    """2 public nodes and 2 home nodes (tiny, 2 stages, training on), relaying off
+    (``--no-relay``): each home finds it is not reachable (event and record), holds no
+    stage, is never called (no call fails on it) and trains through the public nodes; a
+    joining public node finds it is reachable, and so does the first node (which had
+    nobody to ask at start) once peers joined. (``test_relay.py``: relaying on.)"""
     net, nodes = homes_net, []
     try:
 
         def start(name: str, where: Host | Home, peers: list[str]) -> NodeProcess:
             node = launch_node(tmp_path, name, run, initial_peers=peers, train=True,
-                               host_maddr=ANY, wrap=where.exec, wait=False)  # fmt: skip
+                               host_maddr=ANY, wrap=where.exec, wait=False,
+                               extra=["--no-relay"])  # fmt: skip
             nodes.append(node)
             return node
 
@@ -125,7 +127,7 @@ def test_home_nodes_behind_nat_train_and_are_never_routed_to(homes_net, tmp_path
         for home in homes:
             said = _reachability(home)
             assert said["reachable"] is False and not said["serves"], said
-            assert said["no"] >= 1 and said["yes"] == 0, said
+            assert said["no"] >= 1 and said["yes"] == 0 and said["relay"] is None, said
             assert said["observed"] == net.homes[homes.index(home)].router.address, said
         first.wait_serving(90)
         public.wait_serving(90)
@@ -145,6 +147,7 @@ def test_home_nodes_behind_nat_train_and_are_never_routed_to(homes_net, tmp_path
         for home in homes:
             record = records[home.peer_id]
             assert record["reachable"] is False and record["stage"] is None, record
+            assert record["relay"] is None, record
             assert not home.events("stage.held"), "an unreachable node holds no stage"
         assert records[public.peer_id]["reachable"] is True
         assert records[first.peer_id]["reachable"] is True

@@ -1,23 +1,33 @@
 """``protocol.reachability`` without a network: the dial-back messages, the addresses a
-peer may be dialled at, and the verdict rule against lying peers."""
+peer may be dialled at, the verdict rule against lying peers; and relays: which one a
+node serves through, what it advertises, its record, and its daemon's flags."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
+from node.rpc.relay import RelaySettings
 from protocol.reachability import (
     MAX_MADDRS,
     MAX_MESSAGE_BYTES,
+    RELAY_PREFERENCE,
     DialBackAnswer,
     DialBackRequest,
     DialResult,
     ReachabilityError,
+    choose_relay,
+    circuit_maddr,
     decode,
     dial_target,
     encode,
     observed_ip,
+    relay_peer_id,
+    relayed_throughput,
     verdict,
 )
+from protocol.routing import candidates_by_stage
+from tests.records import peer_info
 
 ADDR = "/ip4/10.77.0.2/tcp/4001/p2p/12D3KooWJBUPEnJM45URrg8vwQF2avZFj64LhqLsesoiHbRkj269"
 SEEN = ("/ip4/10.77.0.9/tcp/51234",)
@@ -79,3 +89,79 @@ def test_one_lying_peer_cannot_flip_the_verdict_alone():
     # with three peers asked, one liar is outvoted both ways
     assert verdict([YES, YES, NO]).reachable is True
     assert verdict([NO, NO, YES]).reachable is False
+
+
+RELAY_ID = "12D3KooWRz9zdrgwUPSr3oCuoLJSGHpNsa4eFbhxNP4QS9rWK5t1"
+OTHER_ID = "12D3KooWCK7Wpz3NK9qPoLnuTPhyHBxTw9swq33AnmS3krRShawe"
+RELAY = f"/ip4/44.77.0.2/tcp/4001/p2p/{RELAY_ID}"
+OTHER = f"/ip4/44.77.0.3/tcp/4001/p2p/{OTHER_ID}"
+
+
+def test_a_relayed_peer_is_dialled_through_its_relay():
+    home = ADDR.rsplit("/p2p/", 1)[1]
+    assert circuit_maddr(RELAY, home) == f"{RELAY}/p2p-circuit/p2p/{home}"
+    assert relay_peer_id(RELAY) == RELAY_ID
+
+
+def test_the_relay_is_an_initial_peer_known_reachable_else_not_known_unreachable():
+    assert choose_relay([RELAY, OTHER], {RELAY_ID: None, OTHER_ID: True}) == OTHER
+    assert choose_relay([RELAY, OTHER], {RELAY_ID: False}) == OTHER  # OTHER: no record yet
+    assert choose_relay([RELAY, OTHER], {}) == RELAY
+    assert choose_relay([RELAY, OTHER], {RELAY_ID: False, OTHER_ID: False}) is None
+    # Only a TCP address with a peer id can be announced (and dialled through).
+    assert choose_relay(["/dns4/relay.example/tcp/4001/p2p/" + RELAY_ID], {}) is None
+    assert choose_relay(["/ip4/44.77.0.2/udp/4001/quic/p2p/" + RELAY_ID], {}) is None
+    assert choose_relay([], {}) is None
+
+
+def test_a_relayed_peer_advertises_less_than_its_relay_path_carries():
+    per_sample = 2 * 64 * 64 * 4  # activations and grads of tiny, fp32: 32 KiB
+    path = 8 * 1e6 / 8 / per_sample  # what 8 Mbit/s carries, samples/s
+    assert relayed_throughput((100.0, 10.0), 8.0, per_sample) == pytest.approx(
+        (path * RELAY_PREFERENCE, 10.0 * RELAY_PREFERENCE)
+    )
+    assert relayed_throughput((100.0,), 0.0, per_sample) == (100.0 * RELAY_PREFERENCE,)
+
+
+def test_routing_sends_a_relayed_peer_less_than_an_equal_direct_one():
+    direct = peer_info("r", OTHER_ID, stage=0, reachable=True)
+    throughput = relayed_throughput(direct.throughput, 0.0, 1.0)
+    home = ADDR.rsplit("/p2p/", 1)[1]
+    relayed = peer_info("r", home, stage=0, reachable=False, relay=RELAY, throughput=throughput)
+    stage = {c.peer_id: c.throughput for c in candidates_by_stage([direct, relayed], 2)[0]}
+    assert stage[home] < stage[OTHER_ID]
+
+
+def test_an_unreachable_peer_is_routable_only_through_a_relay():
+    home = ADDR.rsplit("/p2p/", 1)[1]
+    assert not peer_info("r", home, reachable=False).routable
+    assert peer_info("r", home, reachable=False, relay=RELAY).routable
+    assert not peer_info("r", home, reachable=False, relay=RELAY, stage=None).routable
+
+
+@pytest.mark.parametrize(
+    "relay",
+    [
+        f"{RELAY}/p2p-circuit",  # a circuit address, not the relay's own
+        "/ip4/44.77.0.2/tcp/4001",  # no peer id
+        f"/dns4/relay.example/tcp/4001/p2p/{RELAY_ID}",
+        "x" * 300,
+        "",
+    ],
+)
+def test_a_record_names_its_relay_by_tcp_address_and_peer_id(relay):
+    with pytest.raises(ValidationError):
+        peer_info("r", ADDR.rsplit("/p2p/", 1)[1], relay=relay)
+
+
+def test_relay_flags_offer_a_limited_relay_and_use_only_the_trusted_ones():
+    flags = RelaySettings(data_limit_bytes=2**20, time_limit_s=60).flags([RELAY, OTHER])
+    assert "-relayService=true" in flags and "-relayDataLimit=1048576" in flags
+    assert "-relayTimeLimit=60s" in flags and "-relayMaxReservations=4" in flags
+    assert f"-trustedRelays={RELAY},{OTHER}" in flags
+    assert "-autoRelay=true" in flags and "-relayDiscovery=false" in flags
+    assert "-autoRelay=true" not in RelaySettings().flags([])  # no relay to reserve on
+    off = RelaySettings(serve=False, use=False).flags([RELAY])
+    assert off == ("-relayService=false",)
+    with pytest.raises(ValueError, match="max_circuits"):
+        RelaySettings(max_circuits=0)

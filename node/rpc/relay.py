@@ -1,0 +1,119 @@
+"""Circuit relays (libp2p circuit relay v2, in ``p2pd``): the daemon flags that offer and
+use them, and dialling peers that serve through one.
+
+Every node's ``p2pd`` offers a relay, with the limits of ``RelaySettings`` (they take
+effect once its AutoNAT finds it public; before, go-libp2p's own small ones apply:
+docs/nat.md). A node that joins through initial peers also runs autorelay on them
+(trusted relays, no discovery of others): when its AutoNAT finds it private (behind a
+NAT), it reserves a slot on them by itself. A node found unreachable then announces one
+of them in its record (``PeerInfo.relay``), and peers dial it at
+``RELAY/p2p-circuit/p2p/PEER`` (``connect_relayed``): ``p2pd`` never announces a
+``/p2p-circuit`` address itself.
+
+Light to import (hivemind only inside ``connect_relayed``): the CLI's parser reads
+``RelaySettings``' defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
+    from protocol.records import PeerInfo
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0  # one dial through a relay
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """What this node's ``p2pd`` does about relays. ``serve``: offer a relay to others,
+    within the limits: ``max_reservations`` slots in all, ``max_circuits`` open relayed
+    connections per peer, each reset after ``data_limit_bytes`` in either direction or
+    ``time_limit_s`` (the caller's next call opens a new one). ``use``: reserve a slot on
+    the trusted relays (the initial peers) when AutoNAT finds this node private."""
+
+    serve: bool = True
+    use: bool = True
+    max_reservations: int = 4
+    max_circuits: int = 4
+    data_limit_bytes: int = 64 * 2**20
+    time_limit_s: int = 600
+
+    def __post_init__(self) -> None:
+        for name in ("max_reservations", "max_circuits", "data_limit_bytes", "time_limit_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"relay {name} must be >= 1, got {getattr(self, name)}")
+
+    def flags(self, trusted_relays: Sequence[str] = ()) -> tuple[str, ...]:
+        """``p2pd`` flags (they come after hivemind's on its command line, so they win).
+        Autorelay runs only where there are ``trusted_relays`` to reserve on."""
+        serve = (
+            (
+                "-relayService=true",
+                f"-relayMaxReservations={self.max_reservations}",
+                f"-relayMaxCircuits={self.max_circuits}",
+                f"-relayDataLimit={self.data_limit_bytes}",
+                f"-relayTimeLimit={self.time_limit_s}s",
+            )
+            if self.serve
+            else ("-relayService=false",)
+        )
+        use = (
+            (
+                "-autoRelay=true",
+                f"-trustedRelays={','.join(trusted_relays)}",
+                "-relayDiscovery=false",
+            )
+            if self.use and trusted_relays
+            else ()
+        )
+        return serve + use
+
+
+async def connect_relayed(p2p: P2P, records: Iterable[PeerInfo]) -> dict[str, str]:
+    """Connect, through its relay, to every peer of ``records`` that serves through one and
+    that we have no connection to (then ``p2pd`` holds the circuit address, and every call
+    to the peer, from this process or the averager's, goes through it). Returns how we are
+    linked to each such peer now: ``"relayed"`` (through a circuit), ``"direct"`` (the
+    peer dialled us, or hole punching replaced the circuit) or ``"none"`` (the dial
+    failed: logged, and tried again at the next call)."""
+    from hivemind.p2p import P2PDaemonError, PeerID
+    from multiaddr import Multiaddr
+
+    from node.rpc.hivemind_compat import connect
+    from protocol.reachability import circuit_maddr
+
+    relayed = [r for r in records if r.relay is not None]
+    if not relayed:
+        return {}
+    me = p2p.peer_id.to_base58()
+    relayed = [r for r in relayed if r.peer_id != me]
+
+    async def links() -> dict[str, str]:
+        found: dict[str, set[str]] = {}
+        for peer in await p2p.list_peers():
+            via = found.setdefault(peer.peer_id.to_base58(), set())
+            via.update("relayed" if "p2p-circuit" in str(a) else "direct" for a in peer.addrs)
+        return {p: "direct" if "direct" in v else "relayed" for p, v in found.items() if v}
+
+    async def dial(record: PeerInfo) -> None:
+        maddr = circuit_maddr(record.relay, record.peer_id)
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await connect(p2p, PeerID.from_base58(record.peer_id), [Multiaddr(maddr)])
+        except (TimeoutError, P2PDaemonError, ValueError, OSError) as e:
+            logger.debug("could not reach peer %s through its relay: %s", record.peer_id, e)
+
+    before = await links()
+    todo = [r for r in relayed if r.peer_id not in before]
+    await asyncio.gather(*(dial(r) for r in todo))
+    now = await links() if todo else before
+    return {r.peer_id: now.get(r.peer_id, "none") for r in relayed}
