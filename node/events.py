@@ -13,7 +13,8 @@ fields:
   every 10 s while the answer is unknown, until one is definite): ``reachable`` (true,
   false, or null: unknown), ``address`` (where peers reached it, or null), ``observed``
   (the IP peers see its connections come from, or null), ``yes`` and ``no`` (peers that
-  did and did not reach it), ``serves`` (false: found unreachable at start, it holds no
+  did and did not reach it), ``declared`` (true: ``--reachable yes`` or ``no`` said so and
+  no peer was asked), ``serves`` (false: found unreachable at start, it holds no
   stage and runs as a trainer only, and its DHT stays a client), ``relay`` (null: no
   relay is used).
 - ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,

@@ -129,6 +129,13 @@ class Reachability:
     observed: str | None = None
     yes: int = 0
     no: int = 0
+    declared: bool = False  # said by the node's operator (``--reachable``), not asked
+
+    @classmethod
+    def declare(cls, reachable: bool, maddrs: Sequence[str]) -> Reachability:
+        """What the operator says, unchecked: reachable at the first of ``maddrs``, or not."""
+        address = maddrs[0] if reachable and maddrs else None
+        return cls(reachable, address=address, declared=True)
 
     @property
     def serves(self) -> bool:

@@ -23,6 +23,12 @@ like on this machine:
   for every host, without the latency relay: it hides where connections come from, which
   AutoNAT needs); samples/s of each, and the seconds from a stage-1 node's start to
   serving.
+- ``links``: what users get on their links: the same swarm once on loopback (the
+  compute-bound rate on this machine) and once with every host behind ``--link`` (the
+  ``home`` profile by default), each trained from its start for ``--micro-batches``;
+  samples/s of each and their ratio, bytes on the wire per sample against what the run
+  needs, and the validation loss after those samples. It builds its own network: not
+  with ``--netem``.
 
 ``--runs N`` repeats each scenario as N whole runs (a new swarm each, seeds differing) and
 ends with the median of each figure over the runs, with its range; ``results.json`` in
@@ -39,6 +45,7 @@ go to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import queue
@@ -80,6 +87,7 @@ class Record:
     mbs: list[dict] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
     picks: list[tuple[float, str]] = field(default_factory=list)  # (time, peer) per call
+    val: float = math.nan  # validation loss after the last phase (``validate``)
 
     def span(self, name: str) -> tuple[float, float]:
         starts = [t for _, t in self.phases] + [self.end]
@@ -124,12 +132,13 @@ class Bench:
         phases: list[str],
         tick: Callable[[Record, str, float], None],
         trace_picks: bool = False,
+        validate: bool = False,
     ) -> Record:
         """Run the trainer through ``phases``, calling ``tick(record, phase, seconds into
         it)`` about ten times a second; return what it reported."""
         rec, lines = Record(), queue.Queue()
         log = (swarm.workdir / "worker.log").open("w")
-        cmd = swarm.worker_command(phases, self.args.in_flight, trace_picks)
+        cmd = swarm.worker_command(phases, self.args.in_flight, trace_picks, validate)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
         reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
         reader.start()
@@ -166,6 +175,8 @@ class Bench:
         elif kind == "end":
             rec.end = event["t"]
             rec.wire["end"] = self.wire_bytes()
+        elif kind == "val":
+            rec.val = event["loss"]
 
     def cap(self, swarm: BenchSwarm, name: str, since: float, cpu0: float) -> CpuThrottle:
         """Cap node ``name`` at 1/SLOWDOWN of the CPU it used since ``since``."""
@@ -396,6 +407,41 @@ class Bench:
             "s stalled after reconnecting": stalled_after,
         }
 
+    def links(self, workdir: Path) -> dict[str, float]:
+        """The same swarm on loopback, then on ``--link``: one whole run of each."""
+        a, figures = self.args, {}
+        warmup = max(10, a.micro_batches // 5)  # counted, so both runs train the same samples
+        phases = [f"warmup:stochastic:{warmup}mb", f"measured:stochastic:{a.micro_batches}mb"]
+        for where in ("loopback", a.link):
+            net = (
+                None
+                if where == "loopback"
+                else Network([profile(a.link)] * (a.stages * a.peers + 1))
+            )
+            with net if net is not None else contextlib.nullcontext():
+                bench = Bench(a, net, seed=0, plot=False)
+                swarm = bench.swarm(workdir / where)
+                try:
+                    swarm.start()
+                    rec = bench.run_worker(swarm, phases, lambda *_: None, validate=True)
+                finally:
+                    swarm.close()
+            lo, hi = rec.span("measured")
+            wire = (rec.wire["end"] - rec.wire["measured"]) / rec.samples("measured")
+            figures[f"{where} samples/s"] = rec.rate(lo, hi)
+            figures[f"{where} wire bytes / sample"] = wire
+            figures[f"{where} validation loss"] = rec.val
+        need = rec.spec["activation_bytes"] + rec.spec["averaging_bytes"]
+        figures[f"{a.link} / loopback"] = (
+            figures[f"{a.link} samples/s"] / figures["loopback samples/s"]
+        )
+        figures["needed bytes / sample"] = need
+        print(f"links: {a.stages} x {a.peers} {a.preset}, {a.micro_batches} micro-batches after "
+              f"{warmup} of warm-up, loopback vs {a.link}")  # fmt: skip
+        for key, value in figures.items():
+            print(f"  {key:<32} {value:12.3f}")
+        return figures
+
     def _plot_share(self, name, rec, share, label, title) -> None:
         """The throughput plot with the phase markers and one peer's share (in %) as a
         second line; ``share`` is (time, fraction) pairs on the run's clock."""
@@ -520,7 +566,10 @@ def _spread(xs: list[float], digits: int = 1) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=[*SCENARIOS, "nat"])
+    named_only = ["nat", "links"]  # network namespaces: run when named
+    p.add_argument(
+        "--scenarios", nargs="+", default=list(SCENARIOS), choices=[*SCENARIOS, *named_only]
+    )
     p.add_argument("--netem", help="a link profile (scripts/netem/profiles.py) for every host")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--stages", type=int, default=2)
@@ -530,6 +579,8 @@ def main() -> int:
     p.add_argument("--phase", type=float, default=20.0, help="seconds per measured phase")
     p.add_argument("--repeat", type=int, default=2, help="measured phase pairs per scenario")
     p.add_argument("--kill-every", type=float, default=5.0)
+    p.add_argument("--link", default="home", help="links: the profile to compare with loopback")
+    p.add_argument("--micro-batches", type=int, default=200, help="links: measured per swarm")
     p.add_argument("--runs", type=int, default=1, help="whole runs per scenario")
     p.add_argument("--seed", type=int, default=0, help="of run 1; run k uses seed + k - 1")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -538,6 +589,8 @@ def main() -> int:
         p.error("--runs must be at least 1")
     if args.peers < 2:
         p.error("--peers must be at least 2: scenarios kill or slow one peer of a stage")
+    if args.netem and "links" in args.scenarios:
+        p.error("links builds its own network (--link): run it without --netem")
 
     results: dict[str, list[dict[str, float]]] = {}
 

@@ -395,6 +395,14 @@ def relay_arguments(p: argparse.ArgumentParser) -> None:
 
     d = RelaySettings()
     p.add_argument(
+        "--reachable",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="whether peers can dial this node: auto asks a few of them to dial it back; "
+        "yes and no take your word for it (a port forward you know works, a node that "
+        "should only train)",
+    )
+    p.add_argument(
         "--no-relay",
         action="store_true",
         help="neither offer a relay to peers behind NAT nor serve through one when not "

@@ -53,6 +53,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         initial_peers=tuple(args.initial_peers),
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
+        reachable=args.reachable,
         relay=RelaySettings(
             serve=not args.no_relay,
             use=not args.no_relay,

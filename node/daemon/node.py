@@ -18,6 +18,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
@@ -105,6 +106,10 @@ class NodeSettings:
     initial_peers: tuple[str, ...] = ()
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
+    # Whether peers can dial this node: "auto" asks them; "yes" and "no" take the
+    # operator's word (a forwarded port known to work; a host behind a local proxy, where
+    # peers see every connection come from the proxy).
+    reachable: Literal["auto", "yes", "no"] = "auto"
     # The relay this node offers, and whether it serves through one when not reachable.
     relay: RelaySettings = RelaySettings()
     identity: Path | None = None  # default: ~/.swarmtrain/<run>/identity.key
@@ -415,7 +420,12 @@ class Node:
         add(self.p2p.shutdown)
         dial_back = await DialBack.create(self.p2p, callers=self.callers)
         add(dial_back.shutdown)
-        self.reachability = await self._ask_reachability()
+        if self.settings.reachable == "auto":
+            self.reachability = await self._ask_reachability()
+        else:
+            self.reachability = Reachability.declare(
+                self.settings.reachable == "yes", self.dht.visible_maddrs()
+            )
         if not self.reachability.serves and self.settings.relay.use:
             self.relay = await self._choose_relay()
         self.serves = self.reachability.serves or self.relay is not None
@@ -447,6 +457,7 @@ class Node:
             observed=r.observed,
             yes=r.yes,
             no=r.no,
+            declared=r.declared,
             serves=self.serves,
             relay=self.relay and relay_peer_id(self.relay),
         )
@@ -494,6 +505,10 @@ class Node:
         not, what to do about it."""
         r = self.reachability
         asked = r.yes + r.no
+        if r.declared and r.reachable:
+            return f"reachable directly at {r.address} (as --reachable yes says; not checked)"
+        if r.declared and self.relay is None:
+            return "not reachable (as --reachable no says): running as a trainer only"
         if r.reachable:
             return f"reachable directly at {r.address} (confirmed by {r.yes} of {asked} peers)"
         if r.reachable is None:

@@ -82,9 +82,12 @@ class BenchSwarm:
             self.host_of[name] = host
         else:
             # Inside the host's namespace, announcing its relay, which delays its traffic.
+            # Every connection reaches it from the relay (127.0.0.1): peers asked to dial
+            # it back cannot see where it connects from, so it says it is reachable.
             host = self.net.hosts[host_index]
             node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
-                               extra=["--announce-maddrs", host.relay_maddr, *args],
+                               extra=["--announce-maddrs", host.relay_maddr,
+                                      "--reachable", "yes", *args],
                                wait=False, host_maddr=f"/ip4/127.0.0.1/tcp/{NODE_PORT}",
                                wrap=host.exec)  # fmt: skip
             self.host_of[name] = host
@@ -142,13 +145,19 @@ class BenchSwarm:
         return self._launch(name, self.stage_of[victim.name], [], host_index)
 
     def worker_command(
-        self, phases: Sequence[str], in_flight: int, trace_picks: bool = False
+        self,
+        phases: Sequence[str],
+        in_flight: int,
+        trace_picks: bool = False,
+        validate: bool = False,
     ) -> list[str]:
         cmd = [sys.executable, "-m", "scripts.swarm_bench.worker", "--run", self.run,
                "--initial-peers", self.serving()[0].maddr, "--in-flight", str(in_flight),
                "--peers-per-stage", str(self.peers), "--phases", *phases]  # fmt: skip
         if trace_picks:
             cmd.append("--trace-picks")
+        if validate:
+            cmd.append("--validate")
         if self.net is None:
             return [*cmd, "--host-maddrs", LOCAL]
         return self.net.hosts[-1].exec(cmd)

@@ -1,13 +1,15 @@
 """The benchmark's trainer: trains through a swarm in timed phases, reporting as it goes.
 
 Each phase runs ``wiring`` for ``seconds`` (micro-batches still in flight when it ends
-are dropped). Stdout carries one JSON object a line: ``spec`` (what the run moves per
-sample), ``phase`` (a phase starts), ``mb`` (a micro-batch completed: time, route,
-samples, loss), ``end``; with ``--trace-picks`` also ``pick`` (routing chose a peer for a
-call). Times are ``time.time()``, comparable with the orchestrator's.
+are dropped), or, written ``Nmb``, until N micro-batches completed. Stdout carries one
+JSON object a line: ``spec`` (what the run moves per sample), ``phase`` (a phase starts),
+``mb`` (a micro-batch completed: time, route, samples, loss), ``val`` (with
+``--validate``: the validation loss after the last phase), ``end``; with
+``--trace-picks`` also ``pick`` (routing chose a peer for a call). Times are
+``time.time()``, comparable with the orchestrator's.
 
     python -m scripts.swarm_bench.worker --run RUN --initial-peers MADDR \
-        --phases warmup:stochastic:5 fixed:fixed:15
+        --phases warmup:stochastic:5 fixed:fixed:15 measured:stochastic:200mb --validate
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ def _emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def _phase(text: str) -> tuple[str, str, float]:
-    name, wiring, seconds = text.split(":")
+def _phase(text: str) -> tuple[str, str, float | int]:
+    """``NAME:WIRING:SECONDS`` (a float) or ``NAME:WIRING:Nmb`` (an int: micro-batches)."""
+    name, wiring, length = text.split(":")
     if wiring not in ("stochastic", "fixed"):
         raise argparse.ArgumentTypeError(f"wiring must be stochastic or fixed, got {wiring!r}")
-    return name, wiring, float(seconds)
+    return name, wiring, int(length[:-2]) if length.endswith("mb") else float(length)
 
 
 def _trace_picks(trainer) -> None:
@@ -62,13 +65,18 @@ async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
         def on_result(r: MicroBatchResult) -> None:
             _emit(event="mb", t=time.time(), route=r.route, samples=r.samples, loss=r.loss)
 
-        for name, wiring, seconds in args.phases:
+        for name, wiring, length in args.phases:
             trainer.settings = dataclasses.replace(settings, wiring=wiring)
             _emit(event="phase", name=name, wiring=wiring, t=time.time())
+            if isinstance(length, int):
+                await trainer.train(length, on_result)
+                continue
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(seconds):
+                async with asyncio.timeout(length):
                     await trainer.train(10**9, on_result)
         _emit(event="end", t=time.time())
+        if args.validate:
+            _emit(event="val", loss=await trainer.evaluate(), samples=trainer.stats.samples)
     finally:
         await trainer.p2p.shutdown()
 
@@ -84,6 +92,7 @@ def main() -> None:
     p.add_argument("--peers-per-stage", type=int, required=True)
     p.add_argument("--trace-picks", action="store_true", help="report each routing pick")
     p.add_argument("--phases", type=_phase, nargs="+", required=True, metavar="NAME:WIRING:S")
+    p.add_argument("--validate", action="store_true", help="report the validation loss at the end")
     args = p.parse_args()
     dht = SwarmDHT.start(args.run, initial_peers=args.initial_peers,
                          host_maddrs=[args.host_maddrs], client_mode=True)  # fmt: skip

@@ -15,6 +15,7 @@ from protocol.reachability import (
     DialBackAnswer,
     DialBackRequest,
     DialResult,
+    Reachability,
     ReachabilityError,
     choose_relay,
     circuit_maddr,
@@ -165,3 +166,12 @@ def test_relay_flags_offer_a_limited_relay_and_use_only_the_trusted_ones():
     assert off == ("-relayService=false",)
     with pytest.raises(ValueError, match="max_circuits"):
         RelaySettings(max_circuits=0)
+
+
+def test_a_declared_verdict_is_the_operators_word_and_says_so():
+    yes = Reachability.declare(True, ["/ip4/1.2.3.4/tcp/4000", "/ip4/10.0.0.2/tcp/4000"])
+    assert (yes.reachable, yes.address, yes.declared, yes.serves) == (
+        True, "/ip4/1.2.3.4/tcp/4000", True, True,
+    )  # fmt: skip
+    no = Reachability.declare(False, ["/ip4/1.2.3.4/tcp/4000"])
+    assert (no.reachable, no.address, no.declared, no.serves) == (False, None, True, False)
