@@ -17,10 +17,13 @@ Throughput: ``--swarm-preset`` (default ``llama-20m``, the Llama CPU preset) in 
 swarm (``scripts.swarm_bench.swarm.BenchSwarm``: pinned stages, one torch thread a node,
 gradient averaging between a stage's two peers) and a trainer in this process with
 ``--in-flight`` micro-batches in flight, against ``models.training.train_baseline`` (what
-``swarmtrain baseline`` runs: the whole model in this process, every core), measured in
-turn in one run (``scripts.bench_pipeline``'s ``baseline_rate`` and ``swarm_rate``). Each
-of ``--repeats`` rounds measures the baseline, then the swarm (started once; idle while
-the baseline runs), and their ratio; figures are the median and range over the rounds.
+``swarmtrain baseline`` runs: the whole model in this process, every core unless
+``--baseline-threads``), measured in turn in one run (``scripts.bench_pipeline``'s
+``baseline_rate`` and ``swarm_rate``). Each of ``--repeats`` rounds measures the
+baseline, then the swarm (started once; idle while the baseline runs), and their ratio;
+figures are the median and range over the rounds. On a machine whose cores other jobs
+load, torch's threads wait on each other and the baseline reads far too low: measure it
+on an idle machine.
 
     python -m scripts.bench_presets --repeats 5
     python -m scripts.bench_presets --quick      # llama-tiny and tiny, one round: a check
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+import torch
 
 from models.config import PRESETS, preset
 from models.data import load_corpus
@@ -222,6 +226,8 @@ def main() -> int:
     p.add_argument("--swarm-preset", default="llama-20m")
     p.add_argument("--micro-batches", type=int, default=32, help="per measured swarm phase")
     p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--baseline-threads", type=int, metavar="N",
+                   help="torch threads of the baseline (default: torch's, every core)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="runs of each measurement")
     p.add_argument("--quick", action="store_true",
                    help=f"a check: {' and '.join(QUICK_PRESETS)} only, one run, "
@@ -234,6 +240,10 @@ def main() -> int:
         args.repeats, args.memory_micro_batches, args.micro_batches = 1, 2, 8
     if args.repeats < 1 or args.memory_micro_batches < 1 or args.micro_batches < 1:
         p.error("--repeats and the micro-batch counts must be at least 1")
+    if args.baseline_threads is not None:
+        if args.baseline_threads < 1:
+            p.error("--baseline-threads must be at least 1")
+        torch.set_num_threads(args.baseline_threads)
 
     budget = int((args.memory_budget or psutil.virtual_memory().available * 0.8 / GIB) * GIB)
     if args.presets:
@@ -245,7 +255,8 @@ def main() -> int:
     load = " ".join(f"{x:.1f}" for x in psutil.getloadavg())
     total = psutil.virtual_memory().total / GIB
     print(f"cores: {psutil.cpu_count()}, memory {total:.1f} GiB (budget {budget / GIB:.1f} "
-          f"GiB), load average {load}; {args.repeats} run(s) each")  # fmt: skip
+          f"GiB), load average {load}, baseline torch threads {torch.get_num_threads()}; "
+          f"{args.repeats} run(s) each")  # fmt: skip
     record: dict = {"argv": sys.argv[1:]}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-presets-") as tmp:
