@@ -11,7 +11,7 @@ from collections import Counter
 from node.harness.local_swarm import NodeProcess, launch_node, stop_all, wait_until
 from tests.live.test_resume import _train_and_validate
 
-TRAINED = 240  # micro-batches the four nodes' trainers run together before validating
+TRAINED = 200  # micro-batches the four nodes' trainers run together before validating
 
 
 def _trained(nodes: list[NodeProcess]) -> int:
@@ -29,14 +29,14 @@ def test_a_llama_run_trains_through_two_stages_of_two_peers(tmp_path):
         nodes.append(first)
         first.wait_serving(90)
         run = first.run_id
-        for i in range(1, 4):
+        for i in range(1, 4):  # the three joiners at once
             nodes.append(launch_node(tmp_path, f"l{i}", run, initial_peers=[first.maddr],
-                                     train=True))  # fmt: skip
-        wait_until(lambda: Counter(n.wait_serving(120) for n in nodes) == {0: 2, 1: 2}, 90,
+                                     train=True, wait=False))  # fmt: skip
+        wait_until(lambda: Counter(n.wait_serving(180) for n in nodes) == {0: 2, 1: 2}, 180,
                    "two peers on each of the two stages")  # fmt: skip
         initial, _ = asyncio.run(_train_and_validate(run, first.maddr, 0))
         start = _trained(nodes)
-        wait_until(lambda: _trained(nodes) >= start + TRAINED, 120,
+        wait_until(lambda: _trained(nodes) >= start + TRAINED, 300,
                    f"{TRAINED} micro-batches trained by the nodes")  # fmt: skip
         after, _ = asyncio.run(_train_and_validate(run, first.maddr, 0))
         rounds = [e for n in nodes for e in n.events("averaging.round")]
