@@ -59,7 +59,7 @@ def test_two_trainers_take_disjoint_shards_and_a_changed_shard_is_refused(tmp_pa
                                  extra=[*mine, "--stage", "0"]))  # fmt: skip
         nodes.append(launch_node(tmp_path, "t1", spec.run, initial_peers=[nodes[0].maddr],
                                  train=True, extra=[*mine, "--stage", "1"]))  # fmt: skip
-        shares = wait_until(lambda: _all_shares(nodes, 2), 120, "both shares dealt among two")
+        shares = wait_until(lambda: _all_shares(nodes, 2), 180, "both shares dealt among two")
         sets = [{shard for shard, _, _ in share} for share in shares]
         print(f"training shards {train}; shares {shares}")
         assert all(sets) and not sets[0] & sets[1], sets
@@ -67,7 +67,7 @@ def test_two_trainers_take_disjoint_shards_and_a_changed_shard_is_refused(tmp_pa
         # Whole shards each (there are more shards than trainers), so the tokens cover them.
         for share in shares:
             assert all(start == 0 and end == train[shard] for shard, start, end in share), share
-        wait_until(lambda: all(n.events("train.progress") for n in nodes), 90,
+        wait_until(lambda: all(n.events("train.progress") for n in nodes), 180,
                    "both nodes training on their shares")  # fmt: skip
 
         # A third machine's copy with one byte of a training shard changed.
