@@ -84,6 +84,7 @@ def test_two_trainers_take_disjoint_shards_and_a_changed_shard_is_refused(tmp_pa
         lines = [x for x in bad.output().splitlines() if x.startswith("swarmtrain node: error:")]
         assert code != 0 and lines, bad.output()[-2000:]
         assert len(lines) == 1 and str(victim) in lines[0] and "differs" in lines[0], lines
+        assert "Traceback" not in bad.output(), bad.output()[-2000:]
         assert not bad.events("data.share")
         assert all(n.alive() for n in nodes[:2])
     finally:
