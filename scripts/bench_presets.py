@@ -2,11 +2,10 @@
 the peak RSS of a real node serving that stage on the CPU; and samples/s of the Llama CPU
 preset in a 2 stages x 2 peers swarm against the baseline (one process), side by side.
 
-Memory: for each preset whose swarm fits this machine's memory (every stage's computed
-total, doubled for activations and temporaries, plus 1 GiB a node, within
-``--memory-budget``; or the ``--presets`` named), a run of ``--stages`` stages x 1 peer:
-one ``swarmtrain node --spec FILE --stage S --no-train`` process per stage on 127.0.0.1
-(one torch thread each), the preset's model and micro-batch with a target batch of one
+Memory: for each preset whose swarm fits this machine's memory (as ``swarm_need`` reckons
+it, within ``--memory-budget``; or the ``--presets`` named), a run of ``--stages`` stages
+x 1 peer: one ``swarmtrain node --spec FILE --stage S --no-train`` process per stage on
+127.0.0.1 (one torch thread each), the preset's model and micro-batch with a target batch of one
 micro-batch, so that every micro-batch is an optimizer step and AdamW's state exists from
 the first. A trainer in this process sends ``--memory-micro-batches`` micro-batches
 through them; then each node's peak RSS is read from ``/proc/PID/status`` (``VmHWM``): the
@@ -60,7 +59,11 @@ from scripts.bench_swarm import _spread
 from scripts.swarm_bench.swarm import BenchSwarm
 
 MIB = 1024**2
-NODE_OVERHEAD = GIB  # interpreter, torch, hivemind and p2pd, counted for the fit
+# A node with its DHT and averager processes and p2pd, holding almost nothing: about 1.1 GiB.
+NODE_OVERHEAD = 3 * GIB // 2
+# The logits, their softmax and their gradients: llama-125m's last stage (1 GiB of logits a
+# micro-batch) peaked about 6 GiB above its computed memory, its blocks' and a node's.
+HEAD_COPIES = 6
 QUICK_PRESETS = ("tiny", "llama-tiny")
 
 
@@ -92,11 +95,19 @@ def children_hwm(pid: int) -> int:
 
 
 def swarm_need(name: str, stages: int) -> int:
-    """Bytes a ``stages`` x 1 swarm of preset ``name`` is reckoned to take on this machine:
-    each stage's computed total twice (activations, temporaries) and a node's overhead."""
-    model, _ = preset(name)
-    return sum(2 * stage_memory(model, r).total + NODE_OVERHEAD
-               for r in even_boundaries(model, stages))  # fmt: skip
+    """Bytes a ``stages`` x 1 swarm of preset ``name`` is reckoned to take on this machine,
+    per stage: its computed total twice (temporaries, the allocator's slack), a node's
+    overhead, one micro-batch's attention matrices per transformer block, and for the last
+    stage ``HEAD_COPIES`` times a micro-batch's float32 logits."""
+    model, optim = preset(name)
+    b, t = optim.micro_batch_size, model.block_size
+    attention = 4 * b * model.n_head * t * t
+    logits = 4 * b * t * model.vocab_size
+    need = HEAD_COPIES * logits
+    for r in even_boundaries(model, stages):
+        blocks = len(r) - (r.start == 0) - (r.end == model.n_blocks)  # transformer blocks
+        need += 2 * stage_memory(model, r).total + NODE_OVERHEAD + blocks * attention
+    return need
 
 
 def write_spec(workdir: Path, name: str, stages: int) -> tuple[str, Path]:
@@ -220,7 +231,7 @@ def main() -> int:
                    help="measure these (default: every preset whose swarm fits)")  # fmt: skip
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--memory-budget", type=float, metavar="GIB",
-                   help="default: 80%% of the memory available at start")  # fmt: skip
+                   help="default: 90%% of the memory available at start")  # fmt: skip
     p.add_argument("--memory-micro-batches", type=int, default=3,
                    help="micro-batches (optimizer steps) before the peaks are read")  # fmt: skip
     p.add_argument("--swarm-preset", default="llama-20m")
@@ -245,7 +256,7 @@ def main() -> int:
             p.error("--baseline-threads must be at least 1")
         torch.set_num_threads(args.baseline_threads)
 
-    budget = int((args.memory_budget or psutil.virtual_memory().available * 0.8 / GIB) * GIB)
+    budget = int((args.memory_budget or psutil.virtual_memory().available * 0.9 / GIB) * GIB)
     if args.presets:
         names, skipped = args.presets, {}
     else:
