@@ -44,7 +44,8 @@ fields:
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
 - ``data.share``: ``trainers`` (live peers counted as trainers, this one included),
   ``ranges`` and ``tokens`` (of the run's training shards this node's trainer now reads:
-  ``protocol.data_split``); in runs with shards, whenever the share changes.
+  ``protocol.data_split``), ``share`` (those ranges, ``[shard, start, end]`` each); in
+  runs with shards, whenever the share changes.
 - ``train.progress`` (every 10 micro-batches of this node's trainer): ``micro_batches``
   (trained since start), ``loss`` (of the last one).
 - ``call.failed``: ``stage``, ``peer``, ``error`` (the exception's class and message): a

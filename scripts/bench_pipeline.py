@@ -30,13 +30,17 @@ from node.rpc.dht import SwarmDHT
 
 
 def baseline_rate(preset_name: str, micro_batches: int, corpus) -> float:
+    """Samples/s of ``train_baseline``'s training steps on about ``micro_batches``
+    micro-batches (at least 2 steps): its first step is the warm-up, and its evaluations
+    (before the first step, after the last) are left out."""
     model, optim = preset(preset_name)
     steps = max(2, micro_batches * optim.micro_batch_size // optim.target_batch_size)
-    warm = train_baseline(model, optim, corpus, steps=1, eval_every=10**9)  # warm-up
-    del warm
-    started = time.perf_counter()
-    result = train_baseline(model, optim, corpus, steps=steps, eval_every=10**9)
-    return result.steps[-1].samples / (time.perf_counter() - started)
+    # A step's report counts samples and time from the first step on; the last report's
+    # time holds the final evaluation, so the steps timed are 2 .. steps + 1 of steps + 2.
+    reports = train_baseline(model, optim, corpus, steps=steps + 2, eval_every=10**9).steps
+    first, last = reports[0], reports[-2]
+    elapsed = last.samples / last.samples_per_s - first.samples / first.samples_per_s
+    return (last.samples - first.samples) / elapsed
 
 
 def loopback_bytes() -> int:

@@ -1076,7 +1076,9 @@ class Node:
         if new != share:
             tokens = token_stream(dataset, directory.expanduser(), new)
             trainer.read_from(tokens)
-            events.emit("data.share", trainers=len(trainers), ranges=len(new), tokens=len(tokens))
+            share_ranges = [[r.shard, r.start, r.end] for r in new]
+            events.emit("data.share", trainers=len(trainers), ranges=len(new), tokens=len(tokens),
+                        share=share_ranges)  # fmt: skip
             logger.info("reading %d of the run's %d training tokens (%d trainers)", len(tokens),
                         sum(s.tokens for s in dataset.train), len(trainers))  # fmt: skip
         return new
