@@ -2,7 +2,8 @@
 a round combines the groupmates' parts (``robust_mean``).
 
 Each peer of a stage publishes, under one DHT key per stage and its peer id as subkey,
-how many samples it has accumulated toward the stage's next step (``Progress``). Every
+how many samples it has accumulated toward the stage's next step (``Progress``, a signed
+record: ``protocol.progress``). Every
 peer reads all of them and applies the same pure rule (``decide``): when the samples of
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. No clock, no
@@ -18,11 +19,14 @@ from enum import StrEnum
 
 import torch
 
-from protocol.keys import spec_key
-from protocol.records import RecordError, check_run_name
-
-MAX_EPOCH = 2**53  # msgpack and floats agree on every integer up to here
-MAX_PEER_ID_CHARS = 128
+from protocol.progress import (  # noqa: F401  (re-exported: the round rule's input)
+    MAX_EPOCH,
+    Progress,
+    decode_progress,
+    encode_progress,
+    progress_key,
+)
+from protocol.records import check_run_name
 
 
 def averaging_prefix(run: str, stage: int) -> str:
@@ -30,42 +34,6 @@ def averaging_prefix(run: str, stage: int) -> str:
     forbids '.' in prefixes; run names allow it and never contain '~', so the mapping is
     one to one."""
     return f"{check_run_name(run).replace('.', '~')}_stage{int(stage)}"
-
-
-def progress_key(run: str, stage: int) -> str:
-    """The stage's ``Progress`` records, one subkey per peer id."""
-    return spec_key(run).removesuffix("/spec") + f"/stage{int(stage)}/progress"
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A peer's progress toward its stage's next averaging round."""
-
-    peer_id: str
-    epoch: int  # rounds (gradient mode: optimizer steps) behind this peer's parameters
-    samples: int  # accumulated toward round ``epoch + 1``, including any round in flight
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.peer_id, str) or not 0 < len(self.peer_id) <= MAX_PEER_ID_CHARS:
-            raise RecordError(f"progress peer id must be 1-{MAX_PEER_ID_CHARS} characters")
-        for name in ("epoch", "samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_EPOCH:
-                raise RecordError(
-                    f"progress {name} must be an integer in [0, 2**53), got {value!r}"
-                )
-
-
-def encode_progress(p: Progress) -> list[int]:
-    """The record's value (its subkey is the peer id)."""
-    return [p.epoch, p.samples]
-
-
-def decode_progress(subkey: object, value: object) -> Progress:
-    """Validate a record read from the DHT; ``RecordError`` if it is not one."""
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise RecordError("a progress record is [epoch, samples]")
-    return Progress(peer_id=subkey, epoch=value[0], samples=value[1])  # type: ignore[arg-type]
 
 
 class Action(StrEnum):

@@ -3,7 +3,9 @@
 A peer here is a DHT, one stage (by default the last stage of a small model), its
 ``StageOptimizer`` and a ``StageAverager``; ``feed`` and ``feed_tokens`` do what a stage
 server does for one micro-batch (backward of ``loss * B`` into ``.grad`` under the lock,
-then ``on_accumulated``).
+then ``on_accumulated``). Its DHT's identity key must be in ``KEYS``: it signs the peer's
+progress records and its peer record in the run (peers ignore the progress of peers
+without one).
 
 As a script (``python -m tests.averaging_peer --initial-peer MADDR --run NAME``) it is the
 victim of the kill test: it joins, accumulates two micro-batches, prints ``READY``, and in
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -27,10 +31,13 @@ from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer
 from node.averaging.averager import StageAverager
 from node.averaging.process import StageAveragerProcess
+from node.files import load_or_create_key
 from node.rpc.dht import SwarmDHT
 from protocol.identity import peer_id_of
 from protocol.ownership import make_run_id
+from protocol.records import MAX_RECORD_AGE_S
 from protocol.run_spec import AveragingSpec, RunSpec
+from tests.records import peer_info
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 CFG = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -49,6 +56,19 @@ FAST = {
 
 # The tests' run owner: a fixed key, so that the victim subprocess derives the same run id.
 OWNER = peer_id_of(Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key())
+KEYS: dict[str, Ed25519PrivateKey] = {}  # the DHTs' identities, by peer id: to sign records
+
+
+def start_dht(keys_dir: str, name: str, initial_peers: list[str], run: str = "avg") -> SwarmDHT:
+    """A DHT of ``run`` on loopback whose identity key (``keys_dir``/``name``.key) is in
+    ``KEYS``."""
+    path = Path(keys_dir) / f"{name}.key"
+    key = load_or_create_key(path)
+    dht = SwarmDHT.start(
+        run, host_maddrs=[LOOPBACK], initial_peers=initial_peers, identity_path=path
+    )
+    KEYS[dht.peer_id] = key
+    return dht
 
 
 def make_spec(name: str, **averaging) -> RunSpec:
@@ -91,11 +111,17 @@ class Peer:
         self.stage = Stage(self.spec.model, self.spec.stage_range(self.stage_index))
         self.optimizer = StageOptimizer(self.stage, self.spec.optim)
 
-    async def start(self, **seams) -> StageAverager:
-        """Create the averager; ``seams``: ``StageAverager.create``'s fault seams
-        (``process_class``, ``outgoing``)."""
+    async def start(self, record: bool = True, **seams) -> StageAverager:
+        """Create the averager (after publishing the peer's record in the run, unless not
+        ``record``); ``seams``: ``StageAverager.create``'s fault seams (``process_class``,
+        ``outgoing``)."""
+        key = KEYS[self.dht.peer_id]
+        if record:
+            n = self.spec.n_stages
+            info = peer_info(self.spec.run, self.dht.peer_id, throughput=(1.0,) * n, stage=None)
+            assert await self.dht.publish_peer(info, key, ttl_s=MAX_RECORD_AGE_S)
         self.averager = await StageAverager.create(
-            self.dht, self.spec, self.stage_index, self.stage, self.optimizer, **seams
+            self.dht, self.spec, self.stage_index, self.stage, self.optimizer, key=key, **seams
         )
         return self.averager
 
@@ -152,7 +178,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = make_spec(args.run)
-    dht = SwarmDHT.start(spec.run, initial_peers=[args.initial_peer], host_maddrs=[LOOPBACK])
+    dht = start_dht(tempfile.mkdtemp(), "victim", [args.initial_peer], spec.run)
     print(f"STARTED {time.time():.3f}", flush=True)
     import uvloop
 

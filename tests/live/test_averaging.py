@@ -32,7 +32,6 @@ from models.stages import Stage
 from models.training import StageOptimizer, evaluate
 from node.averaging.averager import AveragedStageServer
 from node.averaging.process import StageAveragerProcess
-from node.files import load_or_create_key
 from node.pipeline import client as stage_client
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import averaging_prefix
@@ -42,6 +41,7 @@ from protocol.stage_messages import StageContract
 from tests.averaging_peer import (
     CFG,
     FAST,
+    KEYS,
     LOOPBACK,
     OWNER,
     STAGE,
@@ -50,6 +50,7 @@ from tests.averaging_peer import (
     backward,
     batch,
     make_spec,
+    start_dht,
 )
 from tests.records import peer_info
 from tests.streams import flood
@@ -57,28 +58,16 @@ from tests.streams import flood
 ATOL = 1e-6  # copies agree to float rounding: each adds (average - own) to its own
 
 
-KEYS: dict[str, Ed25519PrivateKey] = {}  # the DHTs' identities, by peer id: to sign records
-
-
 @pytest.fixture(scope="module")
 def dhts(tmp_path_factory):
     """Three DHT processes on loopback, shared by the module's tests (each test uses its own
     run name, so records and averaging groups do not mix)."""
     started: list[SwarmDHT] = []
-    keys = tmp_path_factory.mktemp("keys")
+    keys = str(tmp_path_factory.mktemp("keys"))
     try:
         for i in range(3):
-            key = load_or_create_key(keys / f"{i}.key")
             first = started[0].visible_maddrs() if started else []
-            started.append(
-                SwarmDHT.start(
-                    "avg",
-                    host_maddrs=[LOOPBACK],
-                    initial_peers=first,
-                    identity_path=keys / f"{i}.key",
-                )  # fmt: skip
-            )
-            KEYS[started[-1].peer_id] = key
+            started.append(start_dht(keys, str(i), first))
         yield [d.dht for d in started]
     finally:
         for d in started:
@@ -596,7 +585,7 @@ def test_a_private_stage_averages_with_its_members_only(dhts):
                     proof = parse_invite_token(token, owner=OWNER).proof(peer_id)
                 record = peer_info(spec.run, peer_id, throughput=(1.0, 1.0), membership=proof)
                 assert await peer.dht.publish_peer(record, KEYS[peer_id], ttl_s=60)
-                await peer.start()
+                await peer.start(record=False)
                 loaded = await peer.averager.load_state()
                 assert loaded.source in (None, a.dht.peer_id), "never from the stranger"
             assert {p.peer_id for p in await a.dht.peers()} == {a.dht.peer_id, b.dht.peer_id}
