@@ -148,3 +148,52 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
         scale = torch.where(norms > radius, radius / norms.clamp(min=1e-30), torch.ones_like(norms))
         center = center + (w * scale) @ offsets / w.sum()
     return center.reshape(shape)
+
+
+# What a reducer returns. Every groupmate reduces a share of the vector: it gets every
+# groupmate's part of that share and returns the (robust) mean to each. A sender cannot
+# see the other parts, but it knows its own, and the mean of parts that include it lies
+# near it and along it: by about the parts' spread (of the order of their norms: 1-1.5 of
+# ours for groupmates of comparable sample counts) and with a positive dot product (ours
+# is one of the parts, and the others share the signal ours carries). A mean negated, or
+# scaled far up, fails one check or both.
+RETURN_RADIUS = 4.0  # a returned mean lies within this many norms of our part from it
+
+
+def check_returned(mine: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> str | None:
+    """Why the means one groupmate returned for the parts it reduced cannot be a mean of
+    parts that include ``mine`` (our parts of its share, in order), or None. Over its whole
+    share: ``averaged`` must be finite, within ``RETURN_RADIUS`` norms of ``mine`` from
+    ``mine``, and not point against it. A contribution of zeros (a groupmate with no
+    samples of its own) tells nothing: None."""
+    if len(mine) != len(averaged):
+        raise ValueError(f"{len(mine)} parts of ours, {len(averaged)} returned")
+    mine_sq = returned_sq = distance_sq = dot = 0.0
+    for x, r in zip(mine, averaged, strict=True):
+        x, r = x.double().reshape(-1), r.double().reshape(-1)
+        if not bool(torch.isfinite(r).all()):
+            return "it returned non-finite values"
+        mine_sq += float(x @ x)
+        returned_sq += float(r @ r)
+        distance_sq += float((r - x) @ (r - x))
+        dot += float(r @ x)
+    if mine_sq == 0:
+        return None
+    if distance_sq > RETURN_RADIUS**2 * mine_sq:
+        return (
+            f"its mean lies {math.sqrt(distance_sq / mine_sq):.3g} norms of our part from it "
+            f"(at most {RETURN_RADIUS:g})"
+        )
+    if dot < 0:
+        cosine = dot / math.sqrt(mine_sq * returned_sq)
+        return f"its mean points against our part (cosine {cosine:.3g})"
+    return None
+
+
+def reducer_shares(clients: Sequence[bool]) -> tuple[float, ...]:
+    """Each groupmate's share of the vector to reduce: equal among those that reduce (all
+    but ``clients``, which cannot be dialed), whatever bandwidth any of them claims (a
+    groupmate claiming a fast link would otherwise reduce, and could corrupt, most of it)."""
+    if all(clients):
+        raise ValueError("a group of clients only has nobody to reduce")
+    return tuple(0.0 if client else 1.0 for client in clients)

@@ -97,6 +97,13 @@ def backward(stage: Stage, seed: int) -> int:
     return len(x)
 
 
+def backward_tokens(stage: Stage, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Backward of ``loss * B`` of a stage holding the whole model on tokens (B, T) and
+    targets (B, T); the samples."""
+    (stage(x, y) * len(x)).backward()
+    return len(x)
+
+
 @dataclass
 class Peer:
     dht: SwarmDHT
@@ -134,11 +141,7 @@ class Peer:
         """One micro-batch of tokens (B, T) and targets (B, T), for a stage that holds the
         whole model."""
 
-        def loss_backward() -> int:
-            (self.stage(x, y) * len(x)).backward()
-            return len(x)
-
-        self._accumulate(loss_backward)
+        self._accumulate(lambda: backward_tokens(self.stage, x, y))
 
     def _accumulate(self, backward_fn: Callable[[], int]) -> None:
         assert self.averager is not None
@@ -158,6 +161,20 @@ class _StallingProcess(StageAveragerProcess):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         print("ALLREDUCE", flush=True)
         await asyncio.sleep(3600)
+
+
+class ReversingReducer(StageAveragerProcess):
+    """Fault: returns -100 x the mean of the parts it reduces (its groupmates' shares)."""
+
+    def reduce_parts(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        return -100 * super().reduce_parts(parts, weights)
+
+
+def noise_sender(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fault (an ``outgoing`` seam): sends random noise of norm 1e3 for its contribution."""
+    noise = [torch.randn_like(t, dtype=torch.float32) for t in tensors]
+    norm = float(torch.cat([n.reshape(-1) for n in noise]).norm())
+    return [(n * (1e3 / norm)).to(t.dtype) for n, t in zip(noise, tensors, strict=True)]
 
 
 async def _victim(dht: SwarmDHT, spec: RunSpec, seeds: list[int]) -> None:

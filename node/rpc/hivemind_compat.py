@@ -62,6 +62,16 @@ What is patched or overridden, and why:
   (:class:`ScreenedReducer`): a groupmate's part that ``check_part`` refuses is refused
   (``rpc_aggregate_part`` then drops that sender from the rest of the reducer's parts), and
   the parts that pass are reduced by ``reduce_parts``, where hivemind sums them weighted.
+- ``TensorPartContainer.register_processed_part`` and ``register_failed_reducer`` (wrapped
+  per round by ``_ScreenedRunner``), reading ``_input_parts_by_peer``: once a groupmate
+  has returned the means of its whole share, ``check_returned`` may refuse them (they are
+  compared with our own parts of that share); the reducer then counts as failed, and so
+  does the round. hivemind applies whatever a reducer returns.
+- The ``peer_fractions`` hivemind's ``_aggregate_with_group`` passes to
+  ``_run_allreduce_inplace_`` (replaced there by ``split_shares``, from the modes the
+  groupmates declared): hivemind splits the vector by the bandwidth each groupmate claims.
+- ``Matchmaking._request_join_group`` (wrapped per averager in ``_set_matchmaking``): a
+  leader that ``admits`` refuses is skipped, as one that rejected us.
 """
 
 from __future__ import annotations
@@ -324,12 +334,46 @@ class _ScreenedRunner(AllReduceRunner):
             plain.part_shapes, plain.num_senders, local, screen
         )
         plain.finished.set()  # unused: keeps it from warning about missing parts when collected
+        self._screen = screen
+        self._returned: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._unchecked: set[int] = {self.ordered_peer_ids.index(self.peer_id)}
+        container = self.tensor_part_container
+        self._register_part = container.register_processed_part
+        self._register_failed = container.register_failed_reducer
+        container.register_processed_part = self._check_returned_part
+        container.register_failed_reducer = self._reducer_failed
+
+    def _check_returned_part(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+        """Collect what a groupmate returned for its share (as means: ours plus the delta it
+        sent) and, once the whole share is in, let ``check_returned`` refuse it (the
+        reducer then counts as failed: the round fails)."""
+        container = self.tensor_part_container
+        if peer_index not in self._unchecked:
+            # A copy: the part is a view of our tensor, which takes its average in place
+            # as soon as all its parts are in (before this reducer's share may be).
+            mine = container._input_parts_by_peer[peer_index][part_index][0].detach().clone()
+            ours, means = self._returned.setdefault(peer_index, ([], []))
+            ours.append(mine)
+            means.append(mine.float() + delta.float())
+            if part_index + 1 == container.num_parts_by_peer[peer_index]:
+                del self._returned[peer_index]
+                reducer = self.ordered_peer_ids[peer_index]
+                refused = self._screen.check_returned(reducer, ours, means)
+                if refused is not None:
+                    raise AllreduceException(f"refused what {reducer} returned: {refused}")
+        self._register_part(peer_index, part_index, delta)
+
+    def _reducer_failed(self, peer_index: int) -> None:
+        self._unchecked.add(peer_index)  # its parts are now ours, unaveraged
+        self._returned.pop(peer_index, None)
+        self._register_failed(peer_index)
 
 
 class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the overrides listed in the module
-    docstring. A subclass decides through ``admits``, ``state_sources``, ``check_part`` and
-    ``reduce_parts`` (which run in the averager's process); the defaults behave as hivemind."""
+    docstring. A subclass decides through ``admits``, ``state_sources``, ``check_part``,
+    ``reduce_parts``, ``check_returned`` and ``split_shares`` (which run in the averager's
+    process); the defaults behave as hivemind."""
 
     async def admits(self, peer: PeerID) -> bool:
         """Whether to join, aggregate and share state with ``peer``."""
@@ -348,6 +392,18 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         total = sum(weights)
         return sum(p * (w / total) for p, w in zip(parts, weights, strict=True))
 
+    def check_returned(
+        self, reducer: PeerID, mine: list[torch.Tensor], averaged: list[torch.Tensor]
+    ) -> str | None:
+        """Why the means ``reducer`` returned for its share (``averaged``; ``mine``: our
+        parts of it) are refused, or None to accept them."""
+        return None
+
+    def split_shares(self, clients: list[bool]) -> Sequence[float] | None:
+        """Each groupmate's share of the vector to reduce (``clients``: those that declared
+        client mode), or None for hivemind's split by the bandwidths the groupmates claim."""
+        return None
+
     def set_matchmaking(self, group_bits: str, target_group_size: int | None) -> None:
         """From the next ``step`` on, match under ``group_bits`` and start the all-reduce
         as soon as ``target_group_size`` peers (us included) are in the group (None: at the
@@ -357,6 +413,16 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         self._outer_pipe.send(("_set_matchmaking", [group_bits, target_group_size], {}))
 
     async def _set_matchmaking(self, group_bits: str, target_group_size: int | None) -> None:
+        matchmaking = self._matchmaking
+        if "_request_join_group" not in vars(matchmaking):  # once: leaders we refuse are skipped
+            plain_request = matchmaking._request_join_group
+
+            async def screened_request(leader: PeerID) -> GroupInfo | None:
+                if not await self.admits(leader):
+                    return None  # as a leader that rejected us: try the next one
+                return await plain_request(leader)
+
+            matchmaking._request_join_group = screened_request
         self._matchmaking.group_key_manager.group_bits = group_bits
         self._matchmaking.target_group_size = target_group_size
         self._matchmaking.potential_leaders.target_group_size = target_group_size
@@ -430,6 +496,10 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         for peer in group_info.peer_ids:
             if not await self.admits(peer):
                 raise AllreduceException(f"the group includes {peer}, which this averager refuses")
+        modes = [AveragingMode(self.serializer.loads(g)[1]) for g in group_info.gathered]
+        shares = self.split_shares([m == AveragingMode.CLIENT for m in modes])
+        if shares is not None:
+            kwargs["peer_fractions"] = tuple(shares)
         runner = _ScreenedRunner(
             screen=self,
             p2p=self._p2p,

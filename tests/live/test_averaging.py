@@ -30,8 +30,10 @@ from hivemind.proto import averaging_pb2
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
+from node import events
 from node.averaging.averager import AveragedStageServer
 from node.averaging.process import StageAveragerProcess
+from node.events import read_events
 from node.pipeline import client as stage_client
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import averaging_prefix
@@ -47,9 +49,12 @@ from tests.averaging_peer import (
     STAGE,
     TARGET,
     Peer,
+    ReversingReducer,
     backward,
+    backward_tokens,
     batch,
     make_spec,
+    noise_sender,
     start_dht,
 )
 from tests.records import peer_info
@@ -397,6 +402,97 @@ def test_a_wrong_but_finite_groupmate_cannot_turn_the_step_around(dhts):
             await _shutdown(a, b, wrong)
 
     _run(body())
+
+
+@pytest.fixture(scope="module")
+def fourth(dhts, tmp_path_factory):
+    """A fourth DHT (for a fourth groupmate), joined to the module's three."""
+    dht = start_dht(
+        str(tmp_path_factory.mktemp("keys")), "3", SwarmDHT(dhts[0], "avg").visible_maddrs()
+    )
+    try:
+        yield dht.dht
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["reducer", "sender"])
+def test_a_hostile_groupmate_leaves_the_loss_with_the_honest_peers(
+    dhts, fourth, corpus, tmp_path, fault
+):
+    """Three honest peers holding the ``tiny`` model train with a fourth groupmate that
+    returns -100 x the mean of the share it reduces (``ReversingReducer``), or sends noise
+    of norm 1e3 (``noise_sender``). Every honest copy's validation loss ends within noise
+    of a single process taking the honest peers' steps (the fourth feeds none: it averages
+    with weight 0, and still reduces its share); the reducer's means are refused, and
+    ``averaging.part_rejected`` names it."""
+    rounds, log = 8, tmp_path / "events.jsonl"
+    averaging = AveragingSpec(**FAST)
+    spec = make_run_spec(
+        f"avg-hostile-{fault}",
+        "tiny",
+        1,
+        owner=OWNER,
+        averaging=averaging,
+        warmup_steps=0,
+        target_batch_size=48,  # 2 micro-batches from each honest peer: only all of them
+    )
+    honest = [Peer(SwarmDHT(d, spec.run), spec, stage_index=0) for d in dhts]
+    hostile = Peer(SwarmDHT(fourth, spec.run), spec, stage_index=0)
+    model, optim = spec.model, spec.optim
+    val = eval_batches(corpus.val, model.block_size, optim.micro_batch_size, 8)
+    data = sample_batches(corpus.train, model.block_size, optim.micro_batch_size, stream_seed(0, 1))
+    reference = Stage(model, spec.stage_range(0))
+    reference_opt = StageOptimizer(reference, optim)
+
+    def train_one_round() -> None:
+        for peer in honest:
+            for _ in range(2):
+                x, y = next(data)
+                peer.feed_tokens(x, y)
+                reference_opt.accumulated(backward_tokens(reference, x, y))
+        reference_opt.step()
+
+    async def body():
+        events.open_log(log)  # before the averagers fork: they emit into it
+        try:
+            for peer in honest:
+                await peer.start()
+                await peer.averager.load_state()
+            seams = (
+                {"process_class": ReversingReducer}
+                if fault == "reducer"
+                else {"outgoing": noise_sender}
+            )
+            await hostile.start(**seams)
+            await hostile.averager.load_state()
+            reference.load_state_dict(honest[0].stage.state_dict())
+            await _until(lambda: all(p.averager.peers == 3 for p in honest), 10, "all in sight")
+            before = evaluate([reference], val)
+            for epoch in range(1, rounds + 1):
+                await asyncio.to_thread(train_one_round)
+                await _until(lambda e=epoch: _at_epoch(e, *honest), 30, f"round {epoch}")
+            expected = evaluate([reference], val)
+            losses = [evaluate([p.stage], val) for p in honest]
+            stats = [p.averager.stats for p in honest]
+            assert all(abs(loss - expected) < 0.1 for loss in losses), (
+                before,
+                expected,
+                losses,
+                stats,
+            )
+            assert expected < before - 0.3, (before, expected)
+            # (The noise sender may refuse honest means, far from its noise: they are.)
+            rejected = {e["reducer"] for e in read_events(log, "averaging.part_rejected")}
+            if fault == "reducer":
+                assert rejected == {hostile.dht.peer_id}, rejected
+            else:
+                assert hostile.dht.peer_id not in rejected, rejected
+        finally:
+            events.close_log()
+            await _shutdown(*honest, hostile)
+
+    _run(body(), timeout=240)
 
 
 def test_averagers_start_from_a_running_event_loop(dhts):
