@@ -153,39 +153,57 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
 # What a reducer returns. Every groupmate reduces a share of the vector: it gets every
 # groupmate's part of that share and returns the (robust) mean to each. A sender cannot
 # see the other parts, but it knows its own, and the mean of parts that include it lies
-# near it and along it: by about the parts' spread (of the order of their norms: 1-1.5 of
-# ours for groupmates of comparable sample counts) and with a positive dot product (ours
-# is one of the parts, and the others share the signal ours carries). A mean negated, or
-# scaled far up, fails one check or both.
-RETURN_RADIUS = 4.0  # a returned mean lies within this many norms of our part from it
+# near it and along it: within about the parts' spread (of the order of their norms) and
+# with a positive dot product (ours is one of the parts, and the others share the signal
+# ours carries). The share a sender reduces itself shows how far the true mean lies from
+# its part in this round (farther when its part is small: a DiLoCo delta of fewer inner
+# steps), so another share may lie that far too. A mean negated, or scaled far up, fails.
+RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
 
 
-def check_returned(mine: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> str | None:
-    """Why the means one groupmate returned for the parts it reduced cannot be a mean of
-    parts that include ``mine`` (our parts of its share, in order), or None. Over its whole
-    share: ``averaged`` must be finite, within ``RETURN_RADIUS`` norms of ``mine`` from
-    ``mine``, and not point against it. A contribution of zeros (a groupmate with no
-    samples of its own) tells nothing: None."""
-    if len(mine) != len(averaged):
-        raise ValueError(f"{len(mine)} parts of ours, {len(averaged)} returned")
-    mine_sq = returned_sq = distance_sq = dot = 0.0
-    for x, r in zip(mine, averaged, strict=True):
-        x, r = x.double().reshape(-1), r.double().reshape(-1)
+@dataclass
+class ReturnedShare:
+    """Running sums over the parts of one reducer's share: ours (``mine``) and the means
+    it returned (``averaged``), added part by part (``add``)."""
+
+    mine_sq: float = 0.0
+    returned_sq: float = 0.0
+    distance_sq: float = 0.0
+    dot: float = 0.0
+    finite: bool = True
+
+    def add(self, mine: torch.Tensor, averaged: torch.Tensor) -> None:
+        x, r = mine.double().reshape(-1), averaged.double().reshape(-1)
         if not bool(torch.isfinite(r).all()):
-            return "it returned non-finite values"
-        mine_sq += float(x @ x)
-        returned_sq += float(r @ r)
-        distance_sq += float((r - x) @ (r - x))
-        dot += float(r @ x)
-    if mine_sq == 0:
+            self.finite = False
+            return
+        self.mine_sq += float(x @ x)
+        self.returned_sq += float(r @ r)
+        self.distance_sq += float((r - x) @ (r - x))
+        self.dot += float(r @ x)
+
+    @property
+    def spread(self) -> float | None:
+        """How far the means lie from our parts, in norms of ours (None: ours are 0)."""
+        return math.sqrt(self.distance_sq / self.mine_sq) if self.mine_sq > 0 else None
+
+
+def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> str | None:
+    """Why the means one groupmate returned for its share (``share``) cannot be means of
+    parts that include ours, or None: they must be finite, lie within ``RETURN_RADIUS``
+    norms of our part from it (times the spread of ``own``, the share we reduced
+    ourselves, if that is more than 1), and not point against it. A contribution of zeros
+    (a groupmate with no samples of its own) tells nothing: None."""
+    if not share.finite:
+        return "it returned non-finite values"
+    spread = share.spread
+    if spread is None:
         return None
-    if distance_sq > RETURN_RADIUS**2 * mine_sq:
-        return (
-            f"its mean lies {math.sqrt(distance_sq / mine_sq):.3g} norms of our part from it "
-            f"(at most {RETURN_RADIUS:g})"
-        )
-    if dot < 0:
-        cosine = dot / math.sqrt(mine_sq * returned_sq)
+    limit = RETURN_RADIUS * max(1.0, (own.spread if own is not None else None) or 1.0)
+    if spread > limit:
+        return f"its mean lies {spread:.3g} norms of our part from it (at most {limit:.3g})"
+    if share.dot < 0:
+        cosine = share.dot / math.sqrt(share.mine_sq * share.returned_sq)
         return f"its mean points against our part (cosine {cosine:.3g})"
     return None
 

@@ -45,6 +45,7 @@ from node.rpc.child_process import die_with_parent
 from node.rpc.hivemind_compat import AveragerCompat, cap_frames
 from protocol.averaging import (
     MAX_ABS_CONTRIBUTION,
+    ReturnedShare,
     check_returned,
     check_weight,
     reducer_shares,
@@ -125,20 +126,24 @@ class StageAveragerProcess(AveragerCompat):
         return robust_mean(parts, weights)
 
     def check_returned(
-        self, reducer: PeerID, mine: list[torch.Tensor], averaged: list[torch.Tensor]
-    ) -> str | None:
-        """``check_returned``; a refused reducer is logged, emitted as
-        ``averaging.part_rejected`` and refused for ``REJECTED_S``."""
-        refused = check_returned(mine, averaged)
-        if refused is not None:
+        self, own: ReturnedShare | None, shares: dict[PeerID, ReturnedShare]
+    ) -> dict[PeerID, str]:
+        """``protocol.averaging.check_returned`` for each groupmate's share; a refused one
+        is logged, emitted as ``averaging.part_rejected`` and refused for ``REJECTED_S``."""
+        refused = {}
+        for reducer, share in shares.items():
+            why = check_returned(share, own)
+            if why is None:
+                continue
+            refused[reducer] = why
             self._rejected[reducer] = time.monotonic() + REJECTED_S
             logger.warning(
                 "discarded the share %s reduced (%s): it is refused for %.0f s",
                 reducer,
-                refused,
+                why,
                 REJECTED_S,
             )
-            events.emit("averaging.part_rejected", reducer=reducer.to_base58(), reason=refused)
+            events.emit("averaging.part_rejected", reducer=reducer.to_base58(), reason=why)
         return refused
 
     def split_shares(self, clients: list[bool]) -> tuple[float, ...]:

@@ -63,10 +63,11 @@ What is patched or overridden, and why:
   (``rpc_aggregate_part`` then drops that sender from the rest of the reducer's parts), and
   the parts that pass are reduced by ``reduce_parts``, where hivemind sums them weighted.
 - ``TensorPartContainer.register_processed_part`` and ``register_failed_reducer`` (wrapped
-  per round by ``_ScreenedRunner``), reading ``_input_parts_by_peer``: once a groupmate
-  has returned the means of its whole share, ``check_returned`` may refuse them (they are
-  compared with our own parts of that share); the reducer then counts as failed, and so
-  does the round. hivemind applies whatever a reducer returns.
+  per round by ``_ScreenedRunner``), reading ``_input_parts_by_peer``: the means each
+  groupmate returned for its share are summed up against our own parts of it, and once
+  all are in, ``check_returned`` may refuse some: the round then fails (our tensors, which
+  took the means in place, are written afresh by the next round). hivemind applies
+  whatever a reducer returns.
 - The ``peer_fractions`` hivemind's ``_aggregate_with_group`` passes to
   ``_run_allreduce_inplace_`` (replaced there by ``split_shares``, from the modes the
   groupmates declared): hivemind splits the vector by the bandwidth each groupmate claims.
@@ -96,6 +97,8 @@ from hivemind.p2p.servicer import RPCHandler
 from hivemind.proto import averaging_pb2, dht_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+
+from protocol.averaging import ReturnedShare
 
 logger = logging.getLogger(__name__)
 
@@ -334,38 +337,28 @@ class _ScreenedRunner(AllReduceRunner):
             plain.part_shapes, plain.num_senders, local, screen
         )
         plain.finished.set()  # unused: keeps it from warning about missing parts when collected
-        self._screen = screen
-        self._returned: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._unchecked: set[int] = {self.ordered_peer_ids.index(self.peer_id)}
+        self.returned: dict[PeerID, ReturnedShare] = {}  # what each reducer returned
+        self._failed: set[int] = set()
         container = self.tensor_part_container
         self._register_part = container.register_processed_part
         self._register_failed = container.register_failed_reducer
-        container.register_processed_part = self._check_returned_part
+        container.register_processed_part = self._sum_returned_part
         container.register_failed_reducer = self._reducer_failed
 
-    def _check_returned_part(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
-        """Collect what a groupmate returned for its share (as means: ours plus the delta it
-        sent) and, once the whole share is in, let ``check_returned`` refuse it (the
-        reducer then counts as failed: the round fails)."""
-        container = self.tensor_part_container
-        if peer_index not in self._unchecked:
-            # A copy: the part is a view of our tensor, which takes its average in place
-            # as soon as all its parts are in (before this reducer's share may be).
-            mine = container._input_parts_by_peer[peer_index][part_index][0].detach().clone()
-            ours, means = self._returned.setdefault(peer_index, ([], []))
-            ours.append(mine)
-            means.append(mine.float() + delta.float())
-            if part_index + 1 == container.num_parts_by_peer[peer_index]:
-                del self._returned[peer_index]
-                reducer = self.ordered_peer_ids[peer_index]
-                refused = self._screen.check_returned(reducer, ours, means)
-                if refused is not None:
-                    raise AllreduceException(f"refused what {reducer} returned: {refused}")
+    def _sum_returned_part(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+        """Add a part a groupmate (or we) reduced to its share's sums: our part (intact:
+        our tensor takes its average in place only once all its parts are in) and the
+        mean (ours plus the delta it sent)."""
+        if peer_index not in self._failed:
+            mine = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
+            reducer = self.ordered_peer_ids[peer_index]
+            share = self.returned.setdefault(reducer, ReturnedShare())
+            share.add(mine, mine.float() + delta.float())
         self._register_part(peer_index, part_index, delta)
 
     def _reducer_failed(self, peer_index: int) -> None:
-        self._unchecked.add(peer_index)  # its parts are now ours, unaveraged
-        self._returned.pop(peer_index, None)
+        self._failed.add(peer_index)  # the rest of its share is ours, unaveraged
+        self.returned.pop(self.ordered_peer_ids[peer_index], None)
         self._register_failed(peer_index)
 
 
@@ -393,11 +386,11 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         return sum(p * (w / total) for p, w in zip(parts, weights, strict=True))
 
     def check_returned(
-        self, reducer: PeerID, mine: list[torch.Tensor], averaged: list[torch.Tensor]
-    ) -> str | None:
-        """Why the means ``reducer`` returned for its share (``averaged``; ``mine``: our
-        parts of it) are refused, or None to accept them."""
-        return None
+        self, own: ReturnedShare | None, shares: dict[PeerID, ReturnedShare]
+    ) -> dict[PeerID, str]:
+        """The groupmates whose returned means (``shares``: sums over each one's share;
+        ``own``: over the share we reduced, if any) are refused, and why."""
+        return {}
 
     def split_shares(self, clients: list[bool]) -> Sequence[float] | None:
         """Each groupmate's share of the vector to reduce (``clients``: those that declared
@@ -515,6 +508,11 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
             raise AllreduceException("this averager never runs as an auxiliary peer")
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)  # averaging_alpha is 1
+        own = runner.returned.pop(self.peer_id, None)
+        refused = self.check_returned(own, runner.returned)
+        if refused:
+            reducers = ", ".join(f"{peer} ({why})" for peer, why in refused.items())
+            raise AllreduceException(f"refused the means returned by {reducers}")
         failed = runner.tensor_part_container.failed_size
         if failed:
             total = runner.tensor_part_container.total_size

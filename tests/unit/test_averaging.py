@@ -17,6 +17,7 @@ from node.averaging.digests import EQUAL_DISTANCE, ParamDigest, compare_copies
 from protocol.averaging import (
     Action,
     Progress,
+    ReturnedShare,
     check_returned,
     decide,
     reducer_shares,
@@ -190,6 +191,13 @@ def _gradients(peers: int, seeds_per_peer: list[int]) -> list[torch.Tensor]:
     return grads
 
 
+def _share(mine: torch.Tensor, averaged: torch.Tensor) -> ReturnedShare:
+    share = ReturnedShare()
+    for x, r in zip(mine.split(1000), averaged.split(1000), strict=True):  # part by part
+        share.add(x, r)
+    return share
+
+
 def test_a_returned_mean_is_checked_against_our_own_part():
     """Four groupmates (1 to 4 micro-batches each) split the vector into four shares.
     For every share and every groupmate, the robust mean of the four parts passes the
@@ -201,14 +209,27 @@ def test_a_returned_mean_is_checked_against_our_own_part():
     for s in range(4):
         mean = robust_mean([parts[s] for parts in shares], weights)
         for parts in shares:
-            mine = [parts[s]]
-            assert check_returned(mine, [mean]) is None
+            mine = parts[s]
+            assert check_returned(_share(mine, mean)) is None
             for wrong, why in [(-100 * mean, "norms"), (-mean, "against"), (100 * mean, "norms")]:
-                assert why in check_returned(mine, [wrong])
-            assert "non-finite" in check_returned(mine, [torch.full_like(mean, math.nan)])
-        assert check_returned([torch.zeros_like(mean)], [-100 * mean]) is None
-    with pytest.raises(ValueError):
-        check_returned([grads[0]], [])
+                assert why in check_returned(_share(mine, wrong))
+            assert "non-finite" in check_returned(_share(mine, torch.full_like(mean, math.nan)))
+        assert check_returned(_share(torch.zeros_like(mean), -100 * mean)) is None
+
+
+def test_a_small_part_of_ours_is_judged_by_the_share_we_reduced():
+    """A DiLoCo delta of few inner steps is small beside the mean: the honest mean of
+    another share lies many of its norms away, as the mean of the share we reduced
+    ourselves does, which allows it; 100x that mean does not pass."""
+    g = torch.Generator().manual_seed(1)
+    common = torch.randn(4000, generator=g)
+    mine = 0.1 * common + 0.01 * torch.randn(4000, generator=g)  # 1 inner step to their 10
+    mean = common + 0.1 * torch.randn(4000, generator=g)
+    own = _share(mine[:2000], mean[:2000])
+    other = _share(mine[2000:], mean[2000:])
+    assert "norms" in check_returned(other)  # without the yardstick, it looks too far
+    assert check_returned(other, own) is None
+    assert "norms" in check_returned(_share(mine[2000:], 100 * mean[2000:]), own)
 
 
 def test_shares_are_equal_whatever_bandwidth_is_claimed():
