@@ -425,7 +425,8 @@ def test_a_hostile_groupmate_leaves_the_loss_with_the_honest_peers(
     of norm 1e3 (``noise_sender``). Every honest copy's validation loss ends within noise
     of a single process taking the honest peers' steps (the fourth feeds none: it averages
     with weight 0, and still reduces its share); the reducer's means are refused, and
-    ``averaging.part_rejected`` names it."""
+    ``averaging.part_rejected`` names it. The fourth hands over no state: a hostile donor
+    of state is another attack (a peer behind would download its copy)."""
     rounds, log = 8, tmp_path / "events.jsonl"
     averaging = AveragingSpec(**FAST)
     spec = make_run_spec(
@@ -466,6 +467,7 @@ def test_a_hostile_groupmate_leaves_the_loss_with_the_honest_peers(
             )
             await hostile.start(**seams)
             await hostile.averager.load_state()
+            hostile.averager.transport.process.allow_state_sharing = False  # see the docstring
             reference.load_state_dict(honest[0].stage.state_dict())
             await _until(lambda: all(p.averager.peers == 3 for p in honest), 10, "all in sight")
             before = evaluate([reference], val)
@@ -479,12 +481,8 @@ def test_a_hostile_groupmate_leaves_the_loss_with_the_honest_peers(
             expected = evaluate([reference], val)
             losses = [evaluate([p.stage], val) for p in honest]
             stats = [p.averager.stats for p in honest]
-            assert all(abs(loss - expected) < 0.1 for loss in losses), (
-                before,
-                expected,
-                losses,
-                stats,
-            )
+            stats = [(s.rounds, s.fallbacks, s.catch_ups, s.discarded) for s in stats]
+            assert all(abs(loss - expected) < 0.1 for loss in losses), (expected, losses, stats)
             assert expected < before - 0.3, (before, expected)
             # (The noise sender may refuse honest means, far from its noise: they are.)
             rejected = {e["reducer"] for e in read_events(log, "averaging.part_rejected")}
@@ -509,7 +507,7 @@ def test_averagers_start_from_a_running_event_loop(dhts):
             peer = Peer(SwarmDHT(dhts[i % 3], f"{spec.run}{i}"), spec)
             try:
                 started = time.monotonic()
-                averager = await peer.start()
+                averager = await peer.start(record=False)  # its run is made up: no record
                 assert averager.transport.process.is_alive()
                 assert await asyncio.to_thread(averager.transport.process.get_group_bits) == ""
                 assert time.monotonic() - started < 10
