@@ -179,16 +179,6 @@ class StageAveragerProcess(AveragerCompat):
         await self._read_members()
         return self._members - refused
 
-
-class _AllBut(Container[PeerID]):
-    """Every peer but ``excluded``."""
-
-    def __init__(self, excluded: set[PeerID]) -> None:
-        self.excluded = excluded
-
-    def __contains__(self, peer: object) -> bool:
-        return peer not in self.excluded
-
     async def _read_members(self) -> None:
         from node.rpc.dht import SwarmDHT  # the run's record reader, here with our policy
 
@@ -198,3 +188,13 @@ class _AllBut(Container[PeerID]):
         await swarm.refresh_revocations()
         self._membership = swarm.policy
         self._members = {PeerID.from_base58(p.peer_id) for p in await swarm.peers()}
+
+
+class _AllBut(Container[PeerID]):
+    """Every peer but ``excluded``."""
+
+    def __init__(self, excluded: set[PeerID]) -> None:
+        self.excluded = excluded
+
+    def __contains__(self, peer: object) -> bool:
+        return peer not in self.excluded
