@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 
 from node.rpc.dht import SwarmDHT
 from protocol.progress import Progress, decode_progress, encode_progress, progress_key
-from protocol.records import RecordError
+from protocol.records import MAX_RECORD_AGE_S, RecordError
 from protocol.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ PEERS_MAX_AGE_S = 15.0
 
 class ProgressBoard:
     """This peer's published progress and its view of the other peers' (on the event loop).
-    Records live ``ttl_s`` seconds.
+    Records live ``ttl_s`` seconds (at most ``MAX_RECORD_AGE_S``).
 
     ``clock`` (monotonic seconds) times how long a record missing from reads stays in the
     view; the DHT's own clock times expirations. ``key`` (this peer's, which signs its
@@ -59,7 +59,9 @@ class ProgressBoard:
         self._signer = key
         self.spec = spec
         self.peer_id = dht.peer_id
-        self.ttl = ttl_s  # of our record, and of a record missing from reads in the view
+        # Of our record (peers refuse one that lives past ``MAX_RECORD_AGE_S``), and of a
+        # record missing from reads in the view.
+        self.ttl = min(ttl_s, MAX_RECORD_AGE_S)
         self._key = progress_key(spec.run, stage_index)
         self._name = name  # in log lines
         self._clock = clock
