@@ -170,6 +170,14 @@ class ReversingReducer(StageAveragerProcess):
         return -100 * super().reduce_parts(parts, weights)
 
 
+class Uncritical(StageAveragerProcess):
+    """A groupmate that applies whatever its reducers return (a hostile one need not check:
+    the noise sender's own checks would refuse honest means, far from its noise)."""
+
+    def check_returned(self, own, shares) -> dict:
+        return {}
+
+
 def noise_sender(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fault (an ``outgoing`` seam): sends random noise of norm 1e3 for its contribution."""
     noise = [torch.randn_like(t, dtype=torch.float32) for t in tensors]
