@@ -42,6 +42,10 @@ fields:
   ``"averaged"``, ``"fallback"`` and a timed ``"alone"``); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
+- ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means
+  it returned for the share it reduced cannot be a mean of parts that include ours
+  (``protocol.averaging.check_returned``): the round fails, and the groupmate is refused
+  for a while (written by the averager's process).
 - ``data.share``: ``trainers`` (live peers counted as trainers, this one included),
   ``ranges`` and ``tokens`` (of the run's training shards this node's trainer now reads:
   ``protocol.data_split``), ``share`` (those ranges, ``[shard, start, end]`` each); in

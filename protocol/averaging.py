@@ -2,7 +2,8 @@
 a round combines the groupmates' parts (``robust_mean``).
 
 Each peer of a stage publishes, under one DHT key per stage and its peer id as subkey,
-how many samples it has accumulated toward the stage's next step (``Progress``). Every
+how many samples it has accumulated toward the stage's next step (``Progress``, a signed
+record: ``protocol.progress``). Every
 peer reads all of them and applies the same pure rule (``decide``): when the samples of
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. No clock, no
@@ -18,11 +19,14 @@ from enum import StrEnum
 
 import torch
 
-from protocol.keys import spec_key
-from protocol.records import RecordError, check_run_name
-
-MAX_EPOCH = 2**53  # msgpack and floats agree on every integer up to here
-MAX_PEER_ID_CHARS = 128
+from protocol.progress import (  # noqa: F401  (re-exported: the round rule's input)
+    MAX_EPOCH,
+    Progress,
+    decode_progress,
+    encode_progress,
+    progress_key,
+)
+from protocol.records import check_run_name
 
 
 def averaging_prefix(run: str, stage: int) -> str:
@@ -30,42 +34,6 @@ def averaging_prefix(run: str, stage: int) -> str:
     forbids '.' in prefixes; run names allow it and never contain '~', so the mapping is
     one to one."""
     return f"{check_run_name(run).replace('.', '~')}_stage{int(stage)}"
-
-
-def progress_key(run: str, stage: int) -> str:
-    """The stage's ``Progress`` records, one subkey per peer id."""
-    return spec_key(run).removesuffix("/spec") + f"/stage{int(stage)}/progress"
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A peer's progress toward its stage's next averaging round."""
-
-    peer_id: str
-    epoch: int  # rounds (gradient mode: optimizer steps) behind this peer's parameters
-    samples: int  # accumulated toward round ``epoch + 1``, including any round in flight
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.peer_id, str) or not 0 < len(self.peer_id) <= MAX_PEER_ID_CHARS:
-            raise RecordError(f"progress peer id must be 1-{MAX_PEER_ID_CHARS} characters")
-        for name in ("epoch", "samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_EPOCH:
-                raise RecordError(
-                    f"progress {name} must be an integer in [0, 2**53), got {value!r}"
-                )
-
-
-def encode_progress(p: Progress) -> list[int]:
-    """The record's value (its subkey is the peer id)."""
-    return [p.epoch, p.samples]
-
-
-def decode_progress(subkey: object, value: object) -> Progress:
-    """Validate a record read from the DHT; ``RecordError`` if it is not one."""
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise RecordError("a progress record is [epoch, samples]")
-    return Progress(peer_id=subkey, epoch=value[0], samples=value[1])  # type: ignore[arg-type]
 
 
 class Action(StrEnum):
@@ -180,3 +148,70 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
         scale = torch.where(norms > radius, radius / norms.clamp(min=1e-30), torch.ones_like(norms))
         center = center + (w * scale) @ offsets / w.sum()
     return center.reshape(shape)
+
+
+# What a reducer returns. Every groupmate reduces a share of the vector: it gets every
+# groupmate's part of that share and returns the (robust) mean to each. A sender cannot
+# see the other parts, but it knows its own, and the mean of parts that include it lies
+# near it and along it: within about the parts' spread (of the order of their norms) and
+# with a positive dot product (ours is one of the parts, and the others share the signal
+# ours carries). The share a sender reduces itself shows how far the true mean lies from
+# its part in this round (farther when its part is small: a DiLoCo delta of fewer inner
+# steps), so another share may lie that far too. A mean negated, or scaled far up, fails.
+RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
+
+
+@dataclass
+class ReturnedShare:
+    """Running sums over the parts of one reducer's share: ours (``mine``) and the means
+    it returned (``averaged``), added part by part (``add``)."""
+
+    mine_sq: float = 0.0
+    returned_sq: float = 0.0
+    distance_sq: float = 0.0
+    dot: float = 0.0
+    finite: bool = True
+
+    def add(self, mine: torch.Tensor, averaged: torch.Tensor) -> None:
+        x, r = mine.double().reshape(-1), averaged.double().reshape(-1)
+        if not bool(torch.isfinite(r).all()):
+            self.finite = False
+            return
+        self.mine_sq += float(x @ x)
+        self.returned_sq += float(r @ r)
+        self.distance_sq += float((r - x) @ (r - x))
+        self.dot += float(r @ x)
+
+    @property
+    def spread(self) -> float | None:
+        """How far the means lie from our parts, in norms of ours (None: ours are 0)."""
+        return math.sqrt(self.distance_sq / self.mine_sq) if self.mine_sq > 0 else None
+
+
+def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> str | None:
+    """Why the means one groupmate returned for its share (``share``) cannot be means of
+    parts that include ours, or None: they must be finite, lie within ``RETURN_RADIUS``
+    norms of our part from it (times the spread of ``own``, the share we reduced
+    ourselves, if that is more than 1), and not point against it. A contribution of zeros
+    (a groupmate with no samples of its own) tells nothing: None."""
+    if not share.finite:
+        return "it returned non-finite values"
+    spread = share.spread
+    if spread is None:
+        return None
+    limit = RETURN_RADIUS * max(1.0, (own.spread if own is not None else None) or 1.0)
+    if spread > limit:
+        return f"its mean lies {spread:.3g} norms of our part from it (at most {limit:.3g})"
+    if share.dot < 0:
+        cosine = share.dot / math.sqrt(share.mine_sq * share.returned_sq)
+        return f"its mean points against our part (cosine {cosine:.3g})"
+    return None
+
+
+def reducer_shares(clients: Sequence[bool]) -> tuple[float, ...]:
+    """Each groupmate's share of the vector to reduce: equal among those that reduce (all
+    but ``clients``, which cannot be dialed), whatever bandwidth any of them claims (a
+    groupmate claiming a fast link would otherwise reduce, and could corrupt, most of it)."""
+    if all(clients):
+        raise ValueError("a group of clients only has nobody to reduce")
+    return tuple(0.0 if client else 1.0 for client in clients)

@@ -38,14 +38,17 @@ import asyncio
 import os
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.utils import get_dht_time
 
 from models.data import Corpus, eval_batches, load_corpus, sample_batches, stream_seed
 from models.stages import Stage
@@ -54,9 +57,11 @@ from node.averaging.averager import StageAverager
 from node.averaging.digests import ParamDigest
 from node.averaging.process import StageAveragerProcess
 from node.averaging.transport import process_settings
+from node.files import load_or_create_key
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import averaging_prefix
 from protocol.identity import peer_id_of
+from protocol.records import MAX_RECORD_AGE_S, PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.run_spec import AveragingSpec, RunSpec, make_run_spec
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -67,6 +72,46 @@ OWNER = peer_id_of(Ed25519PrivateKey.generate().public_key())  # the benchmark's
 
 def _spec(name: str, preset: str, **averaging) -> RunSpec:
     return make_run_spec(name, preset, 2, owner=OWNER, averaging=AveragingSpec(**averaging))
+
+
+KEYS: dict[str, Ed25519PrivateKey] = {}  # the DHTs' identities, by peer id
+
+
+def _start_dht(keys_dir: str, initial_peers: list[str]) -> SwarmDHT:
+    """A DHT on loopback with an identity key of ours (in ``KEYS``), to sign records."""
+    path = Path(keys_dir) / f"{len(KEYS)}.key"
+    key = load_or_create_key(path)
+    dht = SwarmDHT.start(
+        "bench", host_maddrs=[LOOPBACK], initial_peers=initial_peers, identity_path=path
+    )
+    KEYS[dht.peer_id] = key
+    return dht
+
+
+async def _member_averager(
+    d: SwarmDHT, spec: RunSpec, stage_index: int, stage: Stage, optimizer: StageOptimizer
+) -> StageAverager:
+    """An averager of ``stage_index`` on ``d``, after its peer record in ``spec``'s run
+    (peers ignore the progress of peers without one)."""
+    dht = SwarmDHT(d.dht, spec.run)
+    key = KEYS[dht.peer_id]
+    info = PeerInfo(
+        peer_id=dht.peer_id,
+        run=spec.run,
+        version=PROTOCOL_VERSION,
+        device="cpu",
+        throughput=(1.0,) * spec.n_stages,
+        throughput_source="declared",
+        bandwidth_up_mbps=0.0,
+        bandwidth_down_mbps=0.0,
+        bandwidth_source="unknown",
+        stage=stage_index,
+        state=PeerState.SERVING,
+        load=0,
+        timestamp=get_dht_time(),
+    )
+    await dht.publish_peer(info, key, ttl_s=MAX_RECORD_AGE_S)
+    return await StageAverager.create(dht, spec, stage_index, stage, optimizer, key=key)
 
 
 def _loopback_bytes() -> int:
@@ -99,7 +144,7 @@ async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
     averagers: list[StageAverager] = []
     try:
         for d, s, o in zip(dhts, stages, optimizers, strict=True):
-            averagers.append(await StageAverager.create(SwarmDHT(d.dht, spec.run), spec, 0, s, o))
+            averagers.append(await _member_averager(d, spec, 0, s, o))
             await averagers[-1].load_state()
         while not all(a.peers == 1 for a in averagers):
             await asyncio.sleep(0.05)
@@ -276,12 +321,8 @@ async def _train(
             copies.append([])
             for k in range(PEERS):
                 stage = Stage(model, spec.stage_range(s))
-                averager = await StageAverager.create(
-                    SwarmDHT(dhts[PEERS * s + k].dht, spec.run),
-                    spec,
-                    s,
-                    stage,
-                    StageOptimizer(stage, optim),
+                averager = await _member_averager(
+                    dhts[PEERS * s + k], spec, s, stage, StageOptimizer(stage, optim)
                 )
                 copies[-1].append(averager)
                 await averager.load_state()
@@ -386,10 +427,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     n_dhts = max([PEERS * 2 if args.micro_batches else 0, PEERS, *args.allreduce_peers])
-    dhts = [SwarmDHT.start("bench", host_maddrs=[LOOPBACK])]  # before the event loop: forks
+    keys = tempfile.mkdtemp(prefix="bench-keys-")
+    dhts = [_start_dht(keys, [])]  # before the event loop: forks
     while len(dhts) < n_dhts:
-        dhts.append(SwarmDHT.start("bench", host_maddrs=[LOOPBACK],
-                                   initial_peers=dhts[0].visible_maddrs()))  # fmt: skip
+        dhts.append(_start_dht(keys, dhts[0].visible_maddrs()))
     try:
         import uvloop
 

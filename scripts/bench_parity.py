@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hivemind.utils import get_dht_time
+
 from models.config import preset
 from models.data import eval_batches, load_corpus, sample_batches, stream_seed
 from models.stages import Stage, even_boundaries
@@ -104,7 +106,8 @@ async def settled(dht: SwarmDHT, trainer: Trainer, timeout: float = 30.0) -> lis
         for s in range(spec.n_stages):
             found = await dht.dht.get(progress_key(spec.run, s), latest=True, return_future=True)
             records = [] if found is None else [
-                decode_progress(k, v.value) for k, v in found.value.items()
+                decode_progress(v.value, subkey=k, run=spec.run, now=get_dht_time())
+                for k, v in found.value.items()
             ]  # fmt: skip
             stage_target = target * (len(records) if spec.averaging.mode == "diloco" else 1)
             if (

@@ -3,7 +3,9 @@
 A peer here is a DHT, one stage (by default the last stage of a small model), its
 ``StageOptimizer`` and a ``StageAverager``; ``feed`` and ``feed_tokens`` do what a stage
 server does for one micro-batch (backward of ``loss * B`` into ``.grad`` under the lock,
-then ``on_accumulated``).
+then ``on_accumulated``). Its DHT's identity key must be in ``KEYS``: it signs the peer's
+progress records and its peer record in the run (peers ignore the progress of peers
+without one).
 
 As a script (``python -m tests.averaging_peer --initial-peer MADDR --run NAME``) it is the
 victim of the kill test: it joins, accumulates two micro-batches, prints ``READY``, and in
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -27,10 +31,13 @@ from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer
 from node.averaging.averager import StageAverager
 from node.averaging.process import StageAveragerProcess
+from node.files import load_or_create_key
 from node.rpc.dht import SwarmDHT
 from protocol.identity import peer_id_of
 from protocol.ownership import make_run_id
+from protocol.records import MAX_RECORD_AGE_S
 from protocol.run_spec import AveragingSpec, RunSpec
+from tests.records import peer_info
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 CFG = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -49,6 +56,19 @@ FAST = {
 
 # The tests' run owner: a fixed key, so that the victim subprocess derives the same run id.
 OWNER = peer_id_of(Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key())
+KEYS: dict[str, Ed25519PrivateKey] = {}  # the DHTs' identities, by peer id: to sign records
+
+
+def start_dht(keys_dir: str, name: str, initial_peers: list[str], run: str = "avg") -> SwarmDHT:
+    """A DHT of ``run`` on loopback whose identity key (``keys_dir``/``name``.key) is in
+    ``KEYS``."""
+    path = Path(keys_dir) / f"{name}.key"
+    key = load_or_create_key(path)
+    dht = SwarmDHT.start(
+        run, host_maddrs=[LOOPBACK], initial_peers=initial_peers, identity_path=path
+    )
+    KEYS[dht.peer_id] = key
+    return dht
 
 
 def make_spec(name: str, **averaging) -> RunSpec:
@@ -77,6 +97,13 @@ def backward(stage: Stage, seed: int) -> int:
     return len(x)
 
 
+def backward_tokens(stage: Stage, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Backward of ``loss * B`` of a stage holding the whole model on tokens (B, T) and
+    targets (B, T); the samples."""
+    (stage(x, y) * len(x)).backward()
+    return len(x)
+
+
 @dataclass
 class Peer:
     dht: SwarmDHT
@@ -91,11 +118,17 @@ class Peer:
         self.stage = Stage(self.spec.model, self.spec.stage_range(self.stage_index))
         self.optimizer = StageOptimizer(self.stage, self.spec.optim)
 
-    async def start(self, **seams) -> StageAverager:
-        """Create the averager; ``seams``: ``StageAverager.create``'s fault seams
-        (``process_class``, ``outgoing``)."""
+    async def start(self, record: bool = True, **seams) -> StageAverager:
+        """Create the averager (after publishing the peer's record in the run, unless not
+        ``record``); ``seams``: ``StageAverager.create``'s fault seams (``process_class``,
+        ``outgoing``)."""
+        key = KEYS[self.dht.peer_id]
+        if record:
+            n = self.spec.n_stages
+            info = peer_info(self.spec.run, self.dht.peer_id, throughput=(1.0,) * n, stage=None)
+            assert await self.dht.publish_peer(info, key, ttl_s=MAX_RECORD_AGE_S)
         self.averager = await StageAverager.create(
-            self.dht, self.spec, self.stage_index, self.stage, self.optimizer, **seams
+            self.dht, self.spec, self.stage_index, self.stage, self.optimizer, key=key, **seams
         )
         return self.averager
 
@@ -108,11 +141,7 @@ class Peer:
         """One micro-batch of tokens (B, T) and targets (B, T), for a stage that holds the
         whole model."""
 
-        def loss_backward() -> int:
-            (self.stage(x, y) * len(x)).backward()
-            return len(x)
-
-        self._accumulate(loss_backward)
+        self._accumulate(lambda: backward_tokens(self.stage, x, y))
 
     def _accumulate(self, backward_fn: Callable[[], int]) -> None:
         assert self.averager is not None
@@ -134,6 +163,28 @@ class _StallingProcess(StageAveragerProcess):
         await asyncio.sleep(3600)
 
 
+class ReversingReducer(StageAveragerProcess):
+    """Fault: returns -100 x the mean of the parts it reduces (its groupmates' shares)."""
+
+    def reduce_parts(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        return -100 * super().reduce_parts(parts, weights)
+
+
+class Uncritical(StageAveragerProcess):
+    """A groupmate that applies whatever its reducers return (a hostile one need not check:
+    the noise sender's own checks would refuse honest means, far from its noise)."""
+
+    def check_returned(self, own, shares) -> dict:
+        return {}
+
+
+def noise_sender(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fault (an ``outgoing`` seam): sends random noise of norm 1e3 for its contribution."""
+    noise = [torch.randn_like(t, dtype=torch.float32) for t in tensors]
+    norm = float(torch.cat([n.reshape(-1) for n in noise]).norm())
+    return [(n * (1e3 / norm)).to(t.dtype) for n, t in zip(noise, tensors, strict=True)]
+
+
 async def _victim(dht: SwarmDHT, spec: RunSpec, seeds: list[int]) -> None:
     peer = Peer(dht, spec)
     averager = await peer.start(process_class=_StallingProcess)
@@ -152,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = make_spec(args.run)
-    dht = SwarmDHT.start(spec.run, initial_peers=[args.initial_peer], host_maddrs=[LOOPBACK])
+    dht = start_dht(tempfile.mkdtemp(), "victim", [args.initial_peer], spec.run)
     print(f"STARTED {time.time():.3f}", flush=True)
     import uvloop
 

@@ -50,6 +50,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from models.stages import Stage
@@ -128,6 +129,7 @@ class StageAverager:
         settings: AveragingSpec | None = None,
         startup_timeout_s: float = 60.0,
         digests: bool | None = None,
+        key: Ed25519PrivateKey | None = None,
         process_class: type[StageAveragerProcess] = StageAveragerProcess,
         outgoing: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
     ) -> StageAverager:
@@ -135,15 +137,17 @@ class StageAverager:
 
         ``lock`` is the stage's lock (a new one by default: pass it to the server, as
         ``AveragedStageServer`` does). ``digests``: emit parameter digests (default: as
-        the environment asks, ``digests.DIGESTS_ENV``). ``process_class`` and ``outgoing``
-        are the transport's fault seams (``transport.HivemindTransport``)."""
+        the environment asks, ``digests.DIGESTS_ENV``). ``key``: this node's, which signs
+        its progress records; an averager without one can only ``fetch`` and ``keep``.
+        ``process_class`` and ``outgoing`` are the transport's fault seams
+        (``transport.HivemindTransport``)."""
         settings = settings or spec.averaging
         name = f"stage {stage_index} ({dht.peer_id[-6:]})"
         strategy = make_strategy(
             module, optimizer, lock or threading.Lock(), settings, AveragingStats()
         )
         board = ProgressBoard(
-            dht, spec, stage_index, ttl_s=4 * settings.report_period_s + 1.0, name=name
+            dht, spec, stage_index, ttl_s=4 * settings.report_period_s + 1.0, name=name, key=key
         )
         transport = await HivemindTransport.start(
             dht,
@@ -266,6 +270,8 @@ class StageAverager:
         ``timeout_s`` (default: twice the round timeout)."""
         if self.running:
             raise RuntimeError("load_state() runs once, before averaging starts")
+        if not self.board.can_publish:
+            raise RuntimeError("an averager that averages needs the node's key (create(key=))")
         loaded = await initial_state(
             self.board,
             self.transport,

@@ -11,6 +11,13 @@ names, the reducer, the round, the state download, the shutdown) are overridden 
 - a groupmate's part that is non-finite or wildly out of range, or comes with a bad
   weight, is refused, and the parts that pass are reduced by ``robust_mean`` (hivemind
   would average a NaN into everyone's result);
+- what a groupmate returns for the share it reduced is checked against our own parts of
+  that share (``protocol.averaging.check_returned``): a mean that cannot be one of parts
+  that include ours (negated, scaled far up) fails the round, is logged and emitted as
+  ``averaging.part_rejected``, and that groupmate is refused (as a leader, a follower, a
+  sender) for ``REJECTED_S``;
+- the vector is split into equal shares among the groupmates that reduce
+  (``protocol.averaging.reducer_shares``), whatever bandwidth they claim;
 - in a private run, it averages with members only: it refuses to admit, aggregate for,
   or send its state to a peer whose DHT record shows no valid invite, downloads state
   from members only, and fails a round whose group includes a non-member (a non-member
@@ -28,7 +35,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 # hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
 from typing import AsyncIterator  # noqa: UP035
@@ -37,15 +44,23 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from node import limits
+from node import events, limits
 from node.rpc.child_process import die_with_parent
 from node.rpc.hivemind_compat import AveragerCompat, cap_frames
-from protocol.averaging import MAX_ABS_CONTRIBUTION, check_weight, robust_mean
+from protocol.averaging import (
+    MAX_ABS_CONTRIBUTION,
+    ReturnedShare,
+    check_returned,
+    check_weight,
+    reducer_shares,
+    robust_mean,
+)
 from protocol.membership import MembershipPolicy
 
 logger = logging.getLogger(__name__)
 
 MEMBERS_REFRESH_S = 2.0  # a peer we do not know yet is looked up at most this often
+REJECTED_S = 600.0  # how long a groupmate whose returned means we refused is refused
 
 EPOCH_BITS = 16  # epochs that differ by a multiple of 2**16 share a group key
 
@@ -73,6 +88,7 @@ class StageAveragerProcess(AveragerCompat):
         self._membership = membership if membership is not None and membership.private else None
         self._members: set[PeerID] = set()
         self._members_read = -float("inf")
+        self._rejected: dict[PeerID, float] = {}  # reducer -> refused until (monotonic)
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self) -> None:
@@ -126,10 +142,41 @@ class StageAveragerProcess(AveragerCompat):
         a bounded amount (with three or more groupmates)."""
         return robust_mean(parts, weights)
 
+    def check_returned(
+        self, own: ReturnedShare | None, shares: dict[PeerID, ReturnedShare]
+    ) -> dict[PeerID, str]:
+        """``protocol.averaging.check_returned`` for each groupmate's share; a refused one
+        is logged, emitted as ``averaging.part_rejected`` and refused for ``REJECTED_S``."""
+        refused = {}
+        for reducer, share in shares.items():
+            why = check_returned(share, own)
+            if why is None:
+                continue
+            refused[reducer] = why
+            self._rejected[reducer] = time.monotonic() + REJECTED_S
+            logger.warning(
+                "discarded the share %s reduced (%s): it is refused for %.0f s",
+                reducer,
+                why,
+                REJECTED_S,
+            )
+            events.emit("averaging.part_rejected", reducer=reducer.to_base58(), reason=why)
+        return refused
+
+    def split_shares(self, clients: list[bool]) -> tuple[float, ...]:
+        """Equal shares among the groupmates that reduce (``reducer_shares``)."""
+        return reducer_shares(clients)
+
     async def admits(self, peer: PeerID) -> bool:
-        """Whether ``peer`` is a member of the run (always, in a public run): its record in
-        the DHT must show a valid invite. Unknown peers are looked up at most every
-        ``MEMBERS_REFRESH_S``, so a flood of strangers costs one DHT read per period."""
+        """Whether to average with ``peer``: not a reducer we refused lately, and a member
+        of the run (always, in a public run: its record in the DHT must show a valid
+        invite). Unknown peers are looked up at most every ``MEMBERS_REFRESH_S``, so a
+        flood of strangers costs one DHT read per period."""
+        until = self._rejected.get(peer)
+        if until is not None:
+            if time.monotonic() < until:
+                return False
+            del self._rejected[peer]
         if self._membership is None or peer in self._members or peer == self.peer_id:
             return True
         if time.monotonic() - self._members_read >= MEMBERS_REFRESH_S:
@@ -139,12 +186,15 @@ class StageAveragerProcess(AveragerCompat):
             return False
         return True
 
-    async def state_sources(self) -> set[PeerID] | None:
-        """In a private run, the members as the DHT shows them now; else any peer."""
+    async def state_sources(self) -> Container[PeerID] | None:
+        """In a private run, the members as the DHT shows them now; else any peer; never
+        a reducer we refused lately (its own copy took what it returned)."""
+        now = time.monotonic()
+        refused = {peer for peer, until in self._rejected.items() if until > now}
         if self._membership is None:
-            return None
+            return _AllBut(refused) if refused else None
         await self._read_members()
-        return set(self._members)
+        return self._members - refused
 
     async def _read_members(self) -> None:
         from node.rpc.dht import SwarmDHT  # the run's record reader, here with our policy
@@ -155,3 +205,13 @@ class StageAveragerProcess(AveragerCompat):
         await swarm.refresh_revocations()
         self._membership = swarm.policy
         self._members = {PeerID.from_base58(p.peer_id) for p in await swarm.peers()}
+
+
+class _AllBut(Container[PeerID]):
+    """Every peer but ``excluded``."""
+
+    def __init__(self, excluded: set[PeerID]) -> None:
+        self.excluded = excluded
+
+    def __contains__(self, peer: object) -> bool:
+        return peer not in self.excluded

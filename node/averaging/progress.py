@@ -6,6 +6,10 @@ read returns one DHT node's copy of the records and may miss one, so the view co
 what it reads with what this peer knows better (``view``, ``learn``). A peer that claims
 to be ahead and does not hand over its state when asked is ignored for a while
 (``distrust``).
+
+Records are signed by the peer they name (``protocol.progress``), and the view holds
+only peers with a valid peer record in the run (``SwarmDHT.peers``, which in a private run
+also checks invites): a key made up for the occasion cannot shape our rounds.
 """
 
 from __future__ import annotations
@@ -15,24 +19,30 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from node.rpc.dht import SwarmDHT
-from protocol.averaging import Progress, decode_progress, encode_progress, progress_key
-from protocol.records import RecordError
+from protocol.progress import Progress, decode_progress, encode_progress, progress_key
+from protocol.records import MAX_RECORD_AGE_S, RecordError
 from protocol.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
 MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
+# The run's peer records are re-read when a progress record names a peer we do not know,
+# at most this often, and at least this often (a peer whose record expired drops out).
+PEERS_REFRESH_S = 2.0
+PEERS_MAX_AGE_S = 15.0
 
 
 class ProgressBoard:
     """This peer's published progress and its view of the other peers' (on the event loop).
-    Records live ``ttl_s`` seconds.
+    Records live ``ttl_s`` seconds (at most ``MAX_RECORD_AGE_S``).
 
     ``clock`` (monotonic seconds) times how long a record missing from reads stays in the
-    view; the DHT's own clock times expirations."""
+    view; the DHT's own clock times expirations. ``key`` (this peer's, which signs its
+    records) is needed only to ``publish``."""
 
     def __init__(
         self,
@@ -42,12 +52,16 @@ class ProgressBoard:
         *,
         ttl_s: float,
         name: str,
+        key: Ed25519PrivateKey | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dht = dht
+        self._signer = key
         self.spec = spec
         self.peer_id = dht.peer_id
-        self.ttl = ttl_s  # of our record, and of a record missing from reads in the view
+        # Of our record (peers refuse one that lives past ``MAX_RECORD_AGE_S``), and of a
+        # record missing from reads in the view.
+        self.ttl = min(ttl_s, MAX_RECORD_AGE_S)
         self._key = progress_key(spec.run, stage_index)
         self._name = name  # in log lines
         self._clock = clock
@@ -56,6 +70,13 @@ class ProgressBoard:
         self._known: dict[str, int] = {}  # peer -> the highest epoch we know it reached
         self._expires: dict[str, float] = {}  # peer -> its newest record's DHT expiration
         self._unproven: dict[str, float] = {}  # peer -> until when its claims are ignored
+        self._in_run: set[str] = set()  # peers with a valid peer record, as last read
+        self._in_run_read = -math.inf  # when (clock)
+
+    @property
+    def can_publish(self) -> bool:
+        """This board holds the key that signs our records."""
+        return self._signer is not None
 
     @property
     def peers(self) -> int:
@@ -68,13 +89,18 @@ class ProgressBoard:
         return not self.records and not self._seen
 
     async def publish(self, mine: Progress) -> bool:
-        """Store our record for ``ttl`` seconds; False (logged) if the DHT refused it."""
+        """Store our record, signed, for ``ttl`` seconds; False (logged) if the DHT refused
+        it. ``ValueError`` if this board has no key to sign with."""
+        if self._signer is None:
+            raise ValueError("publishing progress needs this peer's key to sign it")
+        now = get_dht_time()
+        value = encode_progress(mine, run=self.spec.run, key=self._signer, timestamp=now)
         try:
             return await self.dht.dht.store(
                 self._key,
                 subkey=self.peer_id,
-                value=encode_progress(mine),
-                expiration_time=get_dht_time() + self.ttl,
+                value=value,
+                expiration_time=now + self.ttl,
                 return_future=True,
             )
         except Exception as e:  # a DHT hiccup: the next period retries
@@ -82,8 +108,9 @@ class ProgressBoard:
             return False
 
     async def refresh(self) -> list[Progress]:
-        """Read the other peers' live records (invalid ones are dropped and logged) into
-        ``records`` and return them; on a failed read, keep the last ones."""
+        """Read the other peers' live records into ``records`` and return them; on a failed
+        read, keep the last ones. Invalid records are dropped and logged; records of peers
+        without a valid peer record in the run are dropped."""
         try:
             found = await self.dht.dht.get(self._key, latest=True, return_future=True)
         except Exception as e:
@@ -92,10 +119,10 @@ class ProgressBoard:
         if found is None or not isinstance(found.value, dict):
             self.records = []
             return self.records
-        result = []
+        result, now = [], get_dht_time()
         for subkey, item in list(found.value.items())[:MAX_PEER_RECORDS]:
             try:
-                record = decode_progress(subkey, item.value)
+                record = decode_progress(item.value, subkey=subkey, run=self.spec.run, now=now)
             except RecordError as e:
                 logger.warning("%s: dropped a progress record: %s", self._name, e)
                 continue
@@ -104,11 +131,23 @@ class ProgressBoard:
                 expires = self._expires.get(record.peer_id, -math.inf)
                 self._expires[record.peer_id] = max(expires, item.expiration_time)
         result = [r for r in result if not self._ignored(r.peer_id)]
-        if self.spec.private and result:  # a stranger's progress must not shape our rounds
-            members = {p.peer_id for p in await self.dht.peers()}
-            result = [r for r in result if r.peer_id in members]
-        self.records = result
-        return result
+        in_run = await self._peers_in_run({r.peer_id for r in result})
+        self.records = [r for r in result if r.peer_id in in_run]
+        return self.records
+
+    async def _peers_in_run(self, wanted: set[str]) -> set[str]:
+        """The peers with a valid peer record in the run (members, in a private run): a
+        stranger's progress must not shape our rounds. Re-read when ``wanted`` names one we
+        do not know (at most every ``PEERS_REFRESH_S``), and every ``PEERS_MAX_AGE_S``; on
+        a failed read, the last ones."""
+        age = self._clock() - self._in_run_read
+        if age >= PEERS_MAX_AGE_S or (age >= PEERS_REFRESH_S and not wanted <= self._in_run):
+            try:
+                self._in_run = {p.peer_id for p in await self.dht.peers()}
+                self._in_run_read = self._clock()
+            except Exception as e:
+                logger.warning("%s: reading the run's peers failed: %s", self._name, e)
+        return self._in_run
 
     def view(self) -> list[Progress]:
         """The other peers' progress, corrected by what we know better than the last read.

@@ -881,7 +881,9 @@ class Node:
             load_into(module, state, str(self.pretrained.directory))
         module = module.to(self.device.torch)
         optimizer = StageOptimizer(module, self.spec.optim)
-        averager = await StageAverager.create(self.dht, self.spec, stage, module, optimizer)
+        averager = await StageAverager.create(
+            self.dht, self.spec, stage, module, optimizer, key=self.key
+        )
         try:
             kept = await asyncio.to_thread(checkpoint.newest, self.checkpoints, self.spec, stage)
             saved = None if kept is None else (kept.metadata, kept.tensors, str(kept.path))

@@ -66,8 +66,10 @@ from protocol.membership import (
     decode_revocations,
     encode_claim,
 )
+from protocol.progress import decode_progress_record, progress_key
 from protocol.records import (
     MAX_RECORD_AGE_S,
+    MAX_STAGES,
     PeerInfo,
     RecordError,
     decode_peer_info,
@@ -174,11 +176,14 @@ class RunRecordValidator(RecordValidatorBase):
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
         self._claims_id = DHTID.generate(source=claims_key(run)).to_bytes()
         self._archives_id = DHTID.generate(source=archives_key(run)).to_bytes()
+        self._progress_ids = {
+            DHTID.generate(source=progress_key(run, s)).to_bytes() for s in range(MAX_STAGES)
+        }
 
     def validate(self, record: DHTRecord) -> bool:
         ours = (self._peers_id, self._spec_id, self._revoked_id, self._claims_id, self._archives_id)
-        if record.key not in ours:
-            return True  # other subsystems' keys (e.g. averaging) are theirs to check
+        if record.key not in ours and record.key not in self._progress_ids:
+            return True  # other subsystems' keys (e.g. hivemind averaging's) are theirs
         try:
             value = DHTProtocol.serializer.loads(record.value)
             if record.key == self._spec_id:
@@ -192,6 +197,13 @@ class RunRecordValidator(RecordValidatorBase):
                 claim = decode_claim(value, subkey=subkey, run=self.run)
                 if record.expiration_time > claim.expires + 1:
                     raise RecordError("an invite claim would outlive its invite")
+            elif record.key in self._progress_ids:
+                subkey = DHTProtocol.serializer.loads(record.subkey)
+                progress = decode_progress_record(
+                    value, subkey=subkey, run=self.run, now=get_dht_time(), max_age_s=math.inf
+                )
+                whose = f"peer {progress.peer_id} (progress)"
+                _check_expiration(record, progress.timestamp, MAX_RECORD_AGE_S, whose)
             else:
                 subkey = DHTProtocol.serializer.loads(record.subkey)
                 decode = decode_archive if record.key == self._archives_id else decode_peer_info

@@ -67,6 +67,17 @@ What is patched or overridden, and why:
   (:class:`ScreenedReducer`): a groupmate's part that ``check_part`` refuses is refused
   (``rpc_aggregate_part`` then drops that sender from the rest of the reducer's parts), and
   the parts that pass are reduced by ``reduce_parts``, where hivemind sums them weighted.
+- ``TensorPartContainer.register_processed_part`` and ``register_failed_reducer`` (wrapped
+  per round by ``_ScreenedRunner``), reading ``_input_parts_by_peer``: the means each
+  groupmate returned for its share are summed up against our own parts of it, and once
+  all are in, ``check_returned`` may refuse some: the round then fails (our tensors, which
+  took the means in place, are written afresh by the next round). hivemind applies
+  whatever a reducer returns.
+- The ``peer_fractions`` hivemind's ``_aggregate_with_group`` passes to
+  ``_run_allreduce_inplace_`` (replaced there by ``split_shares``, from the modes the
+  groupmates declared): hivemind splits the vector by the bandwidth each groupmate claims.
+- ``Matchmaking._request_join_group`` (wrapped per averager in ``_set_matchmaking``): a
+  leader that ``admits`` refuses is skipped, as one that rejected us.
 """
 
 from __future__ import annotations
@@ -92,6 +103,8 @@ from hivemind.proto import averaging_pb2, dht_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from multiaddr import Multiaddr
+
+from protocol.averaging import ReturnedShare
 
 logger = logging.getLogger(__name__)
 
@@ -342,12 +355,36 @@ class _ScreenedRunner(AllReduceRunner):
             plain.part_shapes, plain.num_senders, local, screen
         )
         plain.finished.set()  # unused: keeps it from warning about missing parts when collected
+        self.returned: dict[PeerID, ReturnedShare] = {}  # what each reducer returned
+        self._failed: set[int] = set()
+        container = self.tensor_part_container
+        self._register_part = container.register_processed_part
+        self._register_failed = container.register_failed_reducer
+        container.register_processed_part = self._sum_returned_part
+        container.register_failed_reducer = self._reducer_failed
+
+    def _sum_returned_part(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+        """Add a part a groupmate (or we) reduced to its share's sums: our part (intact:
+        our tensor takes its average in place only once all its parts are in) and the
+        mean (ours plus the delta it sent)."""
+        if peer_index not in self._failed:
+            mine = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
+            reducer = self.ordered_peer_ids[peer_index]
+            share = self.returned.setdefault(reducer, ReturnedShare())
+            share.add(mine, mine.float() + delta.float())
+        self._register_part(peer_index, part_index, delta)
+
+    def _reducer_failed(self, peer_index: int) -> None:
+        self._failed.add(peer_index)  # the rest of its share is ours, unaveraged
+        self.returned.pop(self.ordered_peer_ids[peer_index], None)
+        self._register_failed(peer_index)
 
 
 class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the overrides listed in the module
-    docstring. A subclass decides through ``admits``, ``state_sources``, ``check_part`` and
-    ``reduce_parts`` (which run in the averager's process); the defaults behave as hivemind."""
+    docstring. A subclass decides through ``admits``, ``state_sources``, ``check_part``,
+    ``reduce_parts``, ``check_returned`` and ``split_shares`` (which run in the averager's
+    process); the defaults behave as hivemind."""
 
     async def admits(self, peer: PeerID) -> bool:
         """Whether to join, aggregate and share state with ``peer``."""
@@ -366,6 +403,18 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         total = sum(weights)
         return sum(p * (w / total) for p, w in zip(parts, weights, strict=True))
 
+    def check_returned(
+        self, own: ReturnedShare | None, shares: dict[PeerID, ReturnedShare]
+    ) -> dict[PeerID, str]:
+        """The groupmates whose returned means (``shares``: sums over each one's share;
+        ``own``: over the share we reduced, if any) are refused, and why."""
+        return {}
+
+    def split_shares(self, clients: list[bool]) -> Sequence[float] | None:
+        """Each groupmate's share of the vector to reduce (``clients``: those that declared
+        client mode), or None for hivemind's split by the bandwidths the groupmates claim."""
+        return None
+
     def set_matchmaking(self, group_bits: str, target_group_size: int | None) -> None:
         """From the next ``step`` on, match under ``group_bits`` and start the all-reduce
         as soon as ``target_group_size`` peers (us included) are in the group (None: at the
@@ -375,6 +424,16 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         self._outer_pipe.send(("_set_matchmaking", [group_bits, target_group_size], {}))
 
     async def _set_matchmaking(self, group_bits: str, target_group_size: int | None) -> None:
+        matchmaking = self._matchmaking
+        if "_request_join_group" not in vars(matchmaking):  # once: leaders we refuse are skipped
+            plain_request = matchmaking._request_join_group
+
+            async def screened_request(leader: PeerID) -> GroupInfo | None:
+                if not await self.admits(leader):
+                    return None  # as a leader that rejected us: try the next one
+                return await plain_request(leader)
+
+            matchmaking._request_join_group = screened_request
         self._matchmaking.group_key_manager.group_bits = group_bits
         self._matchmaking.target_group_size = target_group_size
         self._matchmaking.potential_leaders.target_group_size = target_group_size
@@ -448,6 +507,10 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         for peer in group_info.peer_ids:
             if not await self.admits(peer):
                 raise AllreduceException(f"the group includes {peer}, which this averager refuses")
+        modes = [AveragingMode(self.serializer.loads(g)[1]) for g in group_info.gathered]
+        shares = self.split_shares([m == AveragingMode.CLIENT for m in modes])
+        if shares is not None:
+            kwargs["peer_fractions"] = tuple(shares)
         runner = _ScreenedRunner(
             screen=self,
             p2p=self._p2p,
@@ -463,6 +526,11 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
             raise AllreduceException("this averager never runs as an auxiliary peer")
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)  # averaging_alpha is 1
+        own = runner.returned.pop(self.peer_id, None)
+        refused = self.check_returned(own, runner.returned)
+        if refused:
+            reducers = ", ".join(f"{peer} ({why})" for peer, why in refused.items())
+            raise AllreduceException(f"refused the means returned by {reducers}")
         failed = runner.tensor_part_container.failed_size
         if failed:
             total = runner.tensor_part_container.total_size

@@ -30,9 +30,10 @@ from hivemind.proto import averaging_pb2
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
+from node import events
 from node.averaging.averager import AveragedStageServer
 from node.averaging.process import StageAveragerProcess
-from node.files import load_or_create_key
+from node.events import read_events
 from node.pipeline import client as stage_client
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import averaging_prefix
@@ -42,14 +43,20 @@ from protocol.stage_messages import StageContract
 from tests.averaging_peer import (
     CFG,
     FAST,
+    KEYS,
     LOOPBACK,
     OWNER,
     STAGE,
     TARGET,
     Peer,
+    ReversingReducer,
+    Uncritical,
     backward,
+    backward_tokens,
     batch,
     make_spec,
+    noise_sender,
+    start_dht,
 )
 from tests.records import peer_info
 from tests.streams import flood
@@ -57,28 +64,16 @@ from tests.streams import flood
 ATOL = 1e-6  # copies agree to float rounding: each adds (average - own) to its own
 
 
-KEYS: dict[str, Ed25519PrivateKey] = {}  # the DHTs' identities, by peer id: to sign records
-
-
 @pytest.fixture(scope="module")
 def dhts(tmp_path_factory):
     """Three DHT processes on loopback, shared by the module's tests (each test uses its own
     run name, so records and averaging groups do not mix)."""
     started: list[SwarmDHT] = []
-    keys = tmp_path_factory.mktemp("keys")
+    keys = str(tmp_path_factory.mktemp("keys"))
     try:
         for i in range(3):
-            key = load_or_create_key(keys / f"{i}.key")
             first = started[0].visible_maddrs() if started else []
-            started.append(
-                SwarmDHT.start(
-                    "avg",
-                    host_maddrs=[LOOPBACK],
-                    initial_peers=first,
-                    identity_path=keys / f"{i}.key",
-                )  # fmt: skip
-            )
-            KEYS[started[-1].peer_id] = key
+            started.append(start_dht(keys, str(i), first))
         yield [d.dht for d in started]
     finally:
         for d in started:
@@ -410,6 +405,95 @@ def test_a_wrong_but_finite_groupmate_cannot_turn_the_step_around(dhts):
     _run(body())
 
 
+@pytest.fixture(scope="module")
+def fourth(dhts, tmp_path_factory):
+    """A fourth DHT (for a fourth groupmate), joined to the module's three."""
+    dht = start_dht(
+        str(tmp_path_factory.mktemp("keys")), "3", SwarmDHT(dhts[0], "avg").visible_maddrs()
+    )
+    try:
+        yield dht.dht
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["reducer", "sender"])
+def test_a_hostile_groupmate_leaves_the_loss_with_the_honest_peers(
+    dhts, fourth, corpus, tmp_path, fault
+):
+    """Three honest peers holding the ``tiny`` model train with a fourth groupmate that
+    returns -100 x the mean of the share it reduces (``ReversingReducer``), or sends noise
+    of norm 1e3 (``noise_sender``). Every honest copy's validation loss ends within noise
+    of a single process taking the honest peers' steps (the fourth feeds none: it averages
+    with weight 0, and still reduces its share); the reducer's means are refused, and
+    ``averaging.part_rejected`` names it. The fourth hands over no state: a hostile donor
+    of state is another attack (a peer behind would download its copy)."""
+    rounds, log = 8, tmp_path / "events.jsonl"
+    averaging = AveragingSpec(**FAST)
+    spec = make_run_spec(
+        f"avg-hostile-{fault}",
+        "tiny",
+        1,
+        owner=OWNER,
+        averaging=averaging,
+        warmup_steps=0,
+        target_batch_size=48,  # 2 micro-batches from each honest peer: only all of them
+    )
+    honest = [Peer(SwarmDHT(d, spec.run), spec, stage_index=0) for d in dhts]
+    hostile = Peer(SwarmDHT(fourth, spec.run), spec, stage_index=0)
+    model, optim = spec.model, spec.optim
+    val = eval_batches(corpus.val, model.block_size, optim.micro_batch_size, 8)
+    data = sample_batches(corpus.train, model.block_size, optim.micro_batch_size, stream_seed(0, 1))
+    reference = Stage(model, spec.stage_range(0))
+    reference_opt = StageOptimizer(reference, optim)
+
+    def train_one_round() -> None:
+        for peer in honest:
+            for _ in range(2):
+                x, y = next(data)
+                peer.feed_tokens(x, y)
+                reference_opt.accumulated(backward_tokens(reference, x, y))
+        reference_opt.step()
+
+    async def body():
+        events.open_log(log)  # before the averagers fork: they emit into it
+        try:
+            for peer in honest:
+                await peer.start()
+                await peer.averager.load_state()
+            seams = (
+                {"process_class": ReversingReducer}
+                if fault == "reducer"
+                else {"outgoing": noise_sender, "process_class": Uncritical}
+            )
+            await hostile.start(**seams)
+            await hostile.averager.load_state()
+            hostile.averager.transport.process.allow_state_sharing = False  # see the docstring
+            reference.load_state_dict(honest[0].stage.state_dict())
+            await _until(lambda: all(p.averager.peers == 3 for p in honest), 10, "all in sight")
+            before = evaluate([reference], val)
+            for epoch in range(1, rounds + 1):
+                await asyncio.to_thread(train_one_round)
+                # At least: a peer behind may catch up and average what it gave back.
+                reached = lambda e=epoch: all(  # noqa: E731
+                    p.averager.epoch >= e and not p.averager.busy for p in honest
+                )
+                await _until(reached, 30, f"round {epoch}")
+            expected = evaluate([reference], val)
+            losses = [evaluate([p.stage], val) for p in honest]
+            stats = [p.averager.stats for p in honest]
+            stats = [(s.rounds, s.fallbacks, s.catch_ups, s.discarded) for s in stats]
+            assert all(abs(loss - expected) < 0.1 for loss in losses), (expected, losses, stats)
+            assert expected < before - 0.3, (before, expected)
+            rejected = {e["reducer"] for e in read_events(log, "averaging.part_rejected")}
+            assert rejected == ({hostile.dht.peer_id} if fault == "reducer" else set()), rejected
+        finally:
+            events.close_log()
+            await _shutdown(*honest, hostile)
+
+    _run(body(), timeout=240)
+
+
 def test_averagers_start_from_a_running_event_loop(dhts):
     """The averager process is forked from inside a running uvloop, five times in a row; each
     comes up, serves a round trip on its control pipe, and stops."""
@@ -420,7 +504,7 @@ def test_averagers_start_from_a_running_event_loop(dhts):
             peer = Peer(SwarmDHT(dhts[i % 3], f"{spec.run}{i}"), spec)
             try:
                 started = time.monotonic()
-                averager = await peer.start()
+                averager = await peer.start(record=False)  # its run is made up: no record
                 assert averager.transport.process.is_alive()
                 assert await asyncio.to_thread(averager.transport.process.get_group_bits) == ""
                 assert time.monotonic() - started < 10
@@ -596,7 +680,7 @@ def test_a_private_stage_averages_with_its_members_only(dhts):
                     proof = parse_invite_token(token, owner=OWNER).proof(peer_id)
                 record = peer_info(spec.run, peer_id, throughput=(1.0, 1.0), membership=proof)
                 assert await peer.dht.publish_peer(record, KEYS[peer_id], ttl_s=60)
-                await peer.start()
+                await peer.start(record=False)
                 loaded = await peer.averager.load_state()
                 assert loaded.source in (None, a.dht.peer_id), "never from the stranger"
             assert {p.peer_id for p in await a.dht.peers()} == {a.dht.peer_id, b.dht.peer_id}

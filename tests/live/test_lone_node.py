@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hivemind.utils import get_dht_time
 
 from node.events import read_events
 from node.rpc.dht import SwarmDHT
@@ -35,7 +36,8 @@ def _epochs(dht: SwarmDHT, run: str, stage: int) -> dict[str, int]:
     found = dht.dht.get(progress_key(run, stage), latest=True)
     if found is None or not isinstance(found.value, dict):
         return {}
-    records = (decode_progress(k, v.value) for k, v in found.value.items())
+    now = get_dht_time()
+    records = (decode_progress(v.value, subkey=k, run=run, now=now) for k, v in found.value.items())
     return {p.peer_id: p.epoch for p in records}
 
 

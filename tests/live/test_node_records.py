@@ -12,11 +12,12 @@ from __future__ import annotations
 import hivemind
 from hivemind.utils import get_dht_time
 
-from protocol.averaging import Progress, encode_progress, progress_key
 from protocol.keys import peers_key
+from protocol.progress import Progress, encode_progress, progress_key
 from protocol.records import (
     MAX_RECORD_AGE_S,
     PROTOCOL_VERSION,
+    PeerState,
     decode_peer_info,
     encode_peer_info,
 )
@@ -221,10 +222,12 @@ def _epoch(node) -> int:
 
 
 def test_a_forged_claim_of_being_far_ahead_does_not_stop_the_steps(tmp_path):
-    """One unsigned progress record per stage, claiming epoch 2^50 under a made-up peer id
-    and stored for a day, made every peer wait to catch up with a state nobody could hand
-    over: no stage stepped again. A claim of being ahead is now believed only once the
-    state is downloaded; a claim nobody proves is ignored, and the stages step on."""
+    """Progress records per stage claiming epoch 2^50 made every peer wait to catch up with
+    a state nobody could hand over: no stage stepped again. Now a record must be signed by
+    the peer it names (an unsigned claim is refused by every node's DHT), its peer must
+    have a valid peer record in the run (a claim signed by a key made up for it is ignored),
+    and a claim of being ahead is believed only once the state is downloaded (a peer of the
+    run that claims it and does not prove it is ignored for a while): the stages step on."""
     nodes = [launch_node(tmp_path, "s0", "forged", extra=["--stage", "0"], train=True)]
     run = nodes[0].run_id
     nodes.append(
@@ -238,23 +241,37 @@ def test_a_forged_claim_of_being_far_ahead_does_not_stop_the_steps(tmp_path):
             n.wait_serving()
         wait_until(lambda: all(_epoch(n) >= 2 for n in nodes), 90, "both stages to step")
         attacker = _attacker(nodes[0].maddr)
-        _, liar = _fresh()
+        refused = {n.name: len(_refusals(n)) for n in nodes}
+        (_, unsigned), (stranger_key, stranger), (member_key, member) = _fresh(), _fresh(), _fresh()
+        now = get_dht_time()
+        record = peer_info(run, member, stage=None, state=PeerState.JOINING, timestamp=now)
+        assert attacker.store(
+            peers_key(run), encode_peer_info(record, member_key), now + 100, subkey=member
+        )
         for stage in (0, 1):
-            assert attacker.store(
-                progress_key(run, stage),
-                subkey=liar,
-                value=encode_progress(Progress(liar, 2**50, 0)),
-                expiration_time=get_dht_time() + 86400,
-            )
+            claims = {
+                unsigned: [2**50, 0],
+                stranger: _claim(run, stranger, stranger_key, now),
+                member: _claim(run, member, member_key, now),
+            }
+            for liar, value in claims.items():
+                attacker.store(progress_key(run, stage), value, now + 100, subkey=liar)
         forged = {n.name: _epoch(n) for n in nodes}
         wait_until(
             lambda: all(_epoch(n) >= forged[n.name] + 3 for n in nodes),
             120,
-            f"both stages to step 3 more times past the forged claim (at {forged})",
+            f"both stages to step 3 more times past the forged claims (at {forged})",
         )
-        for n in nodes:  # the claim was read, asked to be proven, and then ignored
-            assert any(liar in e["peers"] for e in n.events("progress.unproven")), n.name
+        assert any(len(_refusals(n)) > refused[n.name] for n in nodes), "the unsigned claim"
+        for n in nodes:  # the member's claim was read, asked to be proven, and then ignored
+            named = {p for e in n.events("progress.unproven") for p in e["peers"]}
+            assert member in named and not named & {unsigned, stranger}, (n.name, named)
     finally:
         if attacker is not None:
             attacker.shutdown()
         stop_all(nodes)
+
+
+def _claim(run: str, peer: str, key, now: float) -> bytes:
+    """A validly signed progress record of ``peer`` claiming epoch 2^50."""
+    return encode_progress(Progress(peer, 2**50, 0), run=run, key=key, timestamp=now)

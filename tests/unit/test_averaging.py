@@ -14,7 +14,15 @@ from models.stages import Stage
 from models.training import StageOptimizer
 from node.averaging import state as stage_state
 from node.averaging.digests import EQUAL_DISTANCE, ParamDigest, compare_copies
-from protocol.averaging import Action, Progress, decide, robust_mean
+from protocol.averaging import (
+    Action,
+    Progress,
+    ReturnedShare,
+    check_returned,
+    decide,
+    reducer_shares,
+    robust_mean,
+)
 from tests.averaging_peer import (
     CFG,
     STAGE,
@@ -166,3 +174,66 @@ def test_digests_tell_equal_copies_from_diverged_ones():
     assert compare_copies([rounds(same), malformed], STAGE).peers == 1
     with pytest.raises(ValueError):
         ParamDigest.from_fields({"hash": "0" * 8, "norm": 1.0, "sketch": [1.0, True, 0, 0]})
+
+
+def _gradients(peers: int, seeds_per_peer: list[int]) -> list[torch.Tensor]:
+    """Each peer's mean gradient (flat) of the last stage of ``CFG``, fed different
+    micro-batches (``seeds_per_peer[i]`` of them for peer ``i``)."""
+    grads, seed = [], 0
+    for k in range(peers):
+        stage = Stage(CFG, make_spec("returned").stage_range(STAGE))
+        optimizer = StageOptimizer(stage, make_spec("returned").optim)
+        for _ in range(seeds_per_peer[k]):
+            seed += 1
+            optimizer.accumulated(backward(stage, seed))
+        flat = torch.cat([p.grad.reshape(-1) for p in stage.parameters()])
+        grads.append(flat / optimizer.samples)
+    return grads
+
+
+def _share(mine: torch.Tensor, averaged: torch.Tensor) -> ReturnedShare:
+    share = ReturnedShare()
+    for x, r in zip(mine.split(1000), averaged.split(1000), strict=True):  # part by part
+        share.add(x, r)
+    return share
+
+
+def test_a_returned_mean_is_checked_against_our_own_part():
+    """Four groupmates (1 to 4 micro-batches each) split the vector into four shares.
+    For every share and every groupmate, the robust mean of the four parts passes the
+    check; the mean negated (any factor), or scaled 100x up, fails it for every groupmate;
+    a groupmate with no samples (zeros) cannot judge."""
+    grads = _gradients(4, [1, 2, 3, 4])
+    weights = [4.0, 8.0, 12.0, 16.0]
+    shares = [torch.tensor_split(g, 4) for g in grads]
+    for s in range(4):
+        mean = robust_mean([parts[s] for parts in shares], weights)
+        for parts in shares:
+            mine = parts[s]
+            assert check_returned(_share(mine, mean)) is None
+            for wrong, why in [(-100 * mean, "norms"), (-mean, "against"), (100 * mean, "norms")]:
+                assert why in check_returned(_share(mine, wrong))
+            assert "non-finite" in check_returned(_share(mine, torch.full_like(mean, math.nan)))
+        assert check_returned(_share(torch.zeros_like(mean), -100 * mean)) is None
+
+
+def test_a_small_part_of_ours_is_judged_by_the_share_we_reduced():
+    """A DiLoCo delta of few inner steps is small beside the mean: the honest mean of
+    another share lies many of its norms away, as the mean of the share we reduced
+    ourselves does, which allows it; 100x that mean does not pass."""
+    g = torch.Generator().manual_seed(1)
+    common = torch.randn(4000, generator=g)
+    mine = 0.1 * common + 0.01 * torch.randn(4000, generator=g)  # 1 inner step to their 10
+    mean = common + 0.1 * torch.randn(4000, generator=g)
+    own = _share(mine[:2000], mean[:2000])
+    other = _share(mine[2000:], mean[2000:])
+    assert "norms" in check_returned(other)  # without the yardstick, it looks too far
+    assert check_returned(other, own) is None
+    assert "norms" in check_returned(_share(mine[2000:], 100 * mean[2000:]), own)
+
+
+def test_shares_are_equal_whatever_bandwidth_is_claimed():
+    assert reducer_shares([False, False, False]) == (1.0, 1.0, 1.0)
+    assert reducer_shares([False, True, False]) == (1.0, 0.0, 1.0)  # a client reduces nothing
+    with pytest.raises(ValueError):
+        reducer_shares([True, True])

@@ -1,12 +1,17 @@
 """``ProgressBoard``'s view of the other peers' progress, driven with a virtual clock and
-records set by hand (``refresh`` is the only part that reads the DHT)."""
+records set by hand (``refresh`` is the only part that reads the DHT: here, a fake one)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
-from node.averaging.progress import ProgressBoard
-from protocol.averaging import Progress
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.utils import get_dht_time
+
+from node.averaging.progress import PEERS_REFRESH_S, ProgressBoard
+from protocol.identity import peer_id_of
+from protocol.progress import Progress, encode_progress
 from tests.averaging_peer import make_spec
 
 TTL = 2.0
@@ -55,3 +60,46 @@ def test_a_claim_of_being_ahead_that_was_not_proven_is_ignored_for_a_while():
     assert board.view() == [Progress("a", 3, 5)]
     now[0] += 60.0  # once the time is up, a new claim is heard (and must be proven again)
     assert board.ahead(3) == ["liar"]
+
+
+def test_a_read_keeps_signed_records_of_peers_in_the_run_only():
+    """Of the records under the stage's key, a read keeps those signed by the peer they
+    name and whose peer has a valid peer record in the run: a record signed by a key made
+    up for the occasion, or unsigned, claims nothing."""
+    spec = make_spec("progress")
+    keys = {name: Ed25519PrivateKey.generate() for name in ("a", "stranger", "me")}
+    ids = {name: peer_id_of(k.public_key()) for name, k in keys.items()}
+    now = get_dht_time()
+
+    def signed(name: str, epoch: int) -> bytes:
+        p = Progress(ids[name], epoch, 4)
+        return encode_progress(p, run=spec.run, key=keys[name], timestamp=now)
+
+    stored = {
+        ids["a"]: signed("a", 3),
+        ids["stranger"]: signed("stranger", 2**50),  # a valid signature, no peer record
+        "12D3KooWunsigned": [2**50, 0],
+        ids["me"]: signed("me", 3),
+    }
+    found = SimpleNamespace(
+        value={k: SimpleNamespace(value=v, expiration_time=now + 5) for k, v in stored.items()}
+    )
+    reads = []
+
+    async def get(key, latest, return_future):
+        return found
+
+    async def peers():
+        reads.append(1)
+        return [SimpleNamespace(peer_id=ids["a"]), SimpleNamespace(peer_id=ids["me"])]
+
+    dht = SimpleNamespace(peer_id=ids["me"], dht=SimpleNamespace(get=get), peers=peers)
+    clock = [100.0]
+    board = ProgressBoard(dht, spec, 1, ttl_s=TTL, name="stage 1", clock=lambda: clock[0])
+    assert asyncio.run(board.refresh()) == [Progress(ids["a"], 3, 4)]
+    assert not board.ahead_of(3)
+    asyncio.run(board.refresh())  # the stranger is still unknown: not looked up again at once
+    assert len(reads) == 1
+    clock[0] += PEERS_REFRESH_S
+    asyncio.run(board.refresh())
+    assert len(reads) == 2

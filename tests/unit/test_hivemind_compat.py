@@ -21,7 +21,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException
@@ -466,7 +466,9 @@ def test_an_all_reduce_runs_with_the_screened_reducer_and_refuses_a_refused_grou
     averager._p2p = _Recorder(ME)
 
     async def main(peers: tuple[PeerID, ...]) -> None:
-        group = GroupInfo(b"group", peers, gathered=tuple(b"" for _ in peers))
+        # What each groupmate declared, as hivemind gathers it: [bandwidth, mode, user data].
+        declared = DecentralizedAverager.serializer.dumps([None, AveragingMode.NODE.value, b""])
+        group = GroupInfo(b"group", peers, gathered=tuple(declared for _ in peers))
         averager._running_groups[group.group_id] = asyncio.get_running_loop().create_future()
         await averager._run_allreduce_inplace_([tensor], group, peer_fractions=(1.0,) * len(peers))
         runner = averager._running_groups[group.group_id].result()

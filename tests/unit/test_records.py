@@ -35,6 +35,7 @@ from protocol.identity import (
 from protocol.keys import spec_key
 from protocol.membership import claims_key, encode_claim, issue_invite, parse_invite_token
 from protocol.ownership import make_run_id
+from protocol.progress import Progress, decode_progress, encode_progress, progress_key
 from protocol.records import (
     _PEER_DOMAIN,  # to sign payloads that PeerInfo itself would refuse to build
     MAX_CLOCK_SKEW_S,
@@ -640,3 +641,51 @@ def test_the_dht_validator_never_raises_on_claims(subkey, value):
     run = make_run_id("lab", OWNER)
     record = DHTRecord(DHTID.generate(source=claims_key(run)).to_bytes(), subkey, value, NOW)
     assert RunRecordValidator(run).validate(record) in (True, False)
+
+
+def _progress(key: Ed25519PrivateKey = KEY, **changes: Any) -> bytes:
+    fields = {"epoch": 3, "samples": 17, "run": RUN, "timestamp": NOW} | changes
+    peer = peer_id_of(key.public_key())
+    return encode_progress(
+        Progress(peer, fields["epoch"], fields["samples"]),
+        run=fields["run"],
+        key=key,
+        timestamp=fields["timestamp"],
+    )
+
+
+def test_a_progress_record_is_signed_by_the_peer_it_names():
+    assert decode_progress(_progress(), subkey=PEER, run=RUN, now=NOW) == Progress(PEER, 3, 17)
+    cases = {
+        "unsigned [epoch, samples]": ([2**50, 0], PEER, "must be bytes"),
+        "signed by another key": (_progress(OTHER), PEER, "another peer's key"),
+        "of another run": (_progress(run="other-run"), PEER, "is for run"),
+        "stale": (_progress(timestamp=NOW - MAX_RECORD_AGE_S - 1), PEER, "stale or replayed"),
+        "from the future": (_progress(timestamp=NOW + 3600), PEER, "in the future"),
+        "not a peer id subkey": (_progress(), 7, "subkey must be a peer id"),
+    }
+    for what, (raw, subkey, error) in cases.items():
+        with pytest.raises(RecordError, match=error):
+            decode_progress(raw, subkey=subkey, run=RUN, now=NOW)
+            pytest.fail(what)
+    envelope = msgpack.unpackb(_progress())
+    envelope["record"] = envelope["record"].replace(b'"epoch":3', b'"epoch":4')
+    with pytest.raises(RecordError, match="bad signature"):
+        decode_progress(msgpack.packb(envelope), subkey=PEER, run=RUN, now=NOW)
+
+
+def test_the_dht_refuses_unsigned_missigned_and_long_lived_progress_records(monkeypatch):
+    monkeypatch.setattr("node.rpc.dht.get_dht_time", lambda: NOW)
+    validator = RunRecordValidator(RUN)
+    key = progress_key(RUN, 1)
+    good = _dht_record(key, PEER, _progress(), NOW + 5)
+    assert validator.validate(good)
+    assert validator.validate(_dht_record(progress_key(RUN, 255), PEER, _progress(), NOW + 5))
+    for record in [
+        _dht_record(key, PEER, [2**50, 0], NOW + 5),  # the old, unsigned form
+        _dht_record(key, OTHER_PEER, _progress(), NOW + 5),  # under another peer's subkey
+        _dht_record(key, OTHER_PEER, _progress(KEY, run="other-run"), NOW + 5),
+        _dht_record(key, PEER, _progress(), NOW + 86400),  # would outlive its freshness
+        _dht_record(key, PEER, _progress(epoch=2**50), NOW + MAX_RECORD_AGE_S + 1),
+    ]:
+        assert validator.validate(record) is False
