@@ -9,6 +9,7 @@ run and age, in that order, and raises ``RecordError`` naming what was wrong.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Literal, Protocol, TypeVar
 
@@ -131,6 +132,51 @@ class PeerInfo(BaseModel):
             and self.stage is not None
             and self.reachable is not False
         )
+
+
+# What a peer record takes on the wire besides its throughput and membership proof, with
+# every field at its longest (run id, peer id, device, numbers) and the signed envelope;
+# and what each throughput entry adds at its longest (``1.2345678901234567e-300,``).
+_RECORD_BASE_BYTES = 900
+_RATE_BYTES = 24
+
+
+@dataclass(frozen=True)
+class PeerBounds:
+    """What a run's peer records may hold: a throughput for each of its ``n_stages``
+    stages, a membership proof only in a ``private`` run, and so at most ``max_bytes``.
+    The generic limits (``MAX_STAGES``, ``MAX_MEMBERSHIP_CHARS``) let a record of a small
+    public run be ten times the size it needs; records that size cost every reader of
+    the run's peers, whose one DHT value holds them all."""
+
+    n_stages: int
+    private: bool
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_stages <= MAX_STAGES:
+            raise ValueError(f"n_stages must be in [1, {MAX_STAGES}], got {self.n_stages}")
+
+    @property
+    def max_bytes(self) -> int:
+        proof = MAX_MEMBERSHIP_CHARS + 16 if self.private else 0
+        return _RECORD_BASE_BYTES + _RATE_BYTES * self.n_stages + proof
+
+    def check(self, info: PeerInfo, size: int) -> None:
+        """``RecordError`` unless ``info`` (``size`` bytes as stored) fits the run."""
+        if len(info.throughput) != self.n_stages:
+            raise RecordError(
+                f"record of peer {info.peer_id} names {len(info.throughput)} stages; the run "
+                f"has {self.n_stages}"
+            )
+        if info.membership is not None and not self.private:
+            raise RecordError(
+                f"record of peer {info.peer_id} carries a membership proof in a public run"
+            )
+        if size > self.max_bytes:
+            raise RecordError(
+                f"record of peer {info.peer_id} is {size} bytes; a record of this run "
+                f"takes at most {self.max_bytes}"
+            )
 
 
 def encode_peer_info(info: PeerInfo, key: Ed25519PrivateKey) -> bytes:

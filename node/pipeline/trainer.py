@@ -42,7 +42,15 @@ from node.pipeline.server import StageServer
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
 from protocol.records import PeerInfo
-from protocol.routing import BanList, CallTimer, Candidate, candidates_by_stage, choose_peer
+from protocol.routing import (
+    BanList,
+    CallTimer,
+    Candidate,
+    Probation,
+    candidates_by_stage,
+    keep_unproven,
+    route,
+)
 from protocol.run_spec import RunSpec
 from protocol.stage_messages import WRONG_STAGE
 
@@ -100,6 +108,9 @@ class TrainerSettings:
     # back), records then expire, and a view without them would starve the pipeline.
     view_grace_s: float = 6.0
     ban_s: float = 15.0
+    # Peers of a stage kept in the view before any call of ours succeeded there: a flood
+    # of records claiming to serve is gone through this many at a time.
+    max_unproven: int = 16
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
     start: int = 0  # the micro-batch of its stream it reads first (a resumed data position)
@@ -138,6 +149,9 @@ class StageRouter:
         self.stats = TrainerStats()
         self._rng = random.Random(settings.seed)
         self._bans = BanList(settings.ban_s)
+        self._probation = Probation()
+        self._probes: Counter = Counter()  # stage -> probes of unproven peers in flight
+        self._connected: frozenset[str] = frozenset()  # peers our p2p daemon holds a link to
         self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
         self._view: list[list[Candidate]] = [[] for _ in range(spec.n_stages)]
         self._seen: dict[str, tuple[PeerInfo, float]] = {}  # peer -> newest record, read when
@@ -152,13 +166,34 @@ class StageRouter:
         except Exception as e:  # a DHT hiccup: keep the old view, retry next period
             logger.warning("could not refresh the swarm view: %s", e)
             return
+        try:
+            self._connected = frozenset(p.peer_id.to_base58() for p in await self.p2p.list_peers())
+        except Exception as e:  # the daemon went away: no peer is preferred for probes
+            logger.debug("could not list connected peers: %s", e)
+            self._connected = frozenset()
         now = time.monotonic()
         self._seen.update((p.peer_id, (p, now)) for p in peers)
         grace = self.settings.view_grace_s
         self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
-        recent = [p for p, _ in self._seen.values()]
-        self._view = candidates_by_stage(recent, self.spec.n_stages)
+        self._view = candidates_by_stage(self._kept([p for p, _ in self._seen.values()], now),
+                                         self.spec.n_stages)  # fmt: skip
         self._refreshed = now
+
+    def _kept(self, records: list[PeerInfo], now: float) -> list[PeerInfo]:
+        """``records`` less all but ``max_unproven`` unproven peers of each stage
+        (``protocol.routing.keep_unproven``); our own peer counts as proven."""
+        proven = self._probation.proven
+        by_stage: dict[int | None, list[str]] = {}
+        for p in records:
+            if p.peer_id != self._own_id and not proven(p.peer_id):
+                by_stage.setdefault(p.stage, []).append(p.peer_id)
+        kept = {self._own_id}
+        for ids in by_stage.values():
+            kept.update(
+                keep_unproven(ids, self._probation, now, self.settings.max_unproven, self._rng,
+                              self._connected)  # fmt: skip
+            )
+        return [p for p in records if proven(p.peer_id) or p.peer_id in kept]
 
     @property
     def view(self) -> tuple[tuple[Candidate, ...], ...]:
@@ -228,17 +263,19 @@ class StageRouter:
                 continue
             banned = self._bans.banned(time.monotonic())
             there = prefer not in banned and any(c.peer_id == prefer for c in candidates)
-            peer = prefer if there else self._choose(candidates, banned)
+            peer, probe = (prefer, False) if there else self._choose(stage, candidates, banned)
             prefer = ""  # a retry goes where the rule sends it
             if retry:
                 events.emit("call.rerouted", stage=stage, peer=peer)
             self._in_flight[peer] += 1
+            self._probes[stage] += probe
             try:
                 await self._present(peer)
                 started = time.monotonic()
                 opts = self._opts(stage, peer, self._timer.timeout(stage))
                 result = await call(PeerID.from_base58(peer), opts)
                 self._timer.succeeded(stage, time.monotonic() - started)
+                self._probation.succeeded(peer)
             except StageRefused as e:
                 self._failed(stage, peer, e)
                 if NOT_A_MEMBER in str(e):
@@ -252,11 +289,13 @@ class StageRouter:
                     self._timer.timed_out(stage)
                 logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)
                 self._failed(stage, peer, e)
+                self._probation.failed(peer, time.monotonic())
                 self.stats.rerouted[stage] += 1
                 retry = True
                 continue
             finally:
                 self._in_flight[peer] -= 1
+                self._probes[stage] -= probe
             self.stats.calls[(stage, peer)] += 1
             return result, peer
 
@@ -276,11 +315,25 @@ class StageRouter:
             raise MembershipRefused(f"{type(e).__name__}: {e}") from None
         self._presented.add(peer)
 
-    def _choose(self, candidates: list[Candidate], banned: frozenset[str]) -> str:
+    def _choose(
+        self, stage: int, candidates: list[Candidate], banned: frozenset[str]
+    ) -> tuple[str, bool]:
+        """The peer for a call of ``stage``, and whether the call probes an unproven peer
+        (``protocol.routing.route``; our own peer, if it serves, is proven from the start)."""
         if self.settings.wiring == "fixed":
             pool = [c for c in candidates if c.peer_id not in banned] or candidates
-            return pool[_micro_batch_index.get() % len(pool)].peer_id
-        return choose_peer(candidates, self._rng, banned)
+            return pool[_micro_batch_index.get() % len(pool)].peer_id, False
+        if self._probation.share(self._own_id) < 1.0:
+            self._probation.trust(self._own_id)
+        return route(
+            candidates,
+            self._rng,
+            self._probation,
+            time.monotonic(),
+            banned=banned,
+            probing=self._probes[stage] > 0,
+            preferred=self._connected,
+        )
 
     async def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The vocabulary logits (B, vocab) of the last position of each sequence of

@@ -66,6 +66,7 @@ from protocol.membership import (
 )
 from protocol.records import (
     MAX_RECORD_AGE_S,
+    PeerBounds,
     PeerInfo,
     RecordError,
     decode_peer_info,
@@ -171,10 +172,18 @@ class RunRecordValidator(RecordValidatorBase):
     all the run's peers. Hence no age limit here; instead a peer record must expire from
     the DHT within ``MAX_RECORD_AGE_S`` of its timestamp, which at store time also refuses
     anything stale, and a record can never outlive its freshness. (``SwarmDHT.peers``
-    checks the age of each record it returns, one by one.)"""
+    checks the age of each record it returns, one by one.)
+
+    Once it has seen the run's spec (every node reads it as it joins; the owner's node
+    stores it), peer records must also fit the run (``PeerBounds``): a flood of records
+    sized for 256 stages and a private run's proof made the run's one peers value too
+    large for any reader to fetch. A spec seen once is kept, so the verdict only turns
+    stricter in the seconds between a node's start and its reading of the spec."""
 
     def __init__(self, run: str) -> None:
         self.run = run
+        self.bounds: PeerBounds | None = None  # from the earliest spec seen
+        self._specs: list[SignedSpec] = []
         self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
@@ -188,9 +197,10 @@ class RunRecordValidator(RecordValidatorBase):
         try:
             value = DHTProtocol.serializer.loads(record.value)
             if record.key == self._spec_id:
-                decode_run_spec(value, run=self.run)
+                signed = decode_run_spec(value, run=self.run)
                 if DHTProtocol.serializer.loads(record.subkey) != spec_subkey(value):
                     raise RecordError("a run spec is stored under the hash of its bytes")
+                self._saw_spec(signed)
             elif record.key == self._revoked_id:
                 decode_revocations(value, run=self.run)
             elif record.key == self._claims_id:
@@ -215,11 +225,21 @@ class RunRecordValidator(RecordValidatorBase):
                         "a replayed or altered record"
                     )
                 _check_expiration(record, info.timestamp, MAX_RECORD_AGE_S, f"peer {info.peer_id}")
+                if record.key == self._peers_id and self.bounds is not None:
+                    self.bounds.check(info, len(value))
         except Exception as e:  # anything a peer sends that we cannot read is refused
             logger.warning("refused a DHT record of run %s: %s", self.run, e)
             events.emit("record.refused", run=self.run, reason=str(e))
             return False
         return True
+
+    def _saw_spec(self, signed: SignedSpec) -> None:
+        """Bound peer records by the spec peers keep of those seen (``earliest_spec``)."""
+        if any(s.raw == signed.raw for s in self._specs) or len(self._specs) >= MAX_SPECS:
+            return
+        self._specs.append(signed)
+        kept = earliest_spec(self._specs).spec
+        self.bounds = PeerBounds(kept.n_stages, kept.private)
 
 
 def _check_expiration(record: DHTRecord, timestamp: float, max_age_s: float, whose: str) -> None:
@@ -285,6 +305,7 @@ class SwarmDHT:
         self._socket_dir = socket_dir  # removed at shutdown
         self.policy: MembershipPolicy | None = None
         self.n_stages: int | None = None  # the run's, once its spec is known
+        self.bounds: PeerBounds | None = None  # what the run's peer records may hold
         self._dropped: set[str] = set()  # reasons already logged
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
@@ -379,21 +400,10 @@ class SwarmDHT:
 
     async def peers(self) -> list[PeerInfo]:
         """The run's peer records that validate (and, in a private run, whose peers show a
-        valid invite; once the spec is known, whose throughput per stage covers exactly
-        its stages, so that every stage they name is one of the run's); the rest are
-        logged and dropped."""
-        result = []
-        for info in await self._read(peers_key(self.run), decode_peer_info):
-            if self.n_stages is None or len(info.throughput) == self.n_stages:
-                result.append(info)
-            else:
-                self._log_dropped(
-                    RecordError(
-                        f"record of peer {info.peer_id} names {len(info.throughput)} stages; "
-                        f"the run has {self.n_stages}"
-                    )
-                )
-        return result
+        valid invite; once the spec is known, that fit the run's ``PeerBounds``: a
+        throughput per stage for exactly its stages, so that every stage they name is one
+        of the run's, and no larger than the run needs); the rest are logged and dropped."""
+        return await self._read(peers_key(self.run), decode_peer_info, self.bounds)
 
     async def publish_archive(self, record: ArchiveRecord, key: Ed25519PrivateKey) -> bool:
         """Store this archive node's record (``_store``)."""
@@ -423,20 +433,24 @@ class SwarmDHT:
             key, subkey=record.peer_id, value=raw, expiration_time=expiration, return_future=True
         )
 
-    async def _read(self, key: str, decode: Callable[..., R]) -> list[R]:
-        """The signed per-peer records under ``key`` that ``decode`` accepts and, in a
-        private run, whose peers show a valid invite; the rest are logged and dropped."""
+    async def _read(
+        self, key: str, decode: Callable[..., R], bounds: PeerBounds | None = None
+    ) -> list[R]:
+        """The signed per-peer records under ``key`` that ``decode`` accepts (and that fit
+        ``bounds``, if given) and, in a private run, whose peers show a valid invite; the
+        rest are logged and dropped."""
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
         now, records, result = get_dht_time(), [], []
         for subkey, item in found.value.items():
             try:
-                records.append(
-                    decode(
-                        item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
-                    )
+                record = decode(
+                    item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
                 )
+                if bounds is not None:
+                    bounds.check(record, len(item.value))
+                records.append(record)
             except RecordError as e:
                 self._log_dropped(e)
         if self.policy is not None and self.policy.private:
@@ -616,6 +630,7 @@ class SwarmDHT:
         peer records that do not fit its stages)."""
         self.policy = spec.membership
         self.n_stages = spec.n_stages
+        self.bounds = PeerBounds(spec.n_stages, spec.private)
 
     async def publish_revocations(self, revocations: Revocations, raw: bytes) -> bool:
         """Store the owner's revocations. They expire a fixed time after they were issued,
