@@ -223,6 +223,14 @@ def encode_signed(record: BaseModel, domain: bytes, key: Ed25519PrivateKey) -> b
     return msgpack.packb({"record": payload, "sig": sign(key, domain, payload)})
 
 
+# Records whose signature verified, by their bytes: the run's peers are re-read every
+# second or so, mostly unchanged, and parsing and verifying each again would make a reader's
+# work grow with every record anyone stores (a flood's). The checks that depend on the
+# reader (subkey, version, run, age) run on every read.
+MAX_VERIFIED = 16_384
+_verified: dict[tuple[type, bytes, bytes], BaseModel] = {}
+
+
 def decode_signed(
     raw: bytes,
     cls: type[_R],
@@ -239,16 +247,25 @@ def decode_signed(
     the subkey, protocol version, run and age, in that order; ``RecordError`` naming what
     was wrong."""
     what = f"{kind} record"
-    envelope = unpack_signed(raw, ("record", "sig"), "record")
-    payload, signature = envelope["record"], envelope["sig"]
-    try:
-        info = cls.model_validate_json(payload)
-    except ValidationError as e:
-        raise RecordError(f"malformed {what}: {first_error(e)}") from None
-    if subkey is not None and subkey != info.peer_id:
+    info = _verified.get((cls, domain, raw)) if isinstance(raw, bytes) else None
+    if info is None:
+        envelope = unpack_signed(raw, ("record", "sig"), "record")
+        payload, signature = envelope["record"], envelope["sig"]
+        try:
+            info = cls.model_validate_json(payload)
+        except ValidationError as e:
+            raise RecordError(f"malformed {what}: {first_error(e)}") from None
+        if subkey is not None and subkey != info.peer_id:
+            raise RecordError(
+                f"{what} of peer {info.peer_id} stored under another peer's key {subkey}"
+            )
+        if not verify(info.peer_id, domain, payload, signature):
+            raise RecordError(f"bad signature on the record of peer {info.peer_id} ({kind})")
+        if len(_verified) >= MAX_VERIFIED:
+            _verified.clear()
+        _verified[(cls, domain, raw)] = info
+    elif subkey is not None and subkey != info.peer_id:
         raise RecordError(f"{what} of peer {info.peer_id} stored under another peer's key {subkey}")
-    if not verify(info.peer_id, domain, payload, signature):
-        raise RecordError(f"bad signature on the record of peer {info.peer_id} ({kind})")
     if info.version != PROTOCOL_VERSION:
         raise RecordError(
             f"peer {info.peer_id} speaks protocol version {info.version}, we speak "

@@ -175,8 +175,8 @@ class StageRouter:
         self._seen.update((p.peer_id, (p, now)) for p in peers)
         grace = self.settings.view_grace_s
         self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
-        self._view = candidates_by_stage(self._kept([p for p, _ in self._seen.values()], now),
-                                         self.spec.n_stages)  # fmt: skip
+        recent = self._kept([p for p, _ in self._seen.values()], now)
+        self._view = candidates_by_stage(recent, self.spec.n_stages)
         self._refreshed = now
 
     def _kept(self, records: list[PeerInfo], now: float) -> list[PeerInfo]:
@@ -187,12 +187,9 @@ class StageRouter:
         for p in records:
             if p.peer_id != self._own_id and not proven(p.peer_id):
                 by_stage.setdefault(p.stage, []).append(p.peer_id)
-        kept = {self._own_id}
+        kept, limit = {self._own_id}, self.settings.max_unproven
         for ids in by_stage.values():
-            kept.update(
-                keep_unproven(ids, self._probation, now, self.settings.max_unproven, self._rng,
-                              self._connected)  # fmt: skip
-            )
+            kept.update(keep_unproven(ids, self._probation, now, limit, self._rng, self._connected))
         return [p for p in records if proven(p.peer_id) or p.peer_id in kept]
 
     @property

@@ -708,3 +708,18 @@ def test_the_dht_validator_bounds_peer_records_once_it_has_seen_the_spec():
     assert validator.bounds == PeerBounds(2, private=False)
     assert not validator.validate(fat_record)
     assert validator.validate(lean_record)
+
+
+def test_a_verified_record_is_read_again_without_verifying_but_still_checked(monkeypatch):
+    raw = encode_peer_info(_info(), KEY)
+    assert _decode(raw) == _info()
+    monkeypatch.setattr("protocol.records.verify", lambda *a: pytest.fail("verified again"))
+    assert _decode(raw) == _info()
+    with pytest.raises(RecordError, match="stored under another peer's key"):
+        _decode(raw, subkey=OTHER_PEER)
+    with pytest.raises(RecordError, match="stale or replayed"):
+        _decode(raw, now=NOW + MAX_RECORD_AGE_S + 1)
+    with pytest.raises(RecordError, match="is for run"):
+        _decode(raw, run="another")
+    with pytest.raises(RecordError, match="must be bytes"):
+        _decode([raw])
