@@ -88,6 +88,11 @@ SPEC_TTL_S = 3600.0  # every node re-stores the spec (and revocations), so they 
 REVOCATIONS_TTL_S = 365 * 86400.0
 MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
 MAX_CLAIMS = 1000  # claim records read at once
+# A node reads the run's peers from several places (trainer, placement, watch, averaging),
+# each about once per second; a read this recent is shared. Each read costs every peer
+# that answers it all of the run's records: a flood made the reads crowd out the node's
+# own stores.
+PEERS_FRESH_S = 0.5
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
 # Every p2pd offers a circuit relay (p2pd's default). Its flags take effect once its
 # AutoNAT finds it public (docs/nat.md; go-libp2p's own limits apply before): small, so
@@ -306,6 +311,7 @@ class SwarmDHT:
         self.policy: MembershipPolicy | None = None
         self.n_stages: int | None = None  # the run's, once its spec is known
         self.bounds: PeerBounds | None = None  # what the run's peer records may hold
+        self._peers_read: tuple[float, object, list[PeerInfo]] | None = None  # when, policy
         self._dropped: set[str] = set()  # reasons already logged
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
@@ -402,8 +408,19 @@ class SwarmDHT:
         """The run's peer records that validate (and, in a private run, whose peers show a
         valid invite; once the spec is known, that fit the run's ``PeerBounds``: a
         throughput per stage for exactly its stages, so that every stage they name is one
-        of the run's, and no larger than the run needs); the rest are logged and dropped."""
-        return await self._read(peers_key(self.run), decode_peer_info, self.bounds)
+        of the run's, and no larger than the run needs); the rest are logged and dropped.
+        A read less than ``PEERS_FRESH_S`` old (under the same policy) is returned again."""
+        last = self._peers_read
+        if (
+            last is not None
+            and time.monotonic() - last[0] < PEERS_FRESH_S
+            and last[1] is self.policy
+        ):
+            return list(last[2])
+        policy = self.policy
+        found = await self._read(peers_key(self.run), decode_peer_info, self.bounds)
+        self._peers_read = (time.monotonic(), policy, found)
+        return list(found)
 
     async def publish_archive(self, record: ArchiveRecord, key: Ed25519PrivateKey) -> bool:
         """Store this archive node's record (``_store``)."""
@@ -631,6 +648,7 @@ class SwarmDHT:
         self.policy = spec.membership
         self.n_stages = spec.n_stages
         self.bounds = PeerBounds(spec.n_stages, spec.private)
+        self._peers_read = None
 
     async def publish_revocations(self, revocations: Revocations, raw: bytes) -> bool:
         """Store the owner's revocations. They expire a fixed time after they were issued,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from functools import partial
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -35,9 +34,8 @@ def _attacker(maddr: str) -> hivemind.DHT:
 
 def _flood(attacker: hivemind.DHT, run: str, n: int, **changes) -> int:
     """Store ``n`` sybil records (each from a new key, serving, dated now, living as long
-    as a record may) with ``changes``, 100 to a request; returns the size of one record in
-    bytes."""
-    key, batch, size = peers_key(run), [], 0
+    as a record may) with ``changes``, all at once; returns the size of one in bytes."""
+    key, futures, size = peers_key(run), [], 0
     for i in range(n):
         secret = Ed25519PrivateKey.generate()
         peer_id = peer_id_of(secret.public_key())
@@ -45,20 +43,11 @@ def _flood(attacker: hivemind.DHT, run: str, n: int, **changes) -> int:
         fields = {"stage": i % 2, "timestamp": now, "ttl_s": MAX_RECORD_AGE_S, **changes}
         raw = encode_peer_info(peer_info(run, peer_id, **fields), secret)
         size = len(raw)
-        batch.append((peer_id, raw, now + MAX_RECORD_AGE_S))
-        if len(batch) == 100 or i == n - 1:
-            attacker.run_coroutine(partial(_store_many, key=key, batch=batch))
-            batch = []
+        expiration = now + MAX_RECORD_AGE_S
+        futures.append(attacker.store(key, raw, expiration, subkey=peer_id, return_future=True))
+    for f in futures:
+        f.result(timeout=120)
     return size
-
-
-async def _store_many(_dht, node, *, key: str, batch: list[tuple[str, bytes, float]]) -> None:
-    """In the attacker's DHT process: store ``batch`` (subkey, value, expiration) under
-    ``key``, one request per storing peer."""
-    subkeys, values, expirations = zip(*batch, strict=True)
-    await node.store_many(
-        [key] * len(batch), list(values), list(expirations), subkeys=list(subkeys)
-    )
 
 
 def _train(run: str, maddrs: list[str], micro_batches: int, timeout: float) -> tuple[float, str]:
@@ -86,9 +75,12 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
     entries, a full membership field: refused now, as sized past what a 2-stage public run
     needs) and 1,000 of the largest size the run allows, each claiming to serve at 1e9
     samples/s: the honest peers stay listed and the trainer's rate stays within 2x."""
-    a = launch_node(tmp_path, "a", "sybil", extra=["--stage", "0"])
+    period = 5.0  # the default: records live 15 s
+    a = launch_node(tmp_path, "a", "sybil", extra=["--stage", "0"], update_period=period)
     run = a.run_id
-    b = launch_node(tmp_path, "b", run, initial_peers=[a.maddr], extra=["--stage", "1"])
+    b = launch_node(
+        tmp_path, "b", run, initial_peers=[a.maddr], extra=["--stage", "1"], update_period=period
+    )
     nodes, attacker = [a, b], None
     try:
         for n in nodes:
@@ -99,12 +91,17 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
         attacker = _attacker(a.maddr)
         fat = _flood(
             attacker, run, SYBILS,
-            throughput=(1e9,) * MAX_STAGES, membership="A" * MAX_MEMBERSHIP_CHARS,
+            throughput=(123456789.12345679,) * MAX_STAGES, membership="A" * MAX_MEMBERSHIP_CHARS,
         )  # fmt: skip
         lean = _flood(attacker, run, SYBILS, throughput=(1e9, 1e9), device="x" * 64)
-        view = status(run, a.maddr)
-        listed = {p["peer_id"] for p in view["peers"]}
-        assert {a.peer_id, b.peer_id} <= listed, f"honest peers missing from {len(listed)} listed"
+        reads: list[set[str]] = []
+
+        def honest_listed() -> set[str] | None:
+            reads.append({p["peer_id"] for p in status(run, a.maddr)["peers"]})
+            return reads[-1] if {a.peer_id, b.peer_id} <= reads[-1] else None
+
+        listed = wait_until(honest_listed, 60, "status to list the honest peers", every=0)
+        print(f"status reads: {[len(r) for r in reads]} peers listed")
 
         attacked, out = _train(run, maddrs, 24, timeout=120)
         print(
