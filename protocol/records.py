@@ -226,9 +226,11 @@ def encode_signed(record: BaseModel, domain: bytes, key: Ed25519PrivateKey) -> b
 # Records whose signature verified, by their bytes: the run's peers are re-read every
 # second or so, mostly unchanged, and parsing and verifying each again would make a reader's
 # work grow with every record anyone stores (a flood's). The checks that depend on the
-# reader (subkey, version, run, age) run on every read.
-MAX_VERIFIED = 16_384
+# reader (subkey, version, run, age) run on every read. Forgotten all at once past
+# ``MAX_VERIFIED_BYTES`` of records.
+MAX_VERIFIED_BYTES = 8 * 2**20
 _verified: dict[tuple[type, bytes, bytes], BaseModel] = {}
+_verified_bytes = 0
 
 
 def decode_signed(
@@ -261,9 +263,7 @@ def decode_signed(
             )
         if not verify(info.peer_id, domain, payload, signature):
             raise RecordError(f"bad signature on the record of peer {info.peer_id} ({kind})")
-        if len(_verified) >= MAX_VERIFIED:
-            _verified.clear()
-        _verified[(cls, domain, raw)] = info
+        _remember(cls, domain, raw, info)
     elif subkey is not None and subkey != info.peer_id:
         raise RecordError(f"{what} of peer {info.peer_id} stored under another peer's key {subkey}")
     if info.version != PROTOCOL_VERSION:
@@ -283,6 +283,15 @@ def decode_signed(
             f"(limit {max_age_s:.0f} s): stale or replayed"
         )
     return info
+
+
+def _remember(cls: type, domain: bytes, raw: bytes, info: BaseModel) -> None:
+    global _verified_bytes
+    if _verified_bytes + len(raw) > MAX_VERIFIED_BYTES:
+        _verified.clear()
+        _verified_bytes = 0
+    _verified[(cls, domain, raw)] = info
+    _verified_bytes += len(raw)
 
 
 def unpack_signed(

@@ -5,7 +5,9 @@ proportional to its throughput over its expected queue (``throughput / (load + 1
 inverse of its expected busy time), as SWARM parallelism does: fast, idle peers get more
 work, and no single peer's slowness stalls the pipeline. Peers that failed recently are
 banned for a while; a ban that would leave a stage with no peer is ignored. A server bans
-callers whose requests it keeps refusing with the same ``BanList``.
+callers whose requests it keeps refusing with the same ``BanList``. A record's claims are
+not trusted before calls have shown them: a new peer gets probes, then a share that grows
+with each call it serves (``Probation``, ``route``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ times out or errs on its side is retried on another peer of the same stage, and 
 is banned for a while (events ``call.failed``, then ``call.rerouted``). The timeout
 follows how long the stage's calls take (``protocol.routing.CallTimer``): a peer cut off
 mid-call holds its micro-batches for a few typical calls, not for ``call_timeout_s``.
+A peer's record is only a claim: a peer gets probes until a call of ours succeeds there,
+then a share of calls that grows as they keep succeeding (``protocol.routing.Probation``),
+and a stage's view keeps at most ``max_unproven`` peers not proven yet, so that a flood
+of records claiming to serve neither draws the calls nor sets the work.
 Several micro-batches are in flight at once so that stages overlap.
 
 The routing (view, bans, timeouts, retries) is ``StageRouter``'s, which ``Trainer``
@@ -150,6 +154,7 @@ class StageRouter:
         self._rng = random.Random(settings.seed)
         self._bans = BanList(settings.ban_s)
         self._probation = Probation()
+        self._probation.trust(self._own_id)
         self._probes: Counter = Counter()  # stage -> probes of unproven peers in flight
         self._connected: frozenset[str] = frozenset()  # peers our p2p daemon holds a link to
         self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
@@ -286,7 +291,8 @@ class StageRouter:
                     self._timer.timed_out(stage)
                 logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)
                 self._failed(stage, peer, e)
-                self._probation.failed(peer, time.monotonic())
+                if peer != self._own_id:  # our own server failing is no sign of a sybil
+                    self._probation.failed(peer, time.monotonic())
                 self.stats.rerouted[stage] += 1
                 retry = True
                 continue
@@ -320,8 +326,6 @@ class StageRouter:
         if self.settings.wiring == "fixed":
             pool = [c for c in candidates if c.peer_id not in banned] or candidates
             return pool[_micro_batch_index.get() % len(pool)].peer_id, False
-        if self._probation.share(self._own_id) < 1.0:
-            self._probation.trust(self._own_id)
         return route(
             candidates,
             self._rng,
