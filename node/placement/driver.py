@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 3.0
 TOPIC_PEERS = 8  # GossipSub's mesh keeps 6 (4 to 12) neighbours per topic
-DIALS_PER_PERIOD = 4  # peers not reached yet that are dialed (at once) every update period
+DIALS_PER_PERIOD = 8  # peers not reached yet that are dialed (at once) every update period
 
 
 def merge_gossip(
