@@ -90,8 +90,8 @@ MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
 MAX_CLAIMS = 1000  # claim records read at once
 # A node reads the run's peers from several places (trainer, placement, watch, averaging),
 # each about once per second; a read this recent is shared. Each read costs every peer
-# that answers it all of the run's records: a flood made the reads crowd out the node's
-# own stores.
+# that answers it all of the run's records: under a flood, unshared reads crowd out the
+# node's own stores.
 PEERS_FRESH_S = 0.5
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
 # Every p2pd offers a circuit relay (p2pd's default). Its flags take effect once its
@@ -180,10 +180,11 @@ class RunRecordValidator(RecordValidatorBase):
     checks the age of each record it returns, one by one.)
 
     Once it has seen the run's spec (every node reads it as it joins; the owner's node
-    stores it), peer records must also fit the run (``PeerBounds``): a flood of records
-    sized for 256 stages and a private run's proof made the run's one peers value too
-    large for any reader to fetch. A spec seen once is kept, so the verdict only turns
-    stricter in the seconds between a node's start and its reading of the spec."""
+    stores it), peer records must also fit the run (``PeerBounds``): with records sized
+    for 256 stages and a private run's proof, a thousand forged ones would make the run's
+    one peers value larger than a DHT response can carry (4 MiB), and no reader would
+    see any peer. A spec seen once is kept, so the verdict only turns stricter in the
+    seconds between a node's start and its reading of the spec."""
 
     def __init__(self, run: str) -> None:
         self.run = run
