@@ -41,7 +41,7 @@ from hivemind.p2p import P2P, PeerID
 from models.data import Tokens, eval_batches, sample_batches, stream_seed
 from node import events
 from node.pipeline import client as stage_client
-from node.pipeline.client import StageRefused, StageTimeout, StageUnavailable
+from node.pipeline.client import StageCallError, StageRefused, StageTimeout, StageUnavailable
 from node.pipeline.server import StageServer
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
@@ -115,6 +115,9 @@ class TrainerSettings:
     # Peers of a stage kept in the view before any call of ours succeeded there: a flood
     # of records claiming to serve is gone through this many at a time.
     max_unproven: int = 16
+    # How often each stage's next unproven peer is probed, off the micro-batches' path:
+    # one that never answers holds no training call.
+    probe_s: float = 1.0
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
     start: int = 0  # the micro-batch of its stream it reads first (a resumed data position)
@@ -153,8 +156,10 @@ class StageRouter:
         self.stats = TrainerStats()
         self._rng = random.Random(settings.seed)
         self._bans = BanList(settings.ban_s)
-        self._probation = Probation()
+        # Calls probe unproven peers only where no peer is proven; elsewhere ``_probe`` does.
+        self._probation = Probation(probe_share=0.0)
         self._probation.trust(self._own_id)
+        self._samples: dict[int, tuple[torch.Tensor, ...]] = {}  # stage -> an input it took
         self._probes: Counter = Counter()  # stage -> probes of unproven peers in flight
         self._connected: frozenset[str] = frozenset()  # peers our p2p daemon holds a link to
         self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
@@ -225,6 +230,7 @@ class StageRouter:
     async def _forward(
         self, stage: int, x: torch.Tensor, index: int, train: bool = False, infer: bool = False
     ) -> tuple[torch.Tensor, str]:
+        self._samples[stage] = (x,)
         return await self._call(
             stage,
             lambda peer, opts: self._calls.forward(
@@ -234,6 +240,7 @@ class StageRouter:
 
     async def _loss(self, x: torch.Tensor, y: torch.Tensor, index: int, train: bool):
         last = self.spec.n_stages - 1
+        self._samples[last] = (x, y)
         return await self._call(
             last,
             lambda peer, opts: self._calls.loss(
@@ -307,6 +314,44 @@ class StageRouter:
         events.emit("call.failed", stage=stage, peer=peer, error=f"{type(error).__name__}: {error}")
         self._bans.ban(peer, time.monotonic())
         self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.probe_s)
+            probes = [self._probe(s) for s in range(self.spec.n_stages)]
+            for outcome in await asyncio.gather(*probes, return_exceptions=True):
+                if isinstance(outcome, Exception):  # a probe's fault must not stop training
+                    logger.warning("probing a peer failed: %s", outcome)
+
+    async def _probe(self, stage: int) -> None:
+        """Send one unproven peer of ``stage`` (``route`` picks it) an evaluation call on
+        an input the stage took lately: it changes nothing on the peer, and its outcome
+        proves the peer or makes it a suspect (``Probation``)."""
+        sample, now = self._samples.get(stage), time.monotonic()
+        fresh = [
+            c
+            for c in self._view[stage]
+            if not self._probation.proven(c.peer_id) and not self._probation.suspect(c.peer_id, now)
+        ]
+        if sample is None or not fresh:
+            return
+        peer, _ = route(fresh, self._rng, self._probation, now, preferred=self._connected)
+        last = stage == self.spec.n_stages - 1
+        try:
+            await self._present(peer)
+            opts, target = (
+                self._opts(stage, peer, self._timer.timeout(stage)),
+                PeerID.from_base58(peer),
+            )
+            if last:
+                await self._calls.loss(self.p2p, target, *sample, stage=stage, train=False, **opts)
+            else:
+                await self._calls.forward(self.p2p, target, sample[0], stage=stage, **opts)
+        except (StageCallError, MembershipRefused) as e:
+            logger.debug("probe of stage %d peer %s failed: %s", stage, peer[-8:], e)
+            self._probation.failed(peer, time.monotonic())
+            return
+        self._probation.succeeded(peer)
 
     async def _present(self, peer: str) -> None:
         """In a private run, show our invite to ``peer`` before our first call there."""
@@ -430,10 +475,12 @@ class Trainer(StageRouter):
 
         async with asyncio.TaskGroup() as tasks:
             refresher = tasks.create_task(self._refresh_loop(), name="refresh-view")
+            prober = tasks.create_task(self._probe_loop(), name="probe-peers")
             async with asyncio.TaskGroup() as workers:
                 for _ in range(self.settings.in_flight):
                     workers.create_task(worker())
             refresher.cancel()
+            prober.cancel()
 
     async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
         _micro_batch_index.set(index)  # this task's calls below read it (fixed wiring)
