@@ -117,7 +117,7 @@ class TrainerSettings:
     max_unproven: int = 16
     # How often each stage's next unproven peer is probed, off the micro-batches' path:
     # one that never answers holds no training call.
-    probe_s: float = 1.0
+    probe_s: float = 2.0
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
     start: int = 0  # the micro-batch of its stream it reads first (a resumed data position)

@@ -65,6 +65,7 @@ from protocol.membership import (
     encode_claim,
 )
 from protocol.records import (
+    MAX_CLOCK_SKEW_S,
     MAX_RECORD_AGE_S,
     PeerBounds,
     PeerInfo,
@@ -93,6 +94,7 @@ MAX_CLAIMS = 1000  # claim records read at once
 # that answers it all of the run's records: under a flood, unshared reads crowd out the
 # node's own stores.
 PEERS_FRESH_S = 0.5
+MAX_ACCEPTED = 8192  # records a validator remembers having accepted
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
 # Every p2pd offers a circuit relay (p2pd's default). Its flags take effect once its
 # AutoNAT finds it public (docs/nat.md; go-libp2p's own limits apply before): small, so
@@ -190,6 +192,11 @@ class RunRecordValidator(RecordValidatorBase):
         self.run = run
         self.bounds: PeerBounds | None = None  # from the earliest spec seen
         self._specs: list[SignedSpec] = []
+        # Peer and archive records accepted, as stored, and when each is dated: every read
+        # of the run's peers brings them all again, and a verdict to accept turns only if
+        # the clock goes back past the record's date (bounds only tighten, and then this
+        # is forgotten).
+        self._accepted: dict[tuple[bytes, bytes, bytes, float], float] = {}
         self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
@@ -200,6 +207,10 @@ class RunRecordValidator(RecordValidatorBase):
         ours = (self._peers_id, self._spec_id, self._revoked_id, self._claims_id, self._archives_id)
         if record.key not in ours:
             return True  # other subsystems' keys (e.g. averaging) are theirs to check
+        seen = (record.key, record.subkey, record.value, record.expiration_time)
+        dated = self._accepted.get(seen)
+        if dated is not None and dated <= get_dht_time() + MAX_CLOCK_SKEW_S:
+            return True
         try:
             value = DHTProtocol.serializer.loads(record.value)
             if record.key == self._spec_id:
@@ -233,6 +244,9 @@ class RunRecordValidator(RecordValidatorBase):
                 _check_expiration(record, info.timestamp, MAX_RECORD_AGE_S, f"peer {info.peer_id}")
                 if record.key == self._peers_id and self.bounds is not None:
                     self.bounds.check(info, len(value))
+                if len(self._accepted) >= MAX_ACCEPTED:
+                    self._accepted.clear()
+                self._accepted[seen] = info.timestamp
         except Exception as e:  # anything a peer sends that we cannot read is refused
             logger.warning("refused a DHT record of run %s: %s", self.run, e)
             events.emit("record.refused", run=self.run, reason=str(e))
@@ -246,6 +260,7 @@ class RunRecordValidator(RecordValidatorBase):
         self._specs.append(signed)
         kept = earliest_spec(self._specs).spec
         self.bounds = PeerBounds(kept.n_stages, kept.private)
+        self._accepted.clear()
 
 
 def _check_expiration(record: DHTRecord, timestamp: float, max_age_s: float, whose: str) -> None:
