@@ -9,6 +9,7 @@ run and age, in that order, and raises ``RecordError`` naming what was wrong.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Literal, Protocol, TypeVar
 
@@ -139,6 +140,51 @@ class PeerInfo(BaseModel):
         )
 
 
+# What a peer record takes on the wire besides its throughput and membership proof, with
+# every field at its longest (run id, peer id, device, numbers) and the signed envelope;
+# and what each throughput entry adds at its longest (``1.2345678901234567e-300,``).
+_RECORD_BASE_BYTES = 900
+_RATE_BYTES = 24
+
+
+@dataclass(frozen=True)
+class PeerBounds:
+    """What a run's peer records may hold: a throughput for each of its ``n_stages``
+    stages, a membership proof only in a ``private`` run, and so at most ``max_bytes``.
+    The generic limits (``MAX_STAGES``, ``MAX_MEMBERSHIP_CHARS``) let a record of a small
+    public run be ten times the size it needs; records that size cost every reader of
+    the run's peers, whose one DHT value holds them all."""
+
+    n_stages: int
+    private: bool
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_stages <= MAX_STAGES:
+            raise ValueError(f"n_stages must be in [1, {MAX_STAGES}], got {self.n_stages}")
+
+    @property
+    def max_bytes(self) -> int:
+        proof = MAX_MEMBERSHIP_CHARS + 16 if self.private else 0
+        return _RECORD_BASE_BYTES + _RATE_BYTES * self.n_stages + proof
+
+    def check(self, info: PeerInfo, size: int) -> None:
+        """``RecordError`` unless ``info`` (``size`` bytes as stored) fits the run."""
+        if len(info.throughput) != self.n_stages:
+            raise RecordError(
+                f"record of peer {info.peer_id} names {len(info.throughput)} stages; the run "
+                f"has {self.n_stages}"
+            )
+        if info.membership is not None and not self.private:
+            raise RecordError(
+                f"record of peer {info.peer_id} carries a membership proof in a public run"
+            )
+        if size > self.max_bytes:
+            raise RecordError(
+                f"record of peer {info.peer_id} is {size} bytes; a record of this run "
+                f"takes at most {self.max_bytes}"
+            )
+
+
 def encode_peer_info(info: PeerInfo, key: Ed25519PrivateKey) -> bytes:
     """Sign and pack ``info`` for the DHT."""
     return encode_signed(info, _PEER_DOMAIN, key)
@@ -183,6 +229,16 @@ def encode_signed(record: BaseModel, domain: bytes, key: Ed25519PrivateKey) -> b
     return msgpack.packb({"record": payload, "sig": sign(key, domain, payload)})
 
 
+# Records whose signature verified, by their bytes: the run's peers are re-read every
+# second or so, mostly unchanged, and parsing and verifying each again would make a reader's
+# work grow with every record anyone stores (a flood's). The checks that depend on the
+# reader (subkey, version, run, age) run on every read. Forgotten all at once past
+# ``MAX_VERIFIED_BYTES`` of records.
+MAX_VERIFIED_BYTES = 8 * 2**20
+_verified: dict[tuple[type, bytes, bytes], BaseModel] = {}
+_verified_bytes = 0
+
+
 def decode_signed(
     raw: bytes,
     cls: type[_R],
@@ -199,16 +255,23 @@ def decode_signed(
     the subkey, protocol version, run and age, in that order; ``RecordError`` naming what
     was wrong."""
     what = f"{kind} record"
-    envelope = unpack_signed(raw, ("record", "sig"), "record")
-    payload, signature = envelope["record"], envelope["sig"]
-    try:
-        info = cls.model_validate_json(payload)
-    except ValidationError as e:
-        raise RecordError(f"malformed {what}: {first_error(e)}") from None
-    if subkey is not None and subkey != info.peer_id:
+    info = _verified.get((cls, domain, raw)) if isinstance(raw, bytes) else None
+    if info is None:
+        envelope = unpack_signed(raw, ("record", "sig"), "record")
+        payload, signature = envelope["record"], envelope["sig"]
+        try:
+            info = cls.model_validate_json(payload)
+        except ValidationError as e:
+            raise RecordError(f"malformed {what}: {first_error(e)}") from None
+        if subkey is not None and subkey != info.peer_id:
+            raise RecordError(
+                f"{what} of peer {info.peer_id} stored under another peer's key {subkey}"
+            )
+        if not verify(info.peer_id, domain, payload, signature):
+            raise RecordError(f"bad signature on the record of peer {info.peer_id} ({kind})")
+        _remember(cls, domain, raw, info)
+    elif subkey is not None and subkey != info.peer_id:
         raise RecordError(f"{what} of peer {info.peer_id} stored under another peer's key {subkey}")
-    if not verify(info.peer_id, domain, payload, signature):
-        raise RecordError(f"bad signature on the record of peer {info.peer_id} ({kind})")
     if info.version != PROTOCOL_VERSION:
         raise RecordError(
             f"peer {info.peer_id} speaks protocol version {info.version}, we speak "
@@ -226,6 +289,15 @@ def decode_signed(
             f"(limit {max_age_s:.0f} s): stale or replayed"
         )
     return info
+
+
+def _remember(cls: type, domain: bytes, raw: bytes, info: BaseModel) -> None:
+    global _verified_bytes
+    if _verified_bytes + len(raw) > MAX_VERIFIED_BYTES:
+        _verified.clear()
+        _verified_bytes = 0
+    _verified[(cls, domain, raw)] = info
+    _verified_bytes += len(raw)
 
 
 def unpack_signed(

@@ -5,13 +5,15 @@ proportional to its throughput over its expected queue (``throughput / (load + 1
 inverse of its expected busy time), as SWARM parallelism does: fast, idle peers get more
 work, and no single peer's slowness stalls the pipeline. Peers that failed recently are
 banned for a while; a ban that would leave a stage with no peer is ignored. A server bans
-callers whose requests it keeps refusing with the same ``BanList``.
+callers whose requests it keeps refusing with the same ``BanList``. A record's claims are
+not trusted before calls have shown them: a new peer gets probes, then a share that grows
+with each call it serves (``Probation``, ``route``).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,6 +99,135 @@ def choose_peer(
     pool = [c for c in candidates if c.peer_id not in banned] or list(candidates)
     weights = [max(c.throughput, 1e-9) / (c.load + 1) for c in pool]
     return rng.choices(pool, weights=weights)[0].peer_id
+
+
+@dataclass
+class Probation:
+    """What calls to each peer have shown, and the share of traffic it has earned by them.
+
+    A record's claims (that it serves, how fast) cost nothing to forge, and a flood of
+    forged records would otherwise draw most calls to peers that answer none. So a peer
+    starts *unproven*: it gets probes only (:func:`route`). Its first success proves it, at
+    ``start_share`` of the weight its throughput claims; each further success doubles
+    that, up to 1 (a peer earns its claimed share in a handful of calls), and a failure
+    halves it. An unproven peer whose call fails is a *suspect*: not probed again for
+    ``suspect_s``, doubled at each further failure (at most 64 times). At most
+    ``max_peers`` peers are remembered, the oldest forgotten first. Times are the
+    caller's clock; pure."""
+
+    start_share: float = 1.0 / 16
+    probe_share: float = 0.1  # of calls probe unproven peers, while proven ones exist
+    suspect_s: float = 30.0
+    max_peers: int = 10_000
+    _shares: dict[str, float] = field(default_factory=dict)
+    _suspects: dict[str, tuple[float, int]] = field(default_factory=dict)  # (until, failures)
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.start_share <= 1.0 and 0.0 <= self.probe_share <= 1.0):
+            raise ValueError(
+                f"start_share ({self.start_share}) must be in (0, 1], probe_share "
+                f"({self.probe_share}) in [0, 1]"
+            )
+        if self.suspect_s <= 0 or self.max_peers < 1:
+            raise ValueError(
+                f"suspect_s ({self.suspect_s}) must be > 0 and max_peers ({self.max_peers}) >= 1"
+            )
+
+    def succeeded(self, peer_id: str) -> None:
+        """A call to ``peer_id`` succeeded."""
+        share = self._shares.pop(peer_id, None)
+        self._suspects.pop(peer_id, None)
+        self._shares[peer_id] = self.start_share if share is None else min(1.0, 2.0 * share)
+        _forget_oldest(self._shares, self.max_peers)
+
+    def trust(self, peer_id: str) -> None:
+        """Take ``peer_id`` as proven at its full share (the caller's own peer)."""
+        self._suspects.pop(peer_id, None)
+        self._shares[peer_id] = 1.0
+
+    def failed(self, peer_id: str, now: float) -> None:
+        """A call to ``peer_id`` failed (it did not serve it: gone, unreachable, timed out)."""
+        share = self._shares.get(peer_id)
+        if share is not None:
+            self._shares[peer_id] = max(self.start_share, share / 2.0)
+            return
+        failures = self._suspects.pop(peer_id, (0.0, 0))[1] + 1
+        self._suspects[peer_id] = (now + self.suspect_s * 2.0 ** min(failures - 1, 6), failures)
+        _forget_oldest(self._suspects, self.max_peers)
+
+    def proven(self, peer_id: str) -> bool:
+        return peer_id in self._shares
+
+    def share(self, peer_id: str) -> float:
+        """The share of its claimed weight ``peer_id`` has earned (0: unproven)."""
+        return self._shares.get(peer_id, 0.0)
+
+    def suspect(self, peer_id: str, now: float) -> bool:
+        """Unproven, and failed recently."""
+        found = self._suspects.get(peer_id)
+        return found is not None and found[0] > now
+
+
+def route(
+    candidates: Sequence[Candidate],
+    rng: random.Random,
+    probation: Probation,
+    now: float,
+    *,
+    banned: frozenset[str] = frozenset(),
+    probing: bool = False,
+    preferred: Collection[str] = frozenset(),
+) -> tuple[str, bool]:
+    """The peer for the next call of a stage, and whether the call is a probe.
+
+    Proven peers (``probation``) are drawn in proportion to ``throughput * share / (load
+    + 1)``. A call probes an unproven peer (not a suspect) with chance
+    ``probation.probe_share``, and only while no probe of the stage is in flight
+    (``probing``); with no proven peer, every call probes. A probe goes to a peer in
+    ``preferred`` (e.g. one the caller's transport is connected to: it runs a real host)
+    if there is one, else to any, drawn uniformly: a throughput claim counts for nothing
+    before calls have shown it. Banned peers are skipped unless every candidate is banned;
+    suspects are probed only when no other candidate is left."""
+    if not candidates:
+        raise ValueError("no peer serves this stage")
+    pool = [c for c in candidates if c.peer_id not in banned] or list(candidates)
+    proven = [c for c in pool if probation.proven(c.peer_id)]
+    fresh = [
+        c for c in pool if not probation.proven(c.peer_id) and not probation.suspect(c.peer_id, now)
+    ]
+    if proven and (not fresh or probing or rng.random() >= probation.probe_share):
+        weights = [
+            max(c.throughput, 1e-9) * probation.share(c.peer_id) / (c.load + 1) for c in proven
+        ]
+        return rng.choices(proven, weights=weights)[0].peer_id, False
+    if not fresh:  # only suspects left: try them again rather than nothing
+        fresh = [c for c in pool if not probation.proven(c.peer_id)]
+    first = [c for c in fresh if c.peer_id in preferred] or fresh
+    return rng.choice(first).peer_id, True
+
+
+def keep_unproven(
+    peer_ids: Iterable[str],
+    probation: Probation,
+    now: float,
+    limit: int,
+    rng: random.Random,
+    preferred: Collection[str] = frozenset(),
+) -> list[str]:
+    """At most ``limit`` of the unproven ``peer_ids`` to keep in a stage's view: those in
+    ``preferred`` first, then the others not suspect, then suspects, each group in a
+    random order (so that a flood's peers are gone through over successive views). A
+    reader that kept every unproven peer would let a flood of records set its work."""
+    unproven = sorted(p for p in set(peer_ids) if not probation.proven(p))
+    first = [p for p in unproven if p in preferred and not probation.suspect(p, now)]
+    rest = [p for p in unproven if p not in preferred and not probation.suspect(p, now)]
+    last = [p for p in unproven if probation.suspect(p, now)]
+    kept: list[str] = []
+    for group in (first, rest, last):
+        if len(kept) >= limit:
+            break
+        kept += rng.sample(group, min(len(group), limit - len(kept)))
+    return kept
 
 
 @dataclass

@@ -8,6 +8,10 @@ times out or errs on its side is retried on another peer of the same stage, and 
 is banned for a while (events ``call.failed``, then ``call.rerouted``). The timeout
 follows how long the stage's calls take (``protocol.routing.CallTimer``): a peer cut off
 mid-call holds its micro-batches for a few typical calls, not for ``call_timeout_s``.
+A peer's record is only a claim: a peer gets probes until a call of ours succeeds there,
+then a share of calls that grows as they keep succeeding (``protocol.routing.Probation``),
+and a stage's view keeps at most ``max_unproven`` peers not proven yet, so that a flood
+of records claiming to serve neither draws the calls nor sets the work.
 Several micro-batches are in flight at once so that stages overlap.
 
 The routing (view, bans, timeouts, retries) is ``StageRouter``'s, which ``Trainer``
@@ -37,13 +41,27 @@ from hivemind.p2p import P2P, PeerID
 from models.data import Tokens, eval_batches, sample_batches, stream_seed
 from node import events
 from node.pipeline import client as stage_client
-from node.pipeline.client import StageBusy, StageRefused, StageTimeout, StageUnavailable
+from node.pipeline.client import (
+    StageBusy,
+    StageCallError,
+    StageRefused,
+    StageTimeout,
+    StageUnavailable,
+)
 from node.pipeline.server import StageServer
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
 from node.rpc.relay import connect_relayed
 from protocol.records import PeerInfo
-from protocol.routing import BanList, CallTimer, Candidate, candidates_by_stage, choose_peer
+from protocol.routing import (
+    BanList,
+    CallTimer,
+    Candidate,
+    Probation,
+    candidates_by_stage,
+    keep_unproven,
+    route,
+)
 from protocol.run_spec import RunSpec
 from protocol.stage_messages import WRONG_STAGE
 
@@ -102,6 +120,12 @@ class TrainerSettings:
     view_grace_s: float = 6.0
     ban_s: float = 15.0
     busy_s: float = 1.0  # how long a peer that shed our call for load is left alone
+    # Peers of a stage kept in the view before any call of ours succeeded there: a flood
+    # of records claiming to serve is gone through this many at a time.
+    max_unproven: int = 16
+    # How often each stage's next unproven peer is probed, off the micro-batches' path:
+    # one that never answers holds no training call.
+    probe_s: float = 2.0
     stage_wait_s: float = 120.0  # how long a stage may stay empty before we give up
     stream: int = 0  # which data stream of the run this trainer reads
     start: int = 0  # the micro-batch of its stream it reads first (a resumed data position)
@@ -140,6 +164,12 @@ class StageRouter:
         self.stats = TrainerStats()
         self._rng = random.Random(settings.seed)
         self._bans = BanList(settings.ban_s)
+        # Calls probe unproven peers only where no peer is proven; elsewhere ``_probe`` does.
+        self._probation = Probation(probe_share=0.0)
+        self._probation.trust(self._own_id)
+        self._samples: dict[int, tuple[torch.Tensor, ...]] = {}  # stage -> an input it took
+        self._probes: Counter = Counter()  # stage -> probes of unproven peers in flight
+        self._connected: frozenset[str] = frozenset()  # peers our p2p daemon holds a link to
         self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
         self._view: list[list[Candidate]] = [[] for _ in range(spec.n_stages)]
         self._seen: dict[str, tuple[PeerInfo, float]] = {}  # peer -> newest record, read when
@@ -154,17 +184,35 @@ class StageRouter:
         except Exception as e:  # a DHT hiccup: keep the old view, retry next period
             logger.warning("could not refresh the swarm view: %s", e)
             return
+        try:
+            self._connected = frozenset(p.peer_id.to_base58() for p in await self.p2p.list_peers())
+        except Exception as e:  # the daemon went away: no peer is preferred for probes
+            logger.debug("could not list connected peers: %s", e)
+            self._connected = frozenset()
         now = time.monotonic()
         self._seen.update((p.peer_id, (p, now)) for p in peers)
         grace = self.settings.view_grace_s
         self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
-        recent = [p for p, _ in self._seen.values()]
+        recent = self._kept([p for p, _ in self._seen.values()], now)
         self._view = candidates_by_stage(recent, self.spec.n_stages)
         self._refreshed = now
         try:  # peers behind NAT: p2pd can dial them only at their relay's circuit address
             await connect_relayed(self.p2p, [p for p in recent if p.routable])
         except Exception as e:  # a daemon hiccup: their calls fail and reroute; retry next period
             logger.debug("could not connect to relayed peers: %s", e)
+
+    def _kept(self, records: list[PeerInfo], now: float) -> list[PeerInfo]:
+        """``records`` less all but ``max_unproven`` unproven peers of each stage
+        (``protocol.routing.keep_unproven``); our own peer counts as proven."""
+        proven = self._probation.proven
+        by_stage: dict[int | None, list[str]] = {}
+        for p in records:
+            if p.peer_id != self._own_id and not proven(p.peer_id):
+                by_stage.setdefault(p.stage, []).append(p.peer_id)
+        kept, limit = {self._own_id}, self.settings.max_unproven
+        for ids in by_stage.values():
+            kept.update(keep_unproven(ids, self._probation, now, limit, self._rng, self._connected))
+        return [p for p in records if proven(p.peer_id) or p.peer_id in kept]
 
     @property
     def view(self) -> tuple[tuple[Candidate, ...], ...]:
@@ -194,6 +242,7 @@ class StageRouter:
     async def _forward(
         self, stage: int, x: torch.Tensor, index: int, train: bool = False, infer: bool = False
     ) -> tuple[torch.Tensor, str]:
+        self._samples[stage] = (x,)
         return await self._call(
             stage,
             lambda peer, opts: self._calls.forward(
@@ -203,6 +252,7 @@ class StageRouter:
 
     async def _loss(self, x: torch.Tensor, y: torch.Tensor, index: int, train: bool):
         last = self.spec.n_stages - 1
+        self._samples[last] = (x, y)
         return await self._call(
             last,
             lambda peer, opts: self._calls.loss(
@@ -234,17 +284,19 @@ class StageRouter:
                 continue
             banned = self._bans.banned(time.monotonic())
             there = prefer not in banned and any(c.peer_id == prefer for c in candidates)
-            peer = prefer if there else self._choose(candidates, banned)
+            peer, probe = (prefer, False) if there else self._choose(stage, candidates, banned)
             prefer = ""  # a retry goes where the rule sends it
             if retry:
                 events.emit("call.rerouted", stage=stage, peer=peer)
             self._in_flight[peer] += 1
+            self._probes[stage] += probe
             try:
                 await self._present(peer)
                 started = time.monotonic()
                 opts = self._opts(stage, peer, self._timer.timeout(stage))
                 result = await call(PeerID.from_base58(peer), opts)
                 self._timer.succeeded(stage, time.monotonic() - started)
+                self._probation.succeeded(peer)
             except StageRefused as e:
                 self._failed(stage, peer, e)
                 if NOT_A_MEMBER in str(e):
@@ -266,11 +318,14 @@ class StageRouter:
                     self._timer.timed_out(stage)
                 logger.info("stage %d peer %s failed (%s); rerouting", stage, peer[-8:], e)
                 self._failed(stage, peer, e)
+                if peer != self._own_id:  # our own server failing is no sign of a sybil
+                    self._probation.failed(peer, time.monotonic())
                 self.stats.rerouted[stage] += 1
                 retry = True
                 continue
             finally:
                 self._in_flight[peer] -= 1
+                self._probes[stage] -= probe
             self.stats.calls[(stage, peer)] += 1
             return result, peer
 
@@ -279,6 +334,44 @@ class StageRouter:
         events.emit("call.failed", stage=stage, peer=peer, error=f"{type(error).__name__}: {error}")
         self._bans.ban(peer, time.monotonic())
         self._view[stage] = [c for c in self._view[stage] if c.peer_id != peer]
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.probe_s)
+            probes = [self._probe(s) for s in range(self.spec.n_stages)]
+            for outcome in await asyncio.gather(*probes, return_exceptions=True):
+                if isinstance(outcome, Exception):  # a probe's fault must not stop training
+                    logger.warning("probing a peer failed: %s", outcome)
+
+    async def _probe(self, stage: int) -> None:
+        """Send one unproven peer of ``stage`` (``route`` picks it) an evaluation call on
+        an input the stage took lately: it changes nothing on the peer, and its outcome
+        proves the peer or makes it a suspect (``Probation``)."""
+        sample, now = self._samples.get(stage), time.monotonic()
+        fresh = [
+            c
+            for c in self._view[stage]
+            if not self._probation.proven(c.peer_id) and not self._probation.suspect(c.peer_id, now)
+        ]
+        if sample is None or not fresh:
+            return
+        peer, _ = route(fresh, self._rng, self._probation, now, preferred=self._connected)
+        last = stage == self.spec.n_stages - 1
+        try:
+            await self._present(peer)
+            opts, target = (
+                self._opts(stage, peer, self._timer.timeout(stage)),
+                PeerID.from_base58(peer),
+            )
+            if last:
+                await self._calls.loss(self.p2p, target, *sample, stage=stage, train=False, **opts)
+            else:
+                await self._calls.forward(self.p2p, target, sample[0], stage=stage, **opts)
+        except (StageCallError, MembershipRefused) as e:
+            logger.debug("probe of stage %d peer %s failed: %s", stage, peer[-8:], e)
+            self._probation.failed(peer, time.monotonic())
+            return
+        self._probation.succeeded(peer)
 
     async def _present(self, peer: str) -> None:
         """In a private run, show our invite to ``peer`` before our first call there."""
@@ -290,11 +383,23 @@ class StageRouter:
             raise MembershipRefused(f"{type(e).__name__}: {e}") from None
         self._presented.add(peer)
 
-    def _choose(self, candidates: list[Candidate], banned: frozenset[str]) -> str:
+    def _choose(
+        self, stage: int, candidates: list[Candidate], banned: frozenset[str]
+    ) -> tuple[str, bool]:
+        """The peer for a call of ``stage``, and whether the call probes an unproven peer
+        (``protocol.routing.route``; our own peer, if it serves, is proven from the start)."""
         if self.settings.wiring == "fixed":
             pool = [c for c in candidates if c.peer_id not in banned] or candidates
-            return pool[_micro_batch_index.get() % len(pool)].peer_id
-        return choose_peer(candidates, self._rng, banned)
+            return pool[_micro_batch_index.get() % len(pool)].peer_id, False
+        return route(
+            candidates,
+            self._rng,
+            self._probation,
+            time.monotonic(),
+            banned=banned,
+            probing=self._probes[stage] > 0,
+            preferred=self._connected,
+        )
 
     async def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The vocabulary logits (B, vocab) of the last position of each sequence of
@@ -390,10 +495,12 @@ class Trainer(StageRouter):
 
         async with asyncio.TaskGroup() as tasks:
             refresher = tasks.create_task(self._refresh_loop(), name="refresh-view")
+            prober = tasks.create_task(self._probe_loop(), name="probe-peers")
             async with asyncio.TaskGroup() as workers:
                 for _ in range(self.settings.in_flight):
                     workers.create_task(worker())
             refresher.cancel()
+            prober.cancel()
 
     async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
         _micro_batch_index.set(index)  # this task's calls below read it (fixed wiring)

@@ -12,6 +12,14 @@ node-facing calls that run ``protocol.placement``'s machine (``runner.PlacementR
 Gossip reaches only peers the daemon is connected to, and the DHT connects lazily, so the
 node dials the peers its records name. In a private run, gossip counts only from peers
 whose DHT record passed the run's membership policy.
+
+A record or a gossip claim costs nothing to forge from a fresh key: a flood claiming
+1e9 samples/s on a stage would make it look oversupplied, lure its peers away and
+confirm their moves ("another peer still serves it"). So the view counts only peers
+this node has *reached*: on the run's topic with it (a live libp2p host holding the
+peer's key), or dialed successfully. Peers not reached yet are dialed a few per update
+period (``protocol.routing.keep_unproven`` picks which; one that fails is not dialed
+again for a while).
 """
 
 from __future__ import annotations
@@ -33,12 +41,14 @@ from protocol.assignment import Claim, Move, Params, SwarmView, view_from_peers
 from protocol.gossip import GossipMessage, GossipSigner, GossipView, Leaving, run_topic
 from protocol.placement import Announce, ArrivalCount, PeerPlacement, settle_period
 from protocol.records import PeerInfo, PeerState
+from protocol.routing import Probation, keep_unproven
 from protocol.run_spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 3.0
 TOPIC_PEERS = 8  # GossipSub's mesh keeps 6 (4 to 12) neighbours per topic
+DIALS_PER_PERIOD = 8  # peers not reached yet that are dialed (at once) every update period
 
 
 def merge_gossip(
@@ -48,18 +58,23 @@ def merge_gossip(
     me: str,
     now: float,
     max_silence_s: float,
+    reached: Callable[[str], bool] | None = None,
 ) -> tuple[list[PeerInfo], list[Claim]]:
     """The records to count and the gossip claims that override them (for
-    ``view_from_peers(records, intents=claims)``), both without ``me``.
+    ``view_from_peers(records, intents=claims)``), both without ``me``, and (given
+    ``reached``) only of peers it says this node has reached.
 
     A message counts when it is at least as new as the peer's record, or, for a peer
     without a record, when it is younger than ``max_silence_s`` (a record's lifetime). A
     peer whose counted message says it leaves is dropped, record and all."""
-    by_peer = {p.peer_id: p for p in records if p.peer_id != me}
+    counted = reached or (lambda peer: True)
+    by_peer = {p.peer_id: p for p in records if p.peer_id != me and counted(p.peer_id)}
     claims = []
     for peer, message in sorted(latest.items()):
         record = by_peer.get(peer)
-        if peer == me or (record is not None and message.timestamp < record.timestamp):
+        if peer == me or not counted(peer):
+            continue
+        if record is not None and message.timestamp < record.timestamp:
             continue
         if record is None and message.timestamp < now - max_silence_s:
             continue
@@ -104,6 +119,7 @@ class Placement:
         self._members: frozenset[str] = frozenset()  # peers whose record passed the policy
         self._records: list[PeerInfo] = []  # the last read, for the alarm's looks
         self._arrivals = ArrivalCount()
+        self._reach = Probation()  # peers reached: on the topic with us, or dialed
         self._clock = LoopClock()
         self._rng = random.Random(self.peer_id)  # whom to dial
         self._load = 0
@@ -184,13 +200,22 @@ class Placement:
         records = await self.dht.peers()
         self._members = frozenset(p.peer_id for p in records)
         self._records = records
-        self._arrivals.saw(self._members, self._clock.now())
+        reached = {p.peer_id for p in records if self.reached(p.peer_id)}
+        self._arrivals.saw(reached, self._clock.now())
         return records
+
+    def reached(self, peer: str) -> bool:
+        """Whether this node has reached ``peer`` (the view counts only such peers)."""
+        return self._reach.proven(peer)
 
     async def _connect(self, records: list[PeerInfo]) -> None:
         """Dial a few of the peers the records name, until ``TOPIC_PEERS`` are on the
-        topic with us: the mesh needs a handful of neighbours, not the whole swarm."""
+        topic with us (the mesh needs a handful of neighbours, not the whole swarm), and
+        ``DIALS_PER_PERIOD`` of those not reached yet."""
         on_topic = set(await self.gossip.topic_peers(self.topic))
+        for peer in on_topic:
+            if not self._reach.proven(peer):
+                self._reach.succeeded(peer)
         others = sorted(
             p.peer_id
             for p in records
@@ -198,12 +223,21 @@ class Placement:
             and p.peer_id not in on_topic
             and p.state is not PeerState.LEAVING
         )
+        known = [p for p in others if self._reach.proven(p)]
         wanted = max(0, TOPIC_PEERS - len(on_topic))
-        for peer in self._rng.sample(others, min(wanted, len(others))):
-            try:
-                await self.gossip.connect(peer, timeout_s=CONNECT_TIMEOUT_S)
-            except (ConnectionError, TimeoutError) as e:
-                logger.debug("could not dial %s for gossip: %s", peer, e)
+        dials = self._rng.sample(known, min(wanted, len(known)))
+        now = self._clock.now()
+        dials += keep_unproven(others, self._reach, now, DIALS_PER_PERIOD, self._rng)
+        await asyncio.gather(*(self._dial(peer) for peer in dials))
+
+    async def _dial(self, peer: str) -> None:
+        try:
+            await self.gossip.connect(peer, timeout_s=CONNECT_TIMEOUT_S)
+        except (ConnectionError, TimeoutError) as e:
+            logger.debug("could not dial %s for gossip: %s", peer, e)
+            self._reach.failed(peer, self._clock.now())
+            return
+        self._reach.succeeded(peer)
 
     # -- the view (the runner's ViewSource) ----------------------------------------------
 
@@ -216,6 +250,7 @@ class Placement:
             me=self.peer_id,
             now=get_dht_time(),
             max_silence_s=self.record_ttl_s,
+            reached=self.reached,
         )
         return view_from_peers(kept, self.n_stages, intents=claims, own=self.throughput)
 

@@ -125,9 +125,12 @@ class PlacementRunner:
         elif self.machine.phase is Phase.TWO_STAGE:  # the node did not take the second
             await self._carry_out(self.machine.handle(Declined(self.clock.now())))
         while True:
-            for a in await self._at_wake(looking=True):
+            actions = await self._at_wake(looking=True)
+            for a in actions:
                 if isinstance(a, Moving):
                     return a.move
+            if self.machine.phase is Phase.SERVING:  # a check that kept the stage
+                events.emit("placement.checked", stage=self.machine.stage)
 
     async def confirm_move(self) -> bool:
         """A settle period after the move was announced: whether it goes ahead."""

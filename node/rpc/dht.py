@@ -68,8 +68,10 @@ from protocol.membership import (
 )
 from protocol.progress import decode_progress_record, progress_key
 from protocol.records import (
+    MAX_CLOCK_SKEW_S,
     MAX_RECORD_AGE_S,
     MAX_STAGES,
+    PeerBounds,
     PeerInfo,
     RecordError,
     decode_peer_info,
@@ -91,6 +93,12 @@ SPEC_TTL_S = 3600.0  # every node re-stores the spec (and revocations), so they 
 REVOCATIONS_TTL_S = 365 * 86400.0
 MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
 MAX_CLAIMS = 1000  # claim records read at once
+# A node reads the run's peers from several places (trainer, placement, watch, averaging),
+# each about once per second; a read this recent is shared. Each read costs every peer
+# that answers it all of the run's records: under a flood, unshared reads crowd out the
+# node's own stores.
+PEERS_FRESH_S = 0.5
+MAX_ACCEPTED = 8192  # records a validator remembers having accepted
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
 # What a DHT's p2pd does about relays unless told (``node.rpc.relay``): it offers one, with
 # small limits, and reserves slots on none.
@@ -167,10 +175,24 @@ class RunRecordValidator(RecordValidatorBase):
     all the run's peers. Hence no age limit here; instead a peer record must expire from
     the DHT within ``MAX_RECORD_AGE_S`` of its timestamp, which at store time also refuses
     anything stale, and a record can never outlive its freshness. (``SwarmDHT.peers``
-    checks the age of each record it returns, one by one.)"""
+    checks the age of each record it returns, one by one.)
+
+    Once it has seen the run's spec (every node reads it as it joins; the owner's node
+    stores it), peer records must also fit the run (``PeerBounds``): with records sized
+    for 256 stages and a private run's proof, a thousand forged ones would make the run's
+    one peers value larger than a DHT response can carry (4 MiB), and no reader would
+    see any peer. A spec seen once is kept, so the verdict only turns stricter in the
+    seconds between a node's start and its reading of the spec."""
 
     def __init__(self, run: str) -> None:
         self.run = run
+        self.bounds: PeerBounds | None = None  # from the earliest spec seen
+        self._specs: list[SignedSpec] = []
+        # Peer and archive records accepted, as stored, and when each is dated: every read
+        # of the run's peers brings them all again, and a verdict to accept turns only if
+        # the clock goes back past the record's date (bounds only tighten, and then this
+        # is forgotten).
+        self._accepted: dict[tuple[bytes, bytes, bytes, float], float] = {}
         self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
@@ -184,12 +206,17 @@ class RunRecordValidator(RecordValidatorBase):
         ours = (self._peers_id, self._spec_id, self._revoked_id, self._claims_id, self._archives_id)
         if record.key not in ours and record.key not in self._progress_ids:
             return True  # other subsystems' keys (e.g. hivemind averaging's) are theirs
+        seen = (record.key, record.subkey, record.value, record.expiration_time)
+        dated = self._accepted.get(seen)
+        if dated is not None and dated <= get_dht_time() + MAX_CLOCK_SKEW_S:
+            return True
         try:
             value = DHTProtocol.serializer.loads(record.value)
             if record.key == self._spec_id:
-                decode_run_spec(value, run=self.run)
+                signed = decode_run_spec(value, run=self.run)
                 if DHTProtocol.serializer.loads(record.subkey) != spec_subkey(value):
                     raise RecordError("a run spec is stored under the hash of its bytes")
+                self._saw_spec(signed)
             elif record.key == self._revoked_id:
                 decode_revocations(value, run=self.run)
             elif record.key == self._claims_id:
@@ -221,11 +248,25 @@ class RunRecordValidator(RecordValidatorBase):
                         "a replayed or altered record"
                     )
                 _check_expiration(record, info.timestamp, MAX_RECORD_AGE_S, f"peer {info.peer_id}")
+                if record.key == self._peers_id and self.bounds is not None:
+                    self.bounds.check(info, len(value))
+                if len(self._accepted) >= MAX_ACCEPTED:
+                    self._accepted.clear()
+                self._accepted[seen] = info.timestamp
         except Exception as e:  # anything a peer sends that we cannot read is refused
             logger.warning("refused a DHT record of run %s: %s", self.run, e)
             events.emit("record.refused", run=self.run, reason=str(e))
             return False
         return True
+
+    def _saw_spec(self, signed: SignedSpec) -> None:
+        """Bound peer records by the spec peers keep of those seen (``earliest_spec``)."""
+        if any(s.raw == signed.raw for s in self._specs) or len(self._specs) >= MAX_SPECS:
+            return
+        self._specs.append(signed)
+        kept = earliest_spec(self._specs).spec
+        self.bounds = PeerBounds(kept.n_stages, kept.private)
+        self._accepted.clear()
 
 
 def _check_expiration(record: DHTRecord, timestamp: float, max_age_s: float, whose: str) -> None:
@@ -291,6 +332,8 @@ class SwarmDHT:
         self._socket_dir = socket_dir  # removed at shutdown
         self.policy: MembershipPolicy | None = None
         self.n_stages: int | None = None  # the run's, once its spec is known
+        self.bounds: PeerBounds | None = None  # what the run's peer records may hold
+        self._peers_read: tuple[float, object, list[PeerInfo]] | None = None  # when, policy
         self._dropped: set[str] = set()  # reasons already logged
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
@@ -388,21 +431,21 @@ class SwarmDHT:
 
     async def peers(self) -> list[PeerInfo]:
         """The run's peer records that validate (and, in a private run, whose peers show a
-        valid invite; once the spec is known, whose throughput per stage covers exactly
-        its stages, so that every stage they name is one of the run's); the rest are
-        logged and dropped."""
-        result = []
-        for info in await self._read(peers_key(self.run), decode_peer_info):
-            if self.n_stages is None or len(info.throughput) == self.n_stages:
-                result.append(info)
-            else:
-                self._log_dropped(
-                    RecordError(
-                        f"record of peer {info.peer_id} names {len(info.throughput)} stages; "
-                        f"the run has {self.n_stages}"
-                    )
-                )
-        return result
+        valid invite; once the spec is known, that fit the run's ``PeerBounds``: a
+        throughput per stage for exactly its stages, so that every stage they name is one
+        of the run's, and no larger than the run needs); the rest are logged and dropped.
+        A read less than ``PEERS_FRESH_S`` old (under the same policy) is returned again."""
+        last = self._peers_read
+        if (
+            last is not None
+            and time.monotonic() - last[0] < PEERS_FRESH_S
+            and last[1] is self.policy
+        ):
+            return list(last[2])
+        policy = self.policy
+        found = await self._read(peers_key(self.run), decode_peer_info, self.bounds)
+        self._peers_read = (time.monotonic(), policy, found)
+        return list(found)
 
     async def publish_archive(self, record: ArchiveRecord, key: Ed25519PrivateKey) -> bool:
         """Store this archive node's record (``_store``)."""
@@ -432,20 +475,24 @@ class SwarmDHT:
             key, subkey=record.peer_id, value=raw, expiration_time=expiration, return_future=True
         )
 
-    async def _read(self, key: str, decode: Callable[..., R]) -> list[R]:
-        """The signed per-peer records under ``key`` that ``decode`` accepts and, in a
-        private run, whose peers show a valid invite; the rest are logged and dropped."""
+    async def _read(
+        self, key: str, decode: Callable[..., R], bounds: PeerBounds | None = None
+    ) -> list[R]:
+        """The signed per-peer records under ``key`` that ``decode`` accepts (and that fit
+        ``bounds``, if given) and, in a private run, whose peers show a valid invite; the
+        rest are logged and dropped."""
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
         now, records, result = get_dht_time(), [], []
         for subkey, item in found.value.items():
             try:
-                records.append(
-                    decode(
-                        item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
-                    )
+                record = decode(
+                    item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
                 )
+                if bounds is not None:
+                    bounds.check(record, len(item.value))
+                records.append(record)
             except RecordError as e:
                 self._log_dropped(e)
         if self.policy is not None and self.policy.private:
@@ -630,6 +677,8 @@ class SwarmDHT:
         peer records that do not fit its stages)."""
         self.policy = spec.membership
         self.n_stages = spec.n_stages
+        self.bounds = PeerBounds(spec.n_stages, spec.private)
+        self._peers_read = None
 
     async def publish_revocations(self, revocations: Revocations, raw: bytes) -> bool:
         """Store the owner's revocations. They expire a fixed time after they were issued,

@@ -48,6 +48,14 @@ def test_gossip_overrides_records_only_when_newer():
     # the newcomer's join intent outlives no record: 4 s later it no longer counts
     _, later = merge_gossip([], view.latest, me=me.peer_id, now=now + 4.0, max_silence_s=3.0)
     assert [c.peer for c in later] == []
+    # only peers this node reached count: a forged record or claim from a key that runs no
+    # host (a sybil claiming 1e9 samples/s) neither lures peers away nor confirms a move
+    reached = {moved.peer_id, newcomer.peer_id}.__contains__
+    kept, claims = merge_gossip(
+        records, view.latest, me=me.peer_id, now=now, max_silence_s=3.0, reached=reached
+    )
+    assert [p.peer_id for p in kept] == [moved.peer_id]
+    assert sorted(c.peer for c in claims) == sorted([moved.peer_id, newcomer.peer_id])
 
 
 def test_arrivals_are_counted_per_peer_hour_over_a_window():

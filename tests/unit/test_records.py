@@ -32,16 +32,19 @@ from protocol.identity import (
     sign,
     verify,
 )
-from protocol.keys import spec_key
+from protocol.keys import peers_key, spec_key
 from protocol.membership import claims_key, encode_claim, issue_invite, parse_invite_token
 from protocol.ownership import make_run_id
 from protocol.progress import Progress, decode_progress, encode_progress, progress_key
 from protocol.records import (
     _PEER_DOMAIN,  # to sign payloads that PeerInfo itself would refuse to build
     MAX_CLOCK_SKEW_S,
+    MAX_MEMBERSHIP_CHARS,
     MAX_RECORD_AGE_S,
     MAX_RECORD_BYTES,
+    MAX_STAGES,
     PROTOCOL_VERSION,
+    PeerBounds,
     PeerInfo,
     PeerState,
     RecordError,
@@ -689,3 +692,83 @@ def test_the_dht_refuses_unsigned_missigned_and_long_lived_progress_records(monk
         _dht_record(key, PEER, _progress(epoch=2**50), NOW + MAX_RECORD_AGE_S + 1),
     ]:
         assert validator.validate(record) is False
+
+
+# --- peer records sized to their run --------------------------------------------------------
+
+
+def _largest(n_stages: int, private: bool) -> PeerInfo:
+    """A record of ``SPEC_RUN`` with every field at its longest."""
+    return _info(
+        run=SPEC_RUN,
+        device="x" * 64,
+        throughput=[-0.0 + 1.2345678901234567e-300] * n_stages,
+        bandwidth_up_mbps=123456789.12345679,
+        bandwidth_down_mbps=123456789.12345679,
+        stage=n_stages - 1,
+        second_stage=0,
+        second_serving=True,
+        load=1_000_000,
+        samples_served=2**62,
+        started=NOW - 1.2345678901234567,
+        timestamp=NOW + 0.123456789012345,
+        ttl_s=119.12345678901234,
+        reachable=True,
+        membership="A" * MAX_MEMBERSHIP_CHARS if private else None,
+    )
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 64, MAX_STAGES])
+@pytest.mark.parametrize("private", [False, True])
+def test_the_largest_record_a_run_needs_fits_its_bounds(n_stages, private):
+    bounds = PeerBounds(n_stages, private)
+    info = _largest(n_stages, private)
+    size = len(encode_peer_info(info, KEY))
+    bounds.check(info, size)
+    assert size <= bounds.max_bytes < size + 400  # bounds that are not much looser
+    if (n_stages, private) == (2, False):
+        assert bounds.max_bytes < 1024  # a tenth of what the generic limits allow
+
+
+def test_a_record_sized_past_its_run_is_refused():
+    bounds = PeerBounds(2, private=False)
+    with pytest.raises(RecordError, match="names 256 stages; the run has 2"):
+        bounds.check(_info(throughput=[1e9] * MAX_STAGES), 100)
+    with pytest.raises(RecordError, match="membership proof in a public run"):
+        bounds.check(_info(membership="A" * 100), 100)
+    with pytest.raises(RecordError, match="is 5000 bytes; a record of this run takes at most"):
+        bounds.check(_info(), 5000)
+    PeerBounds(2, private=True).check(_info(membership="A" * 100), 500)
+    with pytest.raises(ValueError, match="n_stages"):
+        PeerBounds(0, private=False)
+
+
+def test_the_dht_validator_bounds_peer_records_once_it_has_seen_the_spec():
+    signed = sign_run_spec(make_run_spec(RUN, "tiny", 2, owner=OWNER), OWNER_KEY)
+    run = signed.spec.run
+    validator = RunRecordValidator(run)
+    fat = _info(run=run, throughput=[1e9] * MAX_STAGES)
+    lean = _info(run=run, throughput=[1e9, 1e9])
+    fat_record = _dht_record(peers_key(run), PEER, encode_peer_info(fat, KEY), NOW + 60)
+    lean_record = _dht_record(peers_key(run), PEER, encode_peer_info(lean, KEY), NOW + 60)
+    assert validator.validate(fat_record)  # no spec seen yet: the generic limits
+    assert validator.validate(_dht_record(spec_key(run), spec_subkey(signed.raw), signed.raw,
+                                          NOW + 60))  # fmt: skip
+    assert validator.bounds == PeerBounds(2, private=False)
+    assert not validator.validate(fat_record)
+    assert validator.validate(lean_record)
+
+
+def test_a_verified_record_is_read_again_without_verifying_but_still_checked(monkeypatch):
+    raw = encode_peer_info(_info(), KEY)
+    assert _decode(raw) == _info()
+    monkeypatch.setattr("protocol.records.verify", lambda *a: pytest.fail("verified again"))
+    assert _decode(raw) == _info()
+    with pytest.raises(RecordError, match="stored under another peer's key"):
+        _decode(raw, subkey=OTHER_PEER)
+    with pytest.raises(RecordError, match="stale or replayed"):
+        _decode(raw, now=NOW + MAX_RECORD_AGE_S + 1)
+    with pytest.raises(RecordError, match="is for run"):
+        _decode(raw, run="another")
+    with pytest.raises(RecordError, match="must be bytes"):
+        _decode([raw])
