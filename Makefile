@@ -22,14 +22,18 @@ demo: $(STAMP)
 # three workers (the groups are in tests/live/conftest.py): most live tests wait on timers
 # and peers, not on the cores. The tests that fork hivemind averagers from the test
 # process itself run apart, in a plain pytest process: forked from an xdist worker (which
-# runs threads of its own), an averager child now and then never started.
+# runs threads of its own), an averager child now and then never started. The floods
+# (a thousand requests, thousands of streams and records) run apart too: beside them, other
+# tests' timeouts measured the flood, not the code.
 FORKS_AVERAGERS := tests/live/test_averaging.py
+FLOODS := tests/live/test_flood.py tests/live/test_sybil.py
+APART := $(FORKS_AVERAGERS) $(FLOODS)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest tests/unit --durations=10
-	$(BIN)/pytest tests/live -n 3 --dist loadgroup --durations=10 --ignore=$(FORKS_AVERAGERS)
-	$(BIN)/pytest $(FORKS_AVERAGERS) --durations=5
+	$(BIN)/pytest tests/live -n 3 --dist loadgroup --durations=10 $(APART:%=--ignore=%)
+	$(BIN)/pytest $(APART) --durations=5
 
 # The unit tier alone: no processes, no sockets, under a minute.
 test-fast: $(STAMP)

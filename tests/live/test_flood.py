@@ -177,7 +177,7 @@ def test_concurrent_max_size_requests_are_shed_and_memory_stays_bounded(victim):
     assert outcomes["served"] <= FLOOD // 10, outcomes
     assert outcomes["busy"] >= FLOOD // 4, outcomes
     assert outcomes["StageTimeout"] == 0, outcomes  # every stream was answered or closed
-    assert sampler.peak_rss - sampler.base_rss < 100 * MIB, str(sampler)
+    assert sampler.peak_rss - sampler.base_rss < 150 * MIB, str(sampler)  # main: 208-540
     assert _shed(victim, "caller_requests") > 0
 
 
