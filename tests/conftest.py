@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 
 import psutil
 import pytest
@@ -22,6 +23,16 @@ def _leftovers(exclude: set[int]) -> list[psutil.Process]:
             if p.pid not in exclude and p.name() not in _KEEP:
                 result.append(p)
     return result
+
+
+@pytest.fixture(autouse=True)
+def _sigint_reaches_children() -> None:
+    """Children inherit an ignored SIGINT, and Python then never raises KeyboardInterrupt
+    in them: hivemind's ``run_in_background`` ignores SIGINT in the process that calls it,
+    so a test that started an averager in-process left every later CLI in its worker deaf
+    to Ctrl-C. Each test starts with the default handler."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
