@@ -116,7 +116,13 @@ class AveragingSpec(BaseModel):
     # (``inner_steps`` AdamW steps of its own), then peers average their parameter deltas
     # and take one outer Nesterov step.
     mode: Literal["gradient", "diloco"] = "gradient"
-    compression: Literal["none", "float16"] = "none"  # of the averaged tensors
+    # Of the averaged tensors. uint8 (diloco only): 8-bit values with a power-of-two scale
+    # per block, the rounding error kept in each copy's error-feedback residual.
+    compression: Literal["none", "float16", "uint8"] = "none"
+    # diloco only: the fraction of the pseudo-gradient's coordinates a round sends (the same
+    # coordinates for every groupmate, drawn per epoch: ``protocol.sparsify``); the rest
+    # stays in each copy's residual. 1: all of them, uncompressed DiLoCo.
+    density: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     matchmaking_s: Seconds = 2.0  # hivemind's min_matchmaking_time: how long a group forms
     round_timeout_s: Seconds = 15.0  # no group by then: step alone (or catch up)
     allreduce_timeout_s: Seconds = 30.0  # for the all-reduce once a group formed
@@ -127,6 +133,12 @@ class AveragingSpec(BaseModel):
     outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.9
 
     def model_post_init(self, _context) -> None:
+        if self.mode != "diloco" and (self.density < 1.0 or self.compression == "uint8"):
+            raise ValueError(
+                f"averaging.density ({self.density}) below 1 and averaging.compression "
+                f"uint8 need averaging.mode diloco, got {self.mode!r}: they keep what a round "
+                "does not send in a residual of parameter deltas"
+            )
         if self.round_timeout_s < 2 * self.matchmaking_s:
             raise ValueError(
                 f"averaging.round_timeout_s ({self.round_timeout_s}) must be at least twice "
@@ -224,6 +236,9 @@ def check_vocabulary(tokens: int, embedding: int) -> None:
 # Fields added after specs were first signed: left out of the signed bytes when None, so a
 # spec without them is the same bytes as before they existed.
 _OPTIONAL_FIELDS = ("pretrained", "dataset")
+# ``AveragingSpec`` fields added after specs were first signed, with the value that means
+# what a spec without them meant: left out of the signed bytes at that value.
+_AVERAGING_ADDED = {"density": 1.0}
 
 
 def make_run_spec(
@@ -290,7 +305,10 @@ def earliest_spec(specs: list[SignedSpec]) -> SignedSpec:
 def sign_run_spec(spec: RunSpec, owner_key: Ed25519PrivateKey) -> SignedSpec:
     if peer_id_of(owner_key.public_key()) != spec.owner:
         raise ValueError(f"this key is not the owner ({spec.owner}) of run {spec.run!r}")
-    omitted = {name for name in _OPTIONAL_FIELDS if getattr(spec, name) is None}
+    omitted: dict[str, object] = {n: True for n in _OPTIONAL_FIELDS if getattr(spec, n) is None}
+    at_default = {n for n, v in _AVERAGING_ADDED.items() if getattr(spec.averaging, n) == v}
+    if at_default:
+        omitted["averaging"] = at_default
     payload = spec.model_dump_json(exclude=omitted).encode()
     raw = msgpack.packb({"spec": payload, "sig": sign(owner_key, _SPEC_DOMAIN, payload)})
     return SignedSpec(spec, raw)

@@ -144,7 +144,12 @@ class StageAverager:
         settings = settings or spec.averaging
         name = f"stage {stage_index} ({dht.peer_id[-6:]})"
         strategy = make_strategy(
-            module, optimizer, lock or threading.Lock(), settings, AveragingStats()
+            module,
+            optimizer,
+            lock or threading.Lock(),
+            settings,
+            AveragingStats(),
+            salt=f"{spec.run}/{stage_index}",
         )
         board = ProgressBoard(
             dht, spec, stage_index, ttl_s=4 * settings.report_period_s + 1.0, name=name, key=key
@@ -153,7 +158,7 @@ class StageAverager:
             dht,
             spec,
             stage_index,
-            [p.shape for p in strategy.params],
+            strategy.shapes,
             settings,
             lambda: strategy.capture(dht.peer_id),
             name=name,

@@ -6,7 +6,10 @@
 - ``DiLoCoStrategy`` (``mode`` "diloco"): each copy takes AdamW steps alone, every
   ``target_batch_size`` of its own samples; a round averages the copies' parameter deltas
   since the last outer step, and each takes the same outer Nesterov step from the same
-  anchor.
+  anchor. With ``density`` below 1 or ``compression`` uint8 (``compressed``) a round sends
+  one flat vector instead: the coordinates ``protocol.sparsify`` draws for the epoch, their
+  values rounded to 8 bits if asked; the copy keeps what it did not send (its
+  error-feedback residual, its own and never shipped) and adds it to its next delta.
 
 A strategy holds the copy's state: parameters and inner optimizer (the stage's), its
 epoch (rounds behind the parameters) and, for DiLoCo, the anchor and outer optimizer. The
@@ -33,6 +36,7 @@ from models.training import StageOptimizer
 from node.averaging import state as stage_state
 from node.averaging.state import StageState
 from node.pipeline.server import Admission
+from protocol import sparsify
 from protocol.averaging import Progress
 from protocol.run_spec import AveragingSpec
 
@@ -59,12 +63,19 @@ class Contribution:
     tensors: list[torch.Tensor]  # what is averaged: mean gradients, or parameter deltas
     sums: list[torch.Tensor | None]  # gradient mode: the sums taken out of .grad
     settled: bool = False  # applied, or given back (under the lock): never both
+    # compressed diloco: the delta plus residual (flat) and the coordinates sent of it
+    # (``sparsify.choose_indices``; None: all of them, in order)
+    pending: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
 
     def emptied(self) -> Contribution:
         """Weight 0 and zeros (to stay in step with the others without contributing); its
         gradient sums are dropped."""
         zeros = [torch.zeros_like(t) for t in self.tensors]
-        return Contribution(0, zeros, [None] * len(self.sums))
+        pending = None if self.pending is None else torch.zeros_like(self.pending)
+        return Contribution(
+            0, zeros, [None] * len(self.sums), pending=pending, indices=self.indices
+        )
 
 
 class Strategy(ABC):
@@ -82,6 +93,8 @@ class Strategy(ABC):
         lock: threading.Lock,
         settings: AveragingSpec,
         stats: AveragingStats,
+        *,
+        salt: str = "",
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -91,6 +104,12 @@ class Strategy(ABC):
         self.batch = optimizer.config.target_batch_size
         self.params = [p for _, p in stage_state.trainable(module)]
         self.epoch = 0  # rounds behind the parameters; changes under the lock
+        self.salt = salt  # names the run and stage: seeds the coordinates a round sends
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        """The shapes of the tensors a contribution averages (the same on every copy)."""
+        return [p.shape for p in self.params]
 
     @property
     @abstractmethod
@@ -131,7 +150,7 @@ class Strategy(ABC):
                 return False
             contribution.settled = True
             self.stats.samples += contribution.weight
-            self._apply_locked(result)
+            self._apply_locked(result, contribution)
             self.epoch += 1
             return True
 
@@ -176,7 +195,7 @@ class Strategy(ABC):
             self._loaded_locked(state)
 
     @abstractmethod
-    def _apply_locked(self, result: Sequence[torch.Tensor]) -> None: ...
+    def _apply_locked(self, result: Sequence[torch.Tensor], contribution: Contribution) -> None: ...
 
     @abstractmethod
     def _give_back_locked(self, contribution: Contribution) -> None: ...
@@ -255,7 +274,7 @@ class GradientStrategy(Strategy):
         self.epoch += 1
         self.stats.alone += 1
 
-    def _apply_locked(self, result: Sequence[torch.Tensor]) -> None:
+    def _apply_locked(self, result: Sequence[torch.Tensor], contribution: Contribution) -> None:
         self.optimizer.step_with_mean(result)
         self._round_samples = 0
 
@@ -279,6 +298,21 @@ class DiLoCoStrategy(Strategy):
         self._outer = torch.optim.SGD(
             self._anchor, lr=s.outer_lr, momentum=s.outer_momentum, nesterov=True
         )
+        self.compressed = s.density < 1.0 or s.compression == "uint8"
+        self._size = sum(p.numel() for p in self.params)
+        # What this copy did not send yet (flat, float32): its own, never shipped.
+        self._residual = torch.zeros(self._size if self.compressed else 0)
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """What this copy held and has not sent yet (flat; empty unless ``compressed``)."""
+        return self._residual
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        if not self.compressed:
+            return super().shapes
+        return [torch.Size([sparsify.sent_count(self._size, self.settings.density)])]
 
     @property
     def target(self) -> int:
@@ -299,17 +333,33 @@ class DiLoCoStrategy(Strategy):
         return False
 
     def begin(self) -> Contribution:
-        """Our delta since the last outer step; inner steps wait until the round ends."""
+        """Our delta since the last outer step (compressed: the part of delta plus residual
+        this epoch sends); inner steps wait until the round ends."""
+        return self._begin(sparse=True)
+
+    def _begin(self, sparse: bool) -> Contribution:
         with self.lock:
             self._outer_busy = True
             deltas = [
                 (a - p.detach()).float().cpu()
                 for a, p in zip(self._anchor, self.params, strict=True)
             ]
-            return Contribution(weight=self._inner_samples, tensors=deltas, sums=[])
+            weight = self._inner_samples
+            if not self.compressed:
+                return Contribution(weight=weight, tensors=deltas, sums=[])
+            pending = torch.cat([d.reshape(-1) for d in deltas]) + self._residual
+        if not sparse:  # stepping alone: everything we hold, unrounded
+            return Contribution(weight, [pending], [], pending=pending, indices=None)
+        seed = sparsify.round_seed(self.salt, self.epoch)
+        indices = sparsify.choose_indices(self._size, self.settings.density, seed)
+        values = sparsify.gather(pending, indices)
+        if self.settings.compression == "uint8":
+            values = sparsify.round_to_grid(values)
+        return Contribution(weight, [values], [], pending=pending, indices=indices)
 
     def step_alone(self) -> bool:
-        contribution = self.begin()
+        """Alone, nothing travels: the whole delta (and residual) steps."""
+        contribution = self._begin(sparse=False)
         self.finish(contribution.tensors, contribution)
         self.stats.alone += 1
         return True
@@ -328,9 +378,12 @@ class DiLoCoStrategy(Strategy):
         self.stats.inner_steps += 1
 
     @torch.no_grad()
-    def _apply_locked(self, result: Sequence[torch.Tensor]) -> None:
-        """One outer Nesterov step on the anchor with the averaged delta; the parameters
-        become the new anchor."""
+    def _apply_locked(self, result: Sequence[torch.Tensor], contribution: Contribution) -> None:
+        """One outer Nesterov step on the anchor with the averaged delta (compressed: zero
+        where nothing was sent; what we sent leaves our residual); the parameters become
+        the new anchor."""
+        if self.compressed:
+            result = self._expand(result, contribution)
         for a, d in zip(self._anchor, result, strict=True):
             a.grad = d.to(a.device, a.dtype)
         self._outer.step()
@@ -342,8 +395,27 @@ class DiLoCoStrategy(Strategy):
         if self.optimizer.samples >= self.batch:  # what waited during the round
             self._inner_step_locked()
 
+    def _expand(self, result: Sequence[torch.Tensor], contribution: Contribution) -> list:
+        """The averaged vector as one dense delta per parameter; the residual becomes what
+        ``contribution`` held and did not send."""
+        (averaged,) = result
+        sent, indices = contribution.tensors[0], contribution.indices
+        if indices is None:  # everything was sent (stepping alone)
+            dense = averaged.float()
+            self._residual = contribution.pending - sent
+        else:
+            dense = sparsify.scatter(averaged.float(), indices, self._size)
+            self._residual = contribution.pending - sparsify.scatter(sent, indices, self._size)
+        return [
+            d.reshape(a.shape)
+            for d, a in zip(dense.split(self._numels()), self._anchor, strict=True)
+        ]
+
+    def _numels(self) -> list[int]:
+        return [a.numel() for a in self._anchor]
+
     def _give_back_locked(self, contribution: Contribution) -> None:
-        self._outer_busy = False
+        self._outer_busy = False  # the residual is unchanged: the next delta holds it all
 
     def _shipped_params(self) -> list[torch.Tensor] | None:
         return self._anchor  # the parameters all copies agreed on, not our inner progress
@@ -357,6 +429,7 @@ class DiLoCoStrategy(Strategy):
             for a, m in zip(self._anchor, state.momentum, strict=True):
                 self._outer.state[a] = {"momentum_buffer": m.to(a.device, a.dtype).clone()}
         self._inner_samples = 0
+        self._residual.zero_()  # deltas from an anchor we left: the state holds our rounds
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.mode: s for s in (GradientStrategy, DiLoCoStrategy)}
@@ -368,6 +441,9 @@ def make_strategy(
     lock: threading.Lock,
     settings: AveragingSpec,
     stats: AveragingStats,
+    *,
+    salt: str = "",
 ) -> Strategy:
-    """The strategy of ``settings.mode``."""
-    return STRATEGIES[settings.mode](module, optimizer, lock, settings, stats)
+    """The strategy of ``settings.mode``; ``salt`` names the run and stage (the copies of
+    a stage must agree on it: it seeds the coordinates a compressed round sends)."""
+    return STRATEGIES[settings.mode](module, optimizer, lock, settings, stats, salt=salt)

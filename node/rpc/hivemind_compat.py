@@ -78,6 +78,11 @@ What is patched or overridden, and why:
   groupmates declared): hivemind splits the vector by the bandwidth each groupmate claims.
 - ``Matchmaking._request_join_group`` (wrapped per averager in ``_set_matchmaking``): a
   leader that ``admits`` refuses is skipped, as one that rejected us.
+- ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES`` (an entry set by
+  :func:`use_compression`): hivemind decodes a received tensor by its compression type's
+  entry; a codec of ours takes a type's slot (hivemind's 8-bit ones fail to decode with
+  numpy 2). A part whose shape is not the one the reducer expects is refused
+  (:class:`ScreenedReducer`), as a part ``check_part`` refuses.
 """
 
 from __future__ import annotations
@@ -97,9 +102,11 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.compression import CompressionBase
+from hivemind.compression import serialization as hivemind_serialization
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.servicer import RPCHandler
-from hivemind.proto import averaging_pb2, dht_pb2
+from hivemind.proto import averaging_pb2, dht_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from multiaddr import Multiaddr
@@ -159,6 +166,13 @@ def install() -> None:
     check_version()
     P2P.receive_raw_data = staticmethod(_receive_raw_data)
     P2P._make_process_args = staticmethod(_make_process_args)
+
+
+def use_compression(compression: CompressionBase) -> None:
+    """Make ``compression`` the decoder of its ``compression_type`` in this process (and in
+    those it forks from now on), in place of hivemind's."""
+    name = runtime_pb2.CompressionType.Name(compression.compression_type)
+    hivemind_serialization._BASE_COMPRESSION_TYPES[name] = compression
 
 
 def cap_frames(max_bytes: int | None = MAX_FRAME_BYTES) -> None:
@@ -339,6 +353,12 @@ class ScreenedReducer(TensorPartReducer):
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
     ) -> torch.Tensor:
+        expected = self.part_shapes[part_index] if 0 <= part_index < len(self.part_shapes) else None
+        if tensor_part.shape != expected:
+            raise AllreduceException(
+                f"sender {sender_index}, part {part_index}: shape {tuple(tensor_part.shape)}, "
+                f"expected {None if expected is None else tuple(expected)}"
+            )
         if sender_index != self.local:
             refused = self.screen.check_part(tensor_part, weight)
             if refused is not None:

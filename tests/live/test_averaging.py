@@ -30,12 +30,13 @@ from hivemind.proto import averaging_pb2
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
-from node import events
+from node import events, limits
 from node.averaging.averager import AveragedStageServer
 from node.averaging.process import StageAveragerProcess
 from node.events import read_events
 from node.pipeline import client as stage_client
 from node.rpc.dht import SwarmDHT
+from protocol import sparsify
 from protocol.averaging import averaging_prefix
 from protocol.membership import issue_invite, parse_invite_token
 from protocol.run_spec import AveragingSpec, make_run_spec
@@ -697,5 +698,63 @@ def test_a_private_stage_averages_with_its_members_only(dhts):
             assert stranger.averager.epoch == 0 and stranger.averager.stats.catch_ups == 0
         finally:
             await _shutdown(a, b, stranger)
+
+    _run(body())
+
+
+def test_compressed_diloco_copies_are_equal_and_send_a_fraction_of_the_bytes(dhts):
+    """DiLoCo with ``density`` 0.1 and uint8: two peers send the same tenth of their
+    deltas' coordinates, rounded to 8 bits, and take one outer step: the copies are equal,
+    the step moved the coordinates sent and no other, each keeps its own residual, and the
+    averaging bytes the node counts (``node.limits``: every frame both peers sent in the
+    round) are at most what 8-bit parts and float32 means of that tenth take, at least
+    1 / density below the float32 halves of the whole stage that uncompressed DiLoCo sends
+    and returns."""
+    density = 0.1
+    spec = make_spec("avg-zip", mode="diloco", inner_steps=2, density=density, compression="uint8")
+    a, b = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2])
+    seeds_a, seeds_b = list(range(1, 9)), list(range(11, 19))  # 2 inner steps each
+    limits.install()  # count the frames of the averager processes forked from here on
+
+    async def body():
+        try:
+            for peer in (a, b):
+                await peer.start()
+                await peer.averager.load_state()
+            await _until(
+                lambda: a.averager.peers == b.averager.peers == 1, 5, "they see each other"
+            )
+            start = a.params()
+            before = limits.traffic.counts().bytes[(limits.AVERAGING, limits.SENT)]
+            for seed_a, seed_b in zip(seeds_a, seeds_b, strict=True):
+                a.feed(seed_a)
+                b.feed(seed_b)
+            await _until(lambda: _at_epoch(1, a, b), 30, "an outer step")
+            sent = limits.traffic.counts().bytes[(limits.AVERAGING, limits.SENT)] - before
+            for peer in (a, b):
+                assert peer.averager.stats.rounds == 1 and peer.averager.step == 2
+            assert _close(a.params(), b.params(), ATOL)
+
+            strategy_a, strategy_b = a.averager.strategy, b.averager.strategy
+            n = strategy_a.residual.numel()
+            assert float(strategy_a.residual.abs().sum()) > 0
+            assert not torch.equal(strategy_a.residual, strategy_b.residual)  # each its own
+            names = list(start)
+            flat_start = torch.cat([start[k].reshape(-1) for k in names])
+            flat_a = torch.cat([a.params()[k].reshape(-1) for k in names])
+            idx = sparsify.choose_indices(n, density, sparsify.round_seed(f"{spec.run}/1", 0))
+            assert bool((flat_a - flat_start)[idx[idx >= 0]].abs().sum() > 0)
+            unsent = torch.ones(n, dtype=torch.bool)
+            unsent[idx[idx >= 0]] = False
+            assert torch.equal(flat_a[unsent], flat_start[unsent])  # nothing sent, no step
+
+            k = sparsify.sent_count(n, density)
+            dense = 2 * 2 * (n // 2) * 4  # each peer: a float32 half sent, a half returned
+            # each peer: 8-bit values sent, float32 means returned, block headers, framing
+            bound = 2 * ((k // 2 + 1) * (1 + 4 + 2 * 2 / sparsify.CODEC_BLOCK) + 2048)
+            assert 0 < sent <= bound, (sent, bound)
+            assert dense / sent >= 1 / density, (dense, sent)
+        finally:
+            await _shutdown(a, b)
 
     _run(body())

@@ -1,0 +1,186 @@
+"""Compressed averaging of DiLoCo pseudo-gradients: which coordinates a round sends, how
+their values are rounded to 8 bits, and the lossless wire codec that carries them.
+
+hivemind's all-reduce averages fixed dense shapes element by element, so every groupmate
+of a round must send the same coordinates. ``choose_indices`` derives them from a seed
+all groupmates share (``round_seed``: the run, the stage and the epoch): the vector is
+cut into blocks of ``stride`` coordinates and each round sends one coordinate per block,
+at an offset drawn per block by an integer hash (plain int64 arithmetic, the same on
+every machine and torch version). Over many rounds every coordinate is drawn equally
+often; what a copy does not send stays in its error-feedback residual
+(``node.averaging.strategies``) and is sent when its coordinate is drawn.
+
+``round_to_grid`` rounds values to 8 bits with one power-of-two scale per
+``GRID_BLOCK`` values: the rounded values are exact in ``encode``'s 8-bit blocks (a block
+of values on a grid of 2**e with at most 127 steps is exact on any finer grid too), so
+what travels is exactly what the sender rounded, and its rounding error stays in its
+residual. ``encode`` / ``decode`` is the wire format of one all-reduce part: blocks of
+``CODEC_BLOCK`` values, each as 8-bit integers times a power of two where that is exact,
+else float16 where that is exact, else float32. It never changes a value, so the means a
+reducer returns (float32 differences) reach every groupmate unrounded and the copies
+stay as equal as uncompressed ones. ``decode`` refuses malformed bytes with
+``CodecError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+GRID_BLOCK = 4096  # values per power-of-two scale in ``round_to_grid``
+CODEC_BLOCK = 64  # values per block of the wire format
+LEVELS = 127  # 8-bit values are -127..127 times the block's power of two
+MIN_EXP, MAX_EXP = -126, 127  # of the power-of-two scales (float32 normal range)
+
+_P = 2**31 - 1  # the hash works modulo this prime: every product fits in int64
+
+
+def stride_of(density: float) -> int:
+    """Coordinates per block: one of every ``stride`` is sent (density rounded to
+    1 / stride)."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    return max(1, round(1.0 / density))
+
+
+def sent_count(n: int, density: float) -> int:
+    """How many values a round sends for a vector of ``n`` coordinates."""
+    return math.ceil(n / stride_of(density))
+
+
+def round_seed(salt: str, epoch: int) -> tuple[int, int]:
+    """The seed of the coordinates sent at ``epoch``: the same for every groupmate of a
+    round (``salt`` names the run and stage)."""
+    digest = hashlib.sha256(f"{salt}/{int(epoch)}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % _P, int.from_bytes(digest[4:8], "big") % _P
+
+
+def _hash(j: torch.Tensor, seed: tuple[int, int]) -> torch.Tensor:
+    x = (j * 48271 + seed[0]) % _P
+    x = x ^ (x >> 11)
+    x = (x * 16807 + seed[1]) % _P
+    x = x ^ (x >> 15)
+    x = (x * 48271) % _P
+    return x ^ (x >> 13)
+
+
+def choose_indices(n: int, density: float, seed: tuple[int, int]) -> torch.Tensor:
+    """The coordinates (int64, ``sent_count(n, density)`` of them, ascending) of a vector
+    of ``n`` that a round with ``seed`` sends; -1 marks a slot past the end of the vector
+    (the last block may be short), which carries a zero."""
+    if n < 1:
+        raise ValueError(f"a vector of {n} coordinates")
+    stride = stride_of(density)
+    blocks = torch.arange(sent_count(n, density), dtype=torch.int64)
+    idx = blocks * stride + _hash(blocks, seed) % stride
+    return torch.where(idx < n, idx, torch.full_like(idx, -1))
+
+
+def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The values of ``flat`` at ``idx`` (zeros at -1 slots)."""
+    valid = idx >= 0
+    out = torch.zeros(idx.shape, dtype=flat.dtype)
+    out[valid] = flat[idx[valid]]
+    return out
+
+
+def scatter(values: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """A vector of ``n`` zeros with ``values`` at ``idx`` (-1 slots dropped)."""
+    valid = idx >= 0
+    out = torch.zeros(n, dtype=values.dtype)
+    out[idx[valid]] = values[valid]
+    return out
+
+
+def _exponents(absmax: np.ndarray) -> np.ndarray:
+    """The smallest power-of-two exponent e with absmax <= LEVELS * 2**e (MIN_EXP for 0)."""
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(absmax / LEVELS))
+    e = np.where(absmax > 0, e, MIN_EXP)
+    # log2 can land one off at exact powers: fix it so that absmax <= LEVELS * 2**e holds.
+    e = np.where(absmax > LEVELS * np.exp2(e), e + 1, e)
+    return np.clip(e, MIN_EXP, MAX_EXP).astype(np.int32)
+
+
+def round_to_grid(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (1-d, finite) rounded to 8 bits: per ``GRID_BLOCK`` values, to the
+    nearest of -127..127 times the smallest power of two that holds the block's largest
+    magnitude. float32."""
+    x = values.detach().float().numpy()
+    n = len(x)
+    pad = (-n) % GRID_BLOCK
+    blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, GRID_BLOCK)
+    scale = np.exp2(_exponents(np.abs(blocks).max(axis=1))).astype(np.float32)[:, None]
+    q = np.clip(np.rint(blocks / scale), -LEVELS, LEVELS)
+    return torch.from_numpy((q * scale).astype(np.float32).reshape(-1)[:n].copy())
+
+
+class CodecError(ValueError):
+    """Bytes that ``decode`` cannot read as a part of the size it expects."""
+
+
+_INT8, _F16, _F32 = 1, 2, 3
+_WIDTH = {_INT8: 1, _F16: 2, _F32: 4}
+
+
+def encode(values: torch.Tensor) -> bytes:
+    """``values`` (float32, any shape: flattened) in the wire format, losslessly:
+    a kind byte and an exponent byte per ``CODEC_BLOCK`` values, then the 8-bit blocks,
+    then the float16 blocks, then the float32 blocks."""
+    x = values.detach().float().reshape(-1).numpy()
+    n = len(x)
+    pad = (-n) % CODEC_BLOCK
+    blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, CODEC_BLOCK)
+    finite = np.isfinite(blocks).all(axis=1)
+    safe = np.where(finite[:, None], blocks, 0.0)
+    exps = _exponents(np.abs(safe).max(axis=1))
+    q = safe / np.exp2(exps)[:, None].astype(np.float32)
+    int8 = finite & (q == np.rint(q)).all(axis=1) & (np.abs(q) <= LEVELS).all(axis=1)
+    f16 = ~int8 & finite & (blocks.astype(np.float16).astype(np.float32) == blocks).all(axis=1)
+    kinds = np.where(int8, _INT8, np.where(f16, _F16, _F32)).astype(np.uint8)
+    return b"".join(
+        (
+            kinds.tobytes(),
+            np.where(int8, exps, 0).astype(np.int8).tobytes(),
+            q[int8].astype(np.int8).tobytes(),
+            blocks[f16].astype(np.float16).tobytes(),
+            blocks[kinds == _F32].astype(np.float32).tobytes(),
+        )
+    )
+
+
+def decode(data: bytes, n: int) -> torch.Tensor:
+    """The ``n`` float32 values ``encode`` wrote into ``data``; ``CodecError`` if ``data``
+    is not exactly that (a wrong size, an unknown kind, an exponent out of range)."""
+    if n < 0:
+        raise CodecError(f"a part of {n} values")
+    nb = math.ceil(n / CODEC_BLOCK)
+    if len(data) < 2 * nb:
+        raise CodecError(f"{len(data)} bytes cannot hold the headers of {n} values")
+    buf = memoryview(data)
+    kinds = np.frombuffer(buf, np.uint8, nb)
+    exps = np.frombuffer(buf, np.int8, nb, offset=nb).astype(np.int32)
+    if not np.isin(kinds, list(_WIDTH)).all():
+        raise CodecError("an unknown block kind")
+    if ((exps < MIN_EXP) | (exps > MAX_EXP)).any():
+        raise CodecError("an exponent out of range")
+    counts = {k: int((kinds == k).sum()) for k in _WIDTH}
+    expected = 2 * nb + sum(CODEC_BLOCK * _WIDTH[k] * c for k, c in counts.items())
+    if len(data) != expected:
+        raise CodecError(f"{len(data)} bytes for {n} values in these blocks, expected {expected}")
+    out = np.empty((nb, CODEC_BLOCK), np.float32)
+    offset = 2 * nb
+    for kind, dtype in ((_INT8, np.int8), (_F16, np.float16), (_F32, np.float32)):
+        count = counts[kind] * CODEC_BLOCK
+        part = np.frombuffer(buf, dtype, count, offset=offset).reshape(-1, CODEC_BLOCK)
+        offset += count * _WIDTH[kind]
+        mask = kinds == kind
+        if kind == _INT8:
+            scale = np.exp2(exps[mask]).astype(np.float32)[:, None]
+            out[mask] = part.astype(np.float32) * scale
+        else:
+            out[mask] = part.astype(np.float32)
+    return torch.from_numpy(out.reshape(-1)[:n].copy())

@@ -1,0 +1,207 @@
+"""Compressed DiLoCo averaging: the coordinates a round sends, the 8-bit grid, the lossless
+wire codec (``protocol.sparsify``), the spec's bounds, and the error-feedback residual of
+``DiLoCoStrategy`` driven as the round loop drives it (no averager, no DHT)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from pydantic import ValidationError
+
+from models.training import StageOptimizer
+from node.averaging import state as stage_state
+from node.averaging.strategies import AveragingStats, DiLoCoStrategy, make_strategy
+from node.averaging.transport import BlockCodec, process_settings
+from protocol import sparsify
+from protocol.identity import peer_id_of
+from protocol.run_spec import AveragingSpec, decode_run_spec, make_run_spec, sign_run_spec
+from tests.averaging_peer import MICRO, backward, make_spec
+from tests.unit.test_averaging_strategies import _stage
+
+SALT = "run/0"
+
+
+def test_every_groupmate_draws_the_same_coordinates_and_all_are_drawn_alike():
+    n, density = 1003, 0.1
+    idx = sparsify.choose_indices(n, density, sparsify.round_seed(SALT, 7))
+    assert torch.equal(idx, sparsify.choose_indices(n, density, sparsify.round_seed(SALT, 7)))
+    assert len(idx) == sparsify.sent_count(n, density) == 101
+    valid = idx[idx >= 0]
+    assert bool((valid.diff() > 0).all()) and int(valid.max()) < n  # one per block of 10
+    assert bool(((valid // 10) == torch.arange(len(idx))[idx >= 0]).all())
+    other = sparsify.choose_indices(n, density, sparsify.round_seed(SALT, 8))
+    assert not torch.equal(idx, other)  # another epoch, other coordinates
+    drawn = torch.zeros(n)
+    for epoch in range(500):
+        i = sparsify.choose_indices(n, density, sparsify.round_seed(SALT, epoch))
+        drawn[i[i >= 0]] += 1
+    assert float(drawn.min()) >= 20 and float(drawn.max()) <= 85  # about 50 each
+    assert len(sparsify.choose_indices(n, 1.0, (1, 2))) == n  # density 1: all of them
+
+
+def test_gather_and_scatter_skip_the_slots_past_the_end():
+    flat = torch.arange(5, dtype=torch.float32)
+    idx = torch.tensor([1, 3, -1])
+    assert sparsify.gather(flat, idx).tolist() == [1.0, 3.0, 0.0]
+    assert sparsify.scatter(torch.tensor([7.0, 8.0, 9.0]), idx, 5).tolist() == [0, 7, 0, 8, 0]
+
+
+def test_values_on_the_grid_travel_in_about_a_byte_each_and_exactly():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20_000, generator=g) * 1e-3
+    x[:100] *= 1000  # one block of large values: the others keep their own scale
+    rounded = sparsify.round_to_grid(x)
+    assert float((rounded - x).abs().max()) <= float(x.abs().max()) / 127
+    data = sparsify.encode(rounded)
+    assert len(data) < 1.1 * len(x)
+    assert torch.equal(sparsify.decode(data, len(x)), rounded)
+    assert torch.equal(sparsify.round_to_grid(rounded), rounded)  # idempotent
+    # Anything else travels unrounded: float16 or float32 blocks, never changed.
+    for values in (x, (rounded - sparsify.round_to_grid(x * 0.7)) / 3, torch.zeros(5)):
+        assert torch.equal(sparsify.decode(sparsify.encode(values), len(values)), values)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda d: d[:-1],  # short
+        lambda d: d + b"\0",  # long
+        lambda d: bytes([9]) + d[1:],  # an unknown block kind
+        lambda d: b"",
+    ],
+)
+def test_malformed_parts_are_refused(tamper):
+    data = sparsify.encode(sparsify.round_to_grid(torch.randn(300)))
+    with pytest.raises(sparsify.CodecError):
+        sparsify.decode(tamper(data), 300)
+
+
+def test_the_codec_takes_hiveminds_8bit_slot_and_refuses_a_wrong_dtype():
+    process_settings(AveragingSpec(mode="diloco", compression="uint8"))  # registers it
+    x = sparsify.round_to_grid(torch.randn(1000))
+    wire = serialize_torch_tensor(x, runtime_pb2.UNIFORM_8BIT)
+    assert len(wire.buffer) < 1100 and torch.equal(deserialize_torch_tensor(wire), x)
+    wire.dtype = "float64"
+    with pytest.raises(sparsify.CodecError):
+        BlockCodec().extract(wire)
+    nan = serialize_torch_tensor(torch.tensor([float("nan"), 1.0]), runtime_pb2.UNIFORM_8BIT)
+    assert bool(deserialize_torch_tensor(nan).isnan()[0])  # check_part refuses it after
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"density": 0.0},
+        {"density": 1.5},
+        {"density": float("nan")},
+        {"mode": "gradient", "density": 0.1},
+        {"mode": "gradient", "compression": "uint8"},
+        {"compression": "int4"},
+    ],
+)
+def test_settings_outside_the_bounds_are_refused(bad):
+    with pytest.raises(ValidationError):
+        AveragingSpec(**({"mode": "diloco"} | bad))
+
+
+def _compressed(density: float, compression: str = "uint8") -> DiLoCoStrategy:
+    spec = make_spec(
+        "sparse", mode="diloco", inner_steps=1, density=density, compression=compression
+    )
+    module = _stage(spec)
+    s = make_strategy(
+        module,
+        StageOptimizer(module, spec.optim),
+        threading.Lock(),
+        spec.averaging,
+        AveragingStats(),
+        salt=SALT,
+    )
+    assert isinstance(s, DiLoCoStrategy) and s.compressed
+    return s
+
+
+def _inner(s: DiLoCoStrategy, seed: int) -> None:
+    for k in range(s.target // MICRO):
+        with s.lock:
+            s.optimizer.accumulated(backward(s.module, 100 * seed + k))
+            s.on_accumulated_locked(False)
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def test_what_a_round_does_not_send_stays_in_the_residual_and_goes_later():
+    s = _compressed(0.25)
+    n = sum(p.numel() for p in s.params)
+    assert s.shapes == [torch.Size([sparsify.sent_count(n, 0.25)])]
+    _inner(s, 0)
+    delta = _flat(s.digest_tensors()) - _flat(s.params)  # anchor - params
+    c = s.begin()
+    assert torch.allclose(c.pending, delta) and c.tensors[0].shape == s.shapes[0]
+    assert torch.equal(c.tensors[0], sparsify.round_to_grid(sparsify.gather(delta, c.indices)))
+    assert s.finish(c.tensors, c)  # alone in the round: our own values are the mean
+    sent = sparsify.scatter(c.tensors[0], c.indices, n)
+    # The residual is exactly what we held and did not send (the 8-bit rounding included).
+    assert torch.allclose(s.residual, delta - sent, atol=0)
+    assert float(s.residual.abs().sum()) > 0
+    # Next round: the new delta plus the residual; coordinates of another draw.
+    _inner(s, 1)
+    c2 = s.begin()
+    fresh = _flat(s.digest_tensors()) - _flat(s.params)
+    assert torch.allclose(c2.pending, fresh + (delta - sent))
+    assert not torch.equal(c2.indices, c.indices)
+    s.give_back(c2)  # a failed round: nothing leaves the residual
+    assert torch.allclose(s.residual, delta - sent, atol=0)
+
+
+def test_stepping_alone_applies_everything_and_a_downloaded_state_clears_the_residual():
+    s = _compressed(0.1, compression="none")
+    _inner(s, 0)
+    c = s.begin()
+    s.finish(c.tensors, c)
+    assert float(s.residual.abs().sum()) > 0
+    _inner(s, 1)
+    assert s.step_alone()  # nothing travels: the whole delta and residual step
+    assert float(s.residual.abs().sum()) == 0
+    _inner(s, 2)
+    c = s.begin()
+    s.finish(c.tensors, c)
+    s.apply_state(_state_of(s))
+    assert float(s.residual.abs().sum()) == 0
+
+
+def _state_of(s: DiLoCoStrategy) -> stage_state.StageState:
+    metadata, tensors = s.capture("donor")
+    return stage_state.parse(metadata, tensors, s.module, mode=s.mode)
+
+
+def test_two_copies_that_average_their_sparse_parts_stay_equal():
+    a, b = _compressed(0.25), _compressed(0.25)
+    for r in range(3):
+        _inner(a, r)
+        _inner(b, 50 + r)  # different data: different deltas
+        ca, cb = a.begin(), b.begin()
+        assert torch.equal(ca.indices, cb.indices)
+        mean = [(ca.tensors[0] + cb.tensors[0]) / 2]
+        a.finish(mean, ca)
+        b.finish(mean, cb)
+        assert torch.equal(_flat(a.digest_tensors()), _flat(b.digest_tensors()))
+        assert torch.equal(_flat(a.params), _flat(a.digest_tensors()))
+
+
+def test_a_compressed_spec_signs_with_its_density_and_a_dense_one_without():
+    key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    owner = peer_id_of(key.public_key())
+    for density in (0.05, 1.0):
+        averaging = AveragingSpec(mode="diloco", density=density, compression="uint8")
+        spec = make_run_spec("zip", "tiny", 2, owner=owner, averaging=averaging)
+        signed = sign_run_spec(spec, key)
+        assert (b"density" in signed.raw) is (density < 1)
+        assert decode_run_spec(signed.raw, run=spec.run).spec.averaging == averaging
