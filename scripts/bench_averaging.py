@@ -2,6 +2,7 @@
 
     python -m scripts.bench_averaging [--preset tiny] [--rounds 20] [--compression none]
         [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
+        [--compressed 0.1:uint8 ...]
 
 Three measurements in one run (a count of 0 skips one). Every peer is its own hivemind DHT
 and averager process, on 127.0.0.1.
@@ -23,12 +24,14 @@ and averager process, on 127.0.0.1.
    the tiny preset, 2 stages x 2 peers, one trainer's data stream, micro-batch i served by
    peer i % 2 of stage 0 and peer (i // 2) % 2 of stage 1 (as a stage server serves it:
    under the stage's lock, then ``on_accumulated``). The same micro-batches in gradient
-   mode and in DiLoCo mode for each ``--inner-steps``. Averaging bytes are computed from
-   what the all-reduce moves: per successful round, each of a stage's 2 peers sends half
-   of the stage's tensors to the other and returns the averaged half (2 x half = the
-   stage's bytes per peer per round; hivemind's framing and failed attempts not counted).
-   Loopback bytes (every process on this machine, DHT traffic included) are printed as a
-   cross-check.
+   mode and in DiLoCo mode for each ``--inner-steps``, dense and with each ``--compressed``
+   setting (``density:compression``, e.g. ``0.1:uint8``: compressed DiLoCo,
+   ``protocol.sparsify``). Averaging bytes are counted: every frame the averager
+   processes send (``node.limits``, purpose ``averaging``: parts and returned means,
+   hivemind's framing and failed attempts included). Also printed, for the uncompressed
+   runs: the bytes computed from the rounds (per successful round each of a stage's 2
+   peers sends half of the stage's tensors and returns the averaged half), and loopback
+   bytes (every process on this machine, DHT traffic included) as a cross-check.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from hivemind.utils import get_dht_time
 from models.data import Corpus, eval_batches, load_corpus, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
+from node import limits
 from node.averaging.averager import StageAverager
 from node.averaging.digests import ParamDigest
 from node.averaging.process import StageAveragerProcess
@@ -306,7 +310,8 @@ class _Trained:
     epochs: list[int]  # per stage
     rounds: int  # successful rounds, all peers
     alone: int  # steps alone and fallbacks, all peers
-    averaging_bytes: int
+    averaging_bytes: int  # counted: every averaging frame sent, all peers
+    computed_bytes: int | None  # from the rounds (uncompressed runs only)
     loopback_bytes: int
     distance: list[float]  # per stage: relative distance between the copies at the end
 
@@ -352,14 +357,17 @@ async def _train(
                     first.on_accumulated()
 
         lo_before, started = _loopback_bytes(), time.perf_counter()
+        counted = limits.traffic.counts().bytes[(limits.AVERAGING, limits.SENT)]
         await asyncio.to_thread(train)
         seconds = time.perf_counter() - started
         deadline = time.monotonic() + 60
         while any(a.busy for a in everyone) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         loopback = _loopback_bytes() - lo_before
+        counted = limits.traffic.counts().bytes[(limits.AVERAGING, limits.SENT)] - counted
         sizes = [sum(p.numel() for p in row[0].module.parameters()) for row in copies]
         width = 2 if spec.averaging.compression == "float16" else 4
+        dense = spec.averaging.density == 1 and spec.averaging.compression != "uint8"
         return _Trained(
             label=label,
             samples=micro_batches * optim.micro_batch_size,
@@ -369,12 +377,15 @@ async def _train(
             epochs=[row[0].epoch for row in copies],
             rounds=sum(a.stats.rounds for a in everyone),
             alone=sum(a.stats.alone + a.stats.fallbacks for a in everyone),
+            averaging_bytes=counted,
             # per round, each peer sends half the stage and returns the averaged half
-            averaging_bytes=sum(
+            computed_bytes=sum(
                 a.stats.rounds * 2 * (PEERS - 1) * width * size // PEERS
                 for row, size in zip(copies, sizes, strict=True)
                 for a in row
-            ),
+            )
+            if dense
+            else None,
             loopback_bytes=loopback,
             distance=[
                 ParamDigest.of(list(row[0].module.parameters())).distance(
@@ -389,30 +400,54 @@ async def _train(
                 await a.shutdown()
 
 
+def _compressed(text: str) -> tuple[float, str]:
+    """``density:compression`` (``--compressed``)."""
+    density, _, compression = text.partition(":")
+    return float(density), compression or "none"
+
+
 async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
     corpus = load_corpus()
     runs = [("gradient", _spec("bench-gradient", "tiny", compression=args.compression))]
-    runs += [
-        (f"diloco H={h}", _spec(f"bench-diloco-{h}", "tiny", mode="diloco", inner_steps=h,
-                                compression=args.compression))
-        for h in args.inner_steps
-    ]  # fmt: skip
+    for h in args.inner_steps:
+        dense = _spec(
+            f"bench-diloco-{h}", "tiny", mode="diloco", inner_steps=h, compression=args.compression
+        )
+        runs.append((f"diloco H={h}", dense))
+        for density, compression in args.compressed:
+            name = f"bench-zip-{h}-{density:g}-{compression}"
+            spec = _spec(
+                name, "tiny", mode="diloco", inner_steps=h, density=density, compression=compression
+            )
+            runs.append((f"H={h} d={density:g} {compression}", spec))
     results = [await _train(spec, dhts, corpus, args.micro_batches, label) for label, spec in runs]
     print(f"3. gradient vs DiLoCo: tiny, 2 stages x {PEERS} peers in this process, "
-          f"{args.micro_batches} micro-batches, compression {args.compression}")  # fmt: skip
-    print(f"  {'mode':<13} {'val before':>10} {'val after':>10} {'(peer 1)':>9} {'epochs':>9} "
-          f"{'rounds':>6} {'alone':>5} {'avg bytes/sample':>16} {'loopback/sample':>15} "
-          f"{'samples/s':>9} {'copies apart':>12}")  # fmt: skip
+          f"{args.micro_batches} micro-batches, compression {args.compression} "
+          f"(where the label names none)")  # fmt: skip
+    print(f"  {'mode':<22} {'val before':>10} {'val after':>10} {'(peer 1)':>9} {'epochs':>9} "
+          f"{'rounds':>6} {'alone':>5} {'avg bytes/sample':>16} {'(computed)':>10} "
+          f"{'vs gradient':>11} {'vs loss':>7} {'loopback/sample':>15} {'samples/s':>9} "
+          f"{'copies apart':>12}")  # fmt: skip
+    base = results[0].averaging_bytes / results[0].samples
     for r in results:
-        print(f"  {r.label:<13} {r.val[0]:>10.3f} {r.val[1]:>10.3f} {r.val_other:>9.3f} "
+        computed = "-" if r.computed_bytes is None else f"{r.computed_bytes / r.samples:,.0f}"
+        per_sample = r.averaging_bytes / r.samples
+        ratio = f"{base / per_sample:,.0f}x" if per_sample else "-"
+        dense = next((d for d in results if d.label == "diloco " + r.label.split()[0]), None)
+        vs_loss = f"{r.val[1] / dense.val[1]:.3f}" if dense is not None else "-"
+        print(f"  {r.label:<22} {r.val[0]:>10.3f} {r.val[1]:>10.3f} {r.val_other:>9.3f} "
               f"{'/'.join(map(str, r.epochs)):>9} {r.rounds:>6} {r.alone:>5} "
-              f"{r.averaging_bytes / r.samples:>16,.0f} {r.loopback_bytes / r.samples:>15,.0f} "
-              f"{r.samples / r.seconds:>9.0f} {max(r.distance):>12.1e}")  # fmt: skip
-    print("  avg bytes/sample: computed from the rounds (each peer sends half of its stage's "
-          "tensors and returns the averaged half);\n  loopback/sample: all loopback traffic "
-          "on this machine during training (DHT included); copies apart: relative distance "
-          "\n  between the two copies of a stage at the end (DiLoCo: after the last inner "
-          "steps)")  # fmt: skip
+              f"{per_sample:>16,.1f} {computed:>10} {ratio:>11} {vs_loss:>7} "
+              f"{r.loopback_bytes / r.samples:>15,.0f} {r.samples / r.seconds:>9.0f} "
+              f"{max(r.distance):>12.1e}")  # fmt: skip
+    print("  avg bytes/sample: counted, every averaging frame the averager processes sent "
+          "(parts and returned means); (computed): from\n  the rounds, uncompressed runs only "
+          "(each peer sends half of its stage's tensors and returns the averaged half);\n"
+          "  vs gradient: gradient mode's counted bytes/sample over this row's; vs loss: "
+          "validation loss after over that of\n  uncompressed DiLoCo at the same H; "
+          "loopback/sample: all loopback traffic on this machine during training (DHT\n"
+          "  included); copies apart: relative distance between the two copies of a stage "
+          "at the end (DiLoCo: after the last\n  inner steps)")  # fmt: skip
 
 
 def main() -> None:
@@ -424,7 +459,11 @@ def main() -> None:
     parser.add_argument("--allreduce-peers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, default=800, help="gradient vs DiLoCo")
     parser.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50])
+    parser.add_argument("--compressed", type=_compressed, nargs="*", default=[],
+                        help="density:compression of compressed DiLoCo runs at each H, "
+                        "e.g. 0.1:uint8")  # fmt: skip
     args = parser.parse_args()
+    limits.install()  # count the averaging frames of the processes forked from here on
     torch.set_num_threads(1)
     n_dhts = max([PEERS * 2 if args.micro_batches else 0, PEERS, *args.allreduce_peers])
     keys = tempfile.mkdtemp(prefix="bench-keys-")

@@ -8,8 +8,11 @@
   since the last outer step, and each takes the same outer Nesterov step from the same
   anchor. With ``density`` below 1 or ``compression`` uint8 (``compressed``) a round sends
   one flat vector instead: the coordinates ``protocol.sparsify`` draws for the epoch, their
-  values rounded to 8 bits if asked; the copy keeps what it did not send (its
-  error-feedback residual, its own and never shipped) and adds it to its next delta.
+  values rounded to 8 bits if asked. What a copy did not send is its error-feedback
+  residual (its own, never shipped): after the outer step the copy goes on from the new
+  anchor plus that residual, so its inner steps build on its unsent progress and its next
+  delta from the anchor carries the residual. The copies agree on the anchor
+  (``digest_tensors``, the state joiners download), not on their parameters.
 
 A strategy holds the copy's state: parameters and inner optimizer (the stage's), its
 epoch (rounds behind the parameters) and, for DiLoCo, the anchor and outer optimizer. The
@@ -63,7 +66,8 @@ class Contribution:
     tensors: list[torch.Tensor]  # what is averaged: mean gradients, or parameter deltas
     sums: list[torch.Tensor | None]  # gradient mode: the sums taken out of .grad
     settled: bool = False  # applied, or given back (under the lock): never both
-    # compressed diloco: the delta plus residual (flat) and the coordinates sent of it
+    # compressed diloco: the delta from the anchor (flat, the residual in it) and the
+    # coordinates of it sent
     # (``sparsify.choose_indices``; None: all of them, in order)
     pending: torch.Tensor | None = None
     indices: torch.Tensor | None = None
@@ -333,8 +337,8 @@ class DiLoCoStrategy(Strategy):
         return False
 
     def begin(self) -> Contribution:
-        """Our delta since the last outer step (compressed: the part of delta plus residual
-        this epoch sends); inner steps wait until the round ends."""
+        """Our delta from the anchor (compressed: the coordinates of it this epoch sends);
+        inner steps wait until the round ends."""
         return self._begin(sparse=True)
 
     def _begin(self, sparse: bool) -> Contribution:
@@ -347,7 +351,7 @@ class DiLoCoStrategy(Strategy):
             weight = self._inner_samples
             if not self.compressed:
                 return Contribution(weight=weight, tensors=deltas, sums=[])
-            pending = torch.cat([d.reshape(-1) for d in deltas]) + self._residual
+            pending = torch.cat([d.reshape(-1) for d in deltas])  # the residual included
         if not sparse:  # stepping alone: everything we hold, unrounded
             return Contribution(weight, [pending], [], pending=pending, indices=None)
         seed = sparsify.round_seed(self.salt, self.epoch)
@@ -380,16 +384,21 @@ class DiLoCoStrategy(Strategy):
     @torch.no_grad()
     def _apply_locked(self, result: Sequence[torch.Tensor], contribution: Contribution) -> None:
         """One outer Nesterov step on the anchor with the averaged delta (compressed: zero
-        where nothing was sent; what we sent leaves our residual); the parameters become
-        the new anchor."""
+        where nothing was sent); the parameters become the new anchor (compressed: minus
+        our residual, what we held and did not send)."""
         if self.compressed:
             result = self._expand(result, contribution)
         for a, d in zip(self._anchor, result, strict=True):
             a.grad = d.to(a.device, a.dtype)
         self._outer.step()
         self._outer.zero_grad(set_to_none=True)
-        for p, a in zip(self.params, self._anchor, strict=True):
-            p.copy_(a)
+        if self.compressed:  # each copy goes on from the new anchor plus its unsent progress
+            kept = self._residual.split(self._numels())
+            for p, a, r in zip(self.params, self._anchor, kept, strict=True):
+                p.copy_(a - r.reshape(a.shape).to(a.device, a.dtype))
+        else:
+            for p, a in zip(self.params, self._anchor, strict=True):
+                p.copy_(a)
         self._inner_samples = 0
         self._outer_busy = False
         if self.optimizer.samples >= self.batch:  # what waited during the round

@@ -148,14 +148,15 @@ def test_what_a_round_does_not_send_stays_in_the_residual_and_goes_later():
     assert torch.equal(c.tensors[0], sparsify.round_to_grid(sparsify.gather(delta, c.indices)))
     assert s.finish(c.tensors, c)  # alone in the round: our own values are the mean
     sent = sparsify.scatter(c.tensors[0], c.indices, n)
-    # The residual is exactly what we held and did not send (the 8-bit rounding included).
+    # The residual is exactly what we held and did not send (the 8-bit rounding included),
+    # and the copy goes on from the new anchor plus that progress of its own.
     assert torch.allclose(s.residual, delta - sent, atol=0)
     assert float(s.residual.abs().sum()) > 0
-    # Next round: the new delta plus the residual; coordinates of another draw.
+    assert torch.allclose(_flat(s.digest_tensors()) - _flat(s.params), s.residual, atol=1e-7)
+    # Next round: the delta from the new anchor holds the residual; another draw.
     _inner(s, 1)
     c2 = s.begin()
-    fresh = _flat(s.digest_tensors()) - _flat(s.params)
-    assert torch.allclose(c2.pending, fresh + (delta - sent))
+    assert torch.allclose(c2.pending, _flat(s.digest_tensors()) - _flat(s.params))
     assert not torch.equal(c2.indices, c.indices)
     s.give_back(c2)  # a failed round: nothing leaves the residual
     assert torch.allclose(s.residual, delta - sent, atol=0)
@@ -170,6 +171,7 @@ def test_stepping_alone_applies_everything_and_a_downloaded_state_clears_the_res
     _inner(s, 1)
     assert s.step_alone()  # nothing travels: the whole delta and residual step
     assert float(s.residual.abs().sum()) == 0
+    assert torch.equal(_flat(s.params), _flat(s.digest_tensors()))
     _inner(s, 2)
     c = s.begin()
     s.finish(c.tensors, c)
@@ -182,7 +184,7 @@ def _state_of(s: DiLoCoStrategy) -> stage_state.StageState:
     return stage_state.parse(metadata, tensors, s.module, mode=s.mode)
 
 
-def test_two_copies_that_average_their_sparse_parts_stay_equal():
+def test_two_copies_that_average_their_sparse_parts_agree_on_the_anchor():
     a, b = _compressed(0.25), _compressed(0.25)
     for r in range(3):
         _inner(a, r)
@@ -193,7 +195,11 @@ def test_two_copies_that_average_their_sparse_parts_stay_equal():
         a.finish(mean, ca)
         b.finish(mean, cb)
         assert torch.equal(_flat(a.digest_tensors()), _flat(b.digest_tensors()))
-        assert torch.equal(_flat(a.params), _flat(a.digest_tensors()))
+        for s in (a, b):  # each keeps its own unsent progress in its parameters
+            assert torch.allclose(
+                _flat(s.digest_tensors()) - _flat(s.params), s.residual, atol=1e-7
+            )
+    assert not torch.equal(a.residual, b.residual)
 
 
 def test_a_compressed_spec_signs_with_its_density_and_a_dense_one_without():
