@@ -25,7 +25,7 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import serialize_torch_tensor
+from hivemind.compression import CompressionBase, serialization, serialize_torch_tensor
 from hivemind.dht.routing import DHTID, RoutingTable
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.servicer import RPCHandler
@@ -41,6 +41,11 @@ from node.rpc import hivemind_compat as compat
 # against the patch that names it in hivemind_compat's docstring, then update the hash.
 FINGERPRINTS = {
     "hivemind.averaging.allreduce.AllReduceRunner.__init__": "4d7c804548973da9",
+    # the reducer returns its means compressed as the sender's part was (by type)
+    "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming": (
+        "8203964eb06f03a8"
+    ),
+    "hivemind.compression.serialization.deserialize_torch_tensor": "226f64d59f861276",
     "hivemind.averaging.averager.DecentralizedAverager.__init__": "75d089f9ba0e822f",
     "hivemind.averaging.averager.DecentralizedAverager._load_state_from_peers": "db5f94b8ebb56fc1",
     "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_": "1e8649d70494d9d1",
@@ -450,6 +455,8 @@ def test_the_reducer_screens_groupmates_parts_and_reduces_as_the_averager_says()
         assert torch.equal(result, torch.tensor([3.0, 500.0]))
     with pytest.raises(AllreduceException, match="sender 2, part 0: above 100"):
         asyncio.run(reduce(bad=torch.tensor([200.0, 0.0])))
+    with pytest.raises(AllreduceException, match=r"sender 2, part 0: shape \(3,\)"):
+        asyncio.run(reduce(bad=torch.tensor([1.0, 2.0, 3.0])))
     assert "self.accumulator.add_(tensor_part, alpha=weight)" in _source(
         "hivemind.averaging.partition.TensorPartReducer.accumulate_part"
     )
@@ -482,3 +489,31 @@ def test_an_all_reduce_runs_with_the_screened_reducer_and_refuses_a_refused_grou
     assert "self._running_groups[group_id].set_result(runner)" in _source(
         "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_"
     )
+
+
+class _Doubling(CompressionBase):
+    compression_type = runtime_pb2.MEANSTD_16BIT
+
+    def compress(self, tensor, info, allow_inplace=False):
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=(tensor * 2).numpy().tobytes(),
+            size=tensor.shape,
+            dtype="float32",
+        )
+
+    def extract(self, serialized_tensor):
+        return torch.frombuffer(bytearray(serialized_tensor.buffer), dtype=torch.float32) / 4
+
+    def estimate_compression_ratio(self, info):
+        return 1.0
+
+
+def test_use_compression_makes_a_codec_of_ours_decode_its_type():
+    kept = serialization._BASE_COMPRESSION_TYPES["MEANSTD_16BIT"]
+    try:
+        compat.use_compression(_Doubling())
+        wire = serialization.serialize_torch_tensor(torch.ones(2), runtime_pb2.MEANSTD_16BIT)
+        assert torch.equal(serialization.deserialize_torch_tensor(wire), torch.full((2,), 0.5))
+    finally:
+        serialization._BASE_COMPRESSION_TYPES["MEANSTD_16BIT"] = kept
