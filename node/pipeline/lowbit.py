@@ -44,18 +44,19 @@ def encode(tensor: torch.Tensor, bits: int, generator: torch.Generator | None = 
     groups = -(-flat.numel() // LOWBIT_GROUP)
     padded = torch.zeros(groups * LOWBIT_GROUP, dtype=torch.float32)
     padded[: flat.numel()] = flat
-    # float64 arithmetic: a group's range (max - min) of finite float32 values may overflow
-    # float32, its step does not
-    rows = padded.view(groups, LOWBIT_GROUP).double()  # (G, LOWBIT_GROUP)
-    lo = rows.amin(dim=1, keepdim=True)  # (G, 1)
-    step = ((rows.amax(dim=1, keepdim=True) - lo) / levels).float()  # (G, 1), as sent
-    safe = torch.where(step > 0, step, torch.ones_like(step)).double()
-    noise = torch.rand(rows.shape, generator=generator or ROUNDING, dtype=torch.float64)
-    codes = torch.floor((rows - lo) / safe + noise).clamp_(0, levels).to(torch.uint8)
-    per_byte = 8 // bits
-    codes = codes.view(-1, per_byte)  # (G * LOWBIT_GROUP / per_byte, per_byte)
-    packed = torch.zeros(codes.shape[0], dtype=torch.uint8)
-    for i in range(per_byte):
+    rows = padded.view(groups, LOWBIT_GROUP)  # (G, LOWBIT_GROUP)
+    lo, hi = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)  # (G, 1)
+    # The range of finite float32 values may overflow float32 (its step does not): then
+    # the arithmetic runs in float64.
+    if not bool(torch.isfinite(hi - lo).all()) and bool(torch.isfinite(rows).all()):
+        rows, lo, hi = rows.double(), lo.double(), hi.double()
+    step = ((hi - lo) / levels).float()  # (G, 1), as sent
+    inverse = 1 / torch.where(step > 0, step, torch.ones_like(step)).to(rows.dtype)
+    codes = torch.rand(rows.shape, generator=generator or ROUNDING, dtype=rows.dtype)
+    codes.add_((rows - lo).mul_(inverse)).floor_().clamp_(0, levels)
+    codes = codes.to(torch.uint8).view(-1, 8 // bits)  # (bytes, values per byte)
+    packed = codes[:, 0].clone()
+    for i in range(1, 8 // bits):
         packed |= codes[:, i] << (i * bits)
     return lo.float().numpy().tobytes() + step.numpy().tobytes() + packed.numpy().tobytes()
 
@@ -76,16 +77,18 @@ def decode(buffer: bytes, bits: int, shape: tuple[int, ...]) -> torch.Tensor:
             f"{wire_nbytes(name, 'float32', numel)}"
         )
     groups = -(-numel // LOWBIT_GROUP)
-    lo = torch.from_numpy(np.frombuffer(buffer, np.float32, groups).copy())
+    lo = torch.from_numpy(np.frombuffer(buffer, np.float32, groups).copy()).unsqueeze(1)
     step = torch.from_numpy(np.frombuffer(buffer, np.float32, groups, 4 * groups).copy())
+    step = step.unsqueeze(1)  # (G, 1), as lo
     if not (bool(torch.isfinite(lo).all()) and bool((step >= 0).all())):
         raise StageRequestError(f"{name} group minimum or step not finite, or a negative step")
     packed = torch.from_numpy(np.frombuffer(buffer, np.uint8, offset=8 * groups).copy())
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)  # (per_byte,)
-    codes = (packed.unsqueeze(1) >> shifts) & (2**bits - 1)  # (bytes, per_byte)
-    rows = codes.view(groups, LOWBIT_GROUP).double()  # as encoded: in float64
-    values = (lo.double().unsqueeze(1) + rows * step.double().unsqueeze(1)).view(-1)[:numel]
-    values = values.float()  # beyond float32's range: inf, refused below
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)  # (values per byte,)
+    codes = ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).view(groups, LOWBIT_GROUP)
+    values = codes.float().mul_(step).add_(lo)  # (G, LOWBIT_GROUP)
     if not bool(torch.isfinite(values).all()):
-        raise StageRequestError(f"{name} tensor decodes to non-finite values")
-    return values.reshape(shape)
+        # code * step may overflow float32 where lo + code * step does not
+        values = codes.double().mul_(step.double()).add_(lo.double()).float()
+        if not bool(torch.isfinite(values).all()):
+            raise StageRequestError(f"{name} tensor decodes to non-finite values")
+    return values.view(-1)[:numel].reshape(shape)

@@ -238,3 +238,11 @@ def test_planned_bytes_follow_the_setting():
         for c in ("uint8", "int4")
     }
     assert sent["uint8"][0] > sent["int4"][0]
+
+
+@pytest.mark.parametrize("setting", sorted(LOWBIT))
+def test_finite_values_whose_range_overflows_float32_travel(setting):
+    x = torch.tensor([3e38, -3e38, 1.0, 0.0] * 16).reshape(1, 1, 64)
+    y = deserialize(serialize(x, setting))
+    step = 6e38 / (2 ** LOWBIT[setting] - 1)
+    assert bool(torch.isfinite(y).all()) and float((y - x).abs().max()) <= step * (1 + 1e-5)
