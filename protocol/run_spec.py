@@ -38,7 +38,9 @@ from protocol.records import (
 
 _SPEC_DOMAIN = b"swarmtrain/run-spec"
 
-Compression = Literal["none", "float16", "uint8"]
+# Of activations and gradients between stages: float16, hivemind's 8-bit codebook, or
+# grouped 4- or 2-bit codes with stochastic rounding (``node.pipeline.lowbit``).
+Compression = Literal["none", "float16", "uint8", "int4", "int2"]
 Seconds = Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
 # A checkpoint file's name: no directories, nothing hidden (read only inside the node's own
 # copy of the checkpoint).

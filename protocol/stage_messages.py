@@ -35,8 +35,13 @@ from models.stages import StageRange
 INPUTS, TARGETS, GRAD_OUTPUTS = "inputs", "targets", "grad_outputs"
 FORWARD, BACKWARD = "forward", "backward"
 
-# Compression of float tensors, by their hivemind ``CompressionType`` names.
-FLOAT_COMPRESSIONS = frozenset({"NONE", "FLOAT16", "UNIFORM_8BIT"})
+# Grouped low-bit quantization (swarmtrain's own, ``node.pipeline.lowbit``): wire name ->
+# bits per value. Each group of ``LOWBIT_GROUP`` consecutive values (the flattened tensor,
+# zero-padded to whole groups) carries a float32 minimum and a float32 step, then its codes.
+LOWBIT_BITS = {"GROUPED_4BIT": 4, "GROUPED_2BIT": 2}
+LOWBIT_GROUP = 64  # divides most presets' hidden sizes: a group then holds one token's values
+# Compression of float tensors, by their hivemind ``CompressionType`` names and ours.
+FLOAT_COMPRESSIONS = frozenset({"NONE", "FLOAT16", "UNIFORM_8BIT", *LOWBIT_BITS})
 UNIFORM_8BIT_BINS = 256  # codebook entries of hivemind's Uniform8BitQuantization
 
 MAX_METADATA_BYTES = 256
@@ -230,6 +235,9 @@ def wire_nbytes(compression: str, dtype: str, numel: int) -> int:
         return 2 * numel
     if compression == "UNIFORM_8BIT":  # int64 codebook size, float32 codebook, uint8 indices
         return 8 + 4 * UNIFORM_8BIT_BINS + numel
+    if compression in LOWBIT_BITS:  # per group: float32 minimum and step, packed codes
+        groups = -(-numel // LOWBIT_GROUP)
+        return groups * (8 + LOWBIT_GROUP * LOWBIT_BITS[compression] // 8)
     raise StageRequestError(f"unsupported compression {compression}")
 
 

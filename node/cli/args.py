@@ -15,6 +15,9 @@ from pathlib import Path
 from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
 
+# ``protocol.run_spec.Compression``, spelled out here so this module stays light
+COMPRESSIONS = ["none", "float16", "uint8", "int4", "int2"]
+
 STDLIB = "stdlib"  # models.data.STDLIB: Python's standard library as a corpus
 DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")  # the node and run_admin read it here
 DEFAULT_PRESET = "tiny"
@@ -292,7 +295,7 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compression",
         default="none",
-        choices=["none", "float16", "uint8"],
+        choices=COMPRESSIONS,
         help="new run only: compression of activations and gradients",
     )
     p.add_argument(
@@ -581,7 +584,7 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         help="write nothing; print each stage's memory (weights, gradients, AdamW state)",
     )
     create.add_argument("--private", action="store_true", help="only invited peers may join")
-    create.add_argument("--compression", default="none", choices=["none", "float16", "uint8"])
+    create.add_argument("--compression", default="none", choices=COMPRESSIONS)
     create.add_argument("--averaging", default="gradient", choices=["gradient", "diloco"])
     create.add_argument("--inner-steps", type=int, default=50, help="diloco: local steps")
     create.add_argument(

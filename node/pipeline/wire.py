@@ -26,18 +26,27 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
+from node.pipeline import lowbit
 from protocol.stage_messages import (
     FLOAT_COMPRESSIONS,
+    LOWBIT_BITS,
     UNIFORM_8BIT_BINS,
     StageRequestError,
     wire_nbytes,
 )
 
-# Settings names (as in ``RunSpec.compression``) -> hivemind compression of float tensors.
+# Our own compressions (``node.pipeline.lowbit``) travel in the tensor's ``compression``
+# field as values past hivemind's enum (a protobuf enum field carries any int32), far
+# enough that a later hivemind adding its own values does not collide.
+LOWBIT_CODES = {name: 100 + bits for name, bits in LOWBIT_BITS.items()}
+_LOWBIT_NAMES = {code: name for name, code in LOWBIT_CODES.items()}
+# Settings names (as in ``RunSpec.compression``) -> wire compression of float tensors.
 COMPRESSIONS = {
     "none": runtime_pb2.CompressionType.NONE,
     "float16": runtime_pb2.CompressionType.FLOAT16,
     "uint8": runtime_pb2.CompressionType.UNIFORM_8BIT,
+    "int4": LOWBIT_CODES["GROUPED_4BIT"],
+    "int2": LOWBIT_CODES["GROUPED_2BIT"],
 }
 # Prefixes of the error a stage server raises, which the caller reads back from
 # hivemind's ``P2PHandlerError`` (only the message text crosses the wire).
@@ -56,7 +65,10 @@ HeaderCheck = Callable[[int, runtime_pb2.Tensor], int]
 
 
 def compression_name(value: int) -> str:
-    """The name of a wire ``CompressionType`` value, also for values this build lacks."""
+    """The name of a wire ``CompressionType`` value (or of one of ours), also for values
+    this build lacks."""
+    if value in _LOWBIT_NAMES:
+        return _LOWBIT_NAMES[value]
     try:
         return runtime_pb2.CompressionType.Name(value)
     except ValueError:
@@ -77,7 +89,16 @@ def serialize(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Te
     tensor = tensor.detach().cpu()
     if not tensor.is_floating_point():
         return serialize_torch_tensor(tensor)
-    return serialize_torch_tensor(tensor, compression_type(compression))
+    code = compression_type(compression)
+    if code in _LOWBIT_NAMES:
+        bits = LOWBIT_BITS[_LOWBIT_NAMES[code]]
+        return runtime_pb2.Tensor(
+            buffer=lowbit.encode(tensor, bits),
+            size=tensor.shape,
+            dtype="float32",
+            compression=code,
+        )
+    return serialize_torch_tensor(tensor, code)
 
 
 def split_message(
@@ -218,6 +239,9 @@ class Assembler:
 def deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     """A tensor from an ``Assembler``'s output (sizes already match the header)."""
     serialized.requires_grad = False
+    if serialized.compression in _LOWBIT_NAMES:
+        bits = LOWBIT_BITS[_LOWBIT_NAMES[serialized.compression]]
+        return lowbit.decode(serialized.buffer, bits, tuple(serialized.size))
     if serialized.compression != runtime_pb2.CompressionType.UNIFORM_8BIT:
         return deserialize_torch_tensor(serialized)
     # hivemind 1.1.12's 8-bit extract calls int() on a 1-element array, which numpy 2.4

@@ -327,11 +327,13 @@ def test_a_forward_kept_for_its_backward_gives_what_a_recompute_gives():
     _run(body())
 
 
-# Tolerances: the activations' error (their std is about 0.03) and the loss's.
+# Tolerances: the activations' error (their std is about 0.03), the loss's, and the least
+# cosine of the gradients to the exact ones (int4's stochastic rounding measured 0.991).
 @pytest.mark.parametrize(
-    "compression,atol,loss_tol", [("float16", 1e-4, 1e-4), ("uint8", 1e-2, 5e-3)]
+    "compression,atol,loss_tol,cos_min",
+    [("float16", 1e-4, 1e-4, 0.99), ("uint8", 1e-2, 5e-3, 0.99), ("int4", 2e-2, 1e-2, 0.97)],
 )
-def test_compressed_activations_and_gradients(compression, atol, loss_tol):
+def test_compressed_activations_and_gradients(compression, atol, loss_tol, cos_min):
     x, y = _batch()
     local = _local(TWO)
     h = local[0](x)
@@ -351,14 +353,14 @@ def test_compressed_activations_and_gradients(compression, atol, loss_tol):
             torch.testing.assert_close(a, h, rtol=0, atol=atol)
             assert abs(float(loss) - float(ref.detach())) < loss_tol
             cos = torch.nn.functional.cosine_similarity(g.flatten(), h.grad.flatten(), dim=0)
-            assert cos > 0.99
+            assert cos > cos_min
             for server, ref_stage in [(s0, local[0]), (s1, local[1])]:
                 for name, p in server.stage.named_parameters():
                     r = dict(ref_stage.named_parameters())[name].grad
                     cos = torch.nn.functional.cosine_similarity(
                         p.grad.flatten(), r.flatten(), dim=0
                     )
-                    assert cos > 0.98, (name, float(cos))
+                    assert cos > cos_min - 0.01, (name, float(cos))
 
     _run(body())
 

@@ -437,7 +437,10 @@ def test_run_spec_with_bad_boundaries_is_refused(boundaries, what):
             "unexpected keyword argument 'n_layers'",
         ),
         ({"optimizer": {**_spec_fields()["optimizer"], "lr": 0}}, "lr must be > 0"),
-        ({"compression": "zip"}, "compression: Input should be 'none', 'float16' or 'uint8'"),
+        (
+            {"compression": "zip"},
+            "compression: Input should be 'none', 'float16', 'uint8', 'int4' or 'int2'",
+        ),
         ({"seed": -1}, "seed: Input should be greater than or equal to 0"),
         ({"private": "maybe"}, "private: Input should be a valid boolean"),
         ({"coowner": OWNER}, "coowner: Extra inputs are not permitted"),
