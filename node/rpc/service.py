@@ -20,7 +20,7 @@ its stage servers) admits each stream when it opens, before reading it: one over
 caller's or the node's cap is shed at once with a ``BUSY`` error (``shed``: a ``rpc.refused``
 event, not a strike against the caller), and an admitted stream's ticket is the handler's
 ``admitted_ticket`` until the stream ends. A refused stream lingers for the caller to read
-its error (``_refuse``), but at most ``MAX_LINGERING`` at once: past that, a flood of
+its error (``refuse``), but at most ``MAX_LINGERING`` at once: past that, a flood of
 streams is closed right after its errors are sent, so that it cannot hold the node's
 descriptors.
 """
@@ -58,7 +58,7 @@ BAN_S = 60.0
 # The cause of a refusal as a non-member (``BanList.strike``): forgiven once the caller is
 # admitted, since a restart of either side makes a member look like a stranger for a while.
 MEMBERSHIP = "membership"
-# Refused streams that may linger at once (``_refuse``); more are closed as soon as their
+# Refused streams that may linger at once (``refuse``); more are closed as soon as their
 # error is sent (a caller may then see a reset rather than the error).
 MAX_LINGERING = 128
 # The ticket of the stream a stream handler serves (``NodeServicer.in_flight``), if any.
@@ -99,7 +99,7 @@ async def _send_error(writer: asyncio.StreamWriter, message: str) -> None:
         await P2P.send_protobuf(RPCError(message=message), writer)
 
 
-async def _refuse(
+async def refuse(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str, max_bytes: int
 ) -> None:
     """Send ``message`` as the stream's error, then drop what the caller still sends (at
@@ -191,14 +191,14 @@ class NodeServicer(PinnedHandleNames):
         the handler)."""
         with contextlib.closing(writer):
             if banned := self.ban_refusal(context):
-                await _refuse(reader, writer, banned, max_bytes)
+                await refuse(reader, writer, banned, max_bytes)
                 return
             ticket = None
             if self.in_flight is not None:
                 ticket = self.in_flight.admit(context.remote_id.to_base58())
                 if isinstance(ticket, Refusal):
                     reason = self.shed(context, ticket)
-                    await _refuse(reader, writer, BUSY + reason, max_bytes)
+                    await refuse(reader, writer, BUSY + reason, max_bytes)
                     return
             try:
                 await self._read_and_respond(
@@ -253,7 +253,7 @@ class NodeServicer(PinnedHandleNames):
         if isinstance(error, FrameError):
             self.refused(context, f"a {context.handle_name} stream", str(error))
             message = self.refusal_prefix + str(error)
-            await _refuse(reader, writer, message, max_bytes)
+            await refuse(reader, writer, message, max_bytes)
         elif error is not None:
             logger.warning(f"reading a stream from {context.remote_id} failed: {error!r}")
 
