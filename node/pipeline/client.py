@@ -101,8 +101,9 @@ async def call(
     local: StageServer | None = None,
 ) -> list[torch.Tensor]:
     """Send one raw ``kind`` request to ``peer_id``'s server of ``stage`` (in a session:
-    see the module docstring) and return the response's tensors. ``local``: ``peer_id`` is this process's own peer
-    and this is its server of ``stage``; the request is served in-process."""
+    see the module docstring) and return the response's tensors. ``local``: ``peer_id``
+    is this process's own peer and this is its server of ``stage``; the request is served
+    in-process."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
     if local is not None:
@@ -215,17 +216,35 @@ async def _call_on_stream(
     assembler: Assembler,
 ) -> list[torch.Tensor]:
     """One request and its response on an idle session stream to ``peer_id``'s ``stage``
-    (a new one if none is idle), kept for the next call only if this one was answered
-    whole; or, where ``p2p`` reuses no streams, on a new stream to ``rpc_<kind>``."""
+    (a new one if none is idle, or if the idle one turns out closed before any answer: the
+    server closed it unread), kept for the next call only if this one was answered whole;
+    or, where ``p2p`` reuses no streams, on a new stream to ``rpc_<kind>``."""
     if p2p in _sessions and _sessions[p2p] is None:
         sessions, handle = None, f"rpc_{kind}"
     else:
         sessions, handle = _sessions.setdefault(p2p, _Sessions()), SESSION
     key = (peer_id, StageServer.handle_name(stage_namespace(stage), handle))
-    stream = sessions.take(key) if sessions is not None else None
-    if stream is None:
-        _, reader, writer = await p2p.call_binary_stream_handler(*key)
-        stream = _Stream(reader, writer)
+    idle = sessions.take(key) if sessions is not None else None
+    if idle is not None:
+        try:
+            return await _exchange(sessions, key, idle, metadata, tensors, assembler)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if assembler.received:
+                raise  # it was answering: the server broke, not the idle stream
+    _, reader, writer = await p2p.call_binary_stream_handler(*key)
+    return await _exchange(sessions, key, _Stream(reader, writer), metadata, tensors, assembler)
+
+
+async def _exchange(
+    sessions: _Sessions | None,
+    key: tuple[PeerID, str],
+    stream: _Stream,
+    metadata: bytes,
+    tensors: list[runtime_pb2.Tensor],
+    assembler: Assembler,
+) -> list[torch.Tensor]:
+    """Send the request on ``stream`` and read its response; then keep the stream in
+    ``sessions`` if it was answered whole, else close it."""
     answered = False
     try:
         sending = asyncio.create_task(_send(stream.writer, metadata, tensors))

@@ -183,6 +183,7 @@ class StageCounters:
     overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
     inferred: int = 0  # inference forwards served (generation), not counted in ``forward``
     shed: int = 0  # requests this server shed for load or for arriving too slowly
+    sessions: int = 0  # sessions opened (each serves requests one after another)
 
 
 def stage_namespace(stage: int) -> str:
@@ -256,6 +257,7 @@ class StageServer(NodeServicer):
         # Sessions open now: caller -> how many, and their writers (closed on detach).
         self._sessions: dict[str, int] = {}
         self._session_writers: set[asyncio.StreamWriter] = set()
+        self._sessions_opened = 0
 
     @classmethod
     async def create(
@@ -317,7 +319,13 @@ class StageServer(NodeServicer):
             overdue=self._overdue,
             inferred=self.executor.inferred,
             shed=sum(self.shed_tally.totals.values()) if self.shed_tally else 0,
+            sessions=self._sessions_opened,
         )
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open now."""
+        return len(self._session_writers)
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
         self._rejected += 1  # bad frames too, which the handler never sees
@@ -508,6 +516,7 @@ class StageServer(NodeServicer):
                 await refuse(reader, writer, BUSY + self.shed(context, *refusal), MAX_FRAME_BYTES)
                 return
             self._sessions[caller] = self._sessions.get(caller, 0) + 1
+            self._sessions_opened += 1
             self._session_writers.add(writer)
             try:
                 while await self._serve_in_session(context, reader, writer):
@@ -566,25 +575,25 @@ class StageServer(NodeServicer):
 
         kind = _kind_of(first)
         purpose = limits.PURPOSE.set(limits.ACTIVATIONS if kind == FORWARD else limits.GRADIENTS)
-        admitted = admitted_ticket.set(ticket)
         try:
-            responses = await self._serve(kind, requests(), context)
-        except CallerGone:
-            return False
-        except Exception as e:  # refused, shed or failed: the session ends, as a stream would
-            await refuse(reader, writer, str(e), MAX_FRAME_BYTES)
-            return False
-        finally:
-            admitted_ticket.reset(admitted)
-            self.in_flight.release(ticket)
-        try:
+            admitted = admitted_ticket.set(ticket)
+            try:
+                responses = await self._serve(kind, requests(), context)
+            except CallerGone:
+                return False
+            except Exception as e:  # refused, shed or failed: the session ends as a stream does
+                await refuse(reader, writer, str(e), MAX_FRAME_BYTES)
+                return False
+            finally:
+                admitted_ticket.reset(admitted)
+                self.in_flight.release(ticket)
             for response in responses:
                 await P2P.send_protobuf(response, writer)
+            return True
         except ConnectionError:
-            return False
+            return False  # the caller is gone
         finally:
             limits.PURPOSE.reset(purpose)
-        return True
 
     async def _serve(
         self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
