@@ -23,6 +23,7 @@ Gradients follow ``models.training``'s convention: the last stage back-propagate
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import weakref
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ from node.pipeline.wire import (
     serialize,
     split_message,
 )
-from node.rpc.service import FrameError, read_frame
+from node.rpc.service import FrameError, read_frame, write_frames
 from protocol.admission import BUSY
 from protocol.stage_messages import BACKWARD, FORWARD, StageMeta, StageRequestError
 
@@ -293,9 +294,8 @@ async def _call_local(
 async def _send(
     writer: asyncio.StreamWriter, metadata: bytes, tensors: list[runtime_pb2.Tensor]
 ) -> None:
-    for message in split_message(runtime_pb2.ExpertRequest, metadata, tensors):
-        await P2P.send_protobuf(message, writer)
-    await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+    messages = split_message(runtime_pb2.ExpertRequest, metadata, tensors)
+    await write_frames(itertools.chain(messages, [P2P.END_OF_STREAM]), writer)
 
 
 async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[torch.Tensor]:

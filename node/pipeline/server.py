@@ -115,6 +115,7 @@ from node.rpc.service import (
     admitted_ticket,
     read_frame,
     refuse,
+    write_frames,
 )
 from protocol.admission import BUSY, InFlight, Refusal, request_deadline_s
 from protocol.routing import BanList
@@ -587,8 +588,7 @@ class StageServer(NodeServicer):
             finally:
                 admitted_ticket.reset(admitted)
                 self.in_flight.release(ticket)
-            for response in responses:
-                await P2P.send_protobuf(response, writer)
+            await write_frames(responses, writer)
             return True
         except ConnectionError:
             return False  # the caller is gone

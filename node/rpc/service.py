@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import ClassVar
@@ -42,13 +42,14 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.servicer import RPCHandler
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from node import events
+from node import events, limits
 from node.rpc.hivemind_compat import DETACH_TIMEOUT_S, PinnedHandleNames, p2pd_running
 from protocol.admission import BUSY, InFlight, Refusal, RefusalTally, Ticket
 from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)
 
+WRITE_BYTES = 2**18  # frames gathered into one write (and one wait for the upload limit)
 MAX_PREFETCH = 5  # frames read ahead of the handler, as hivemind does: at most 6 in memory
 REFUSAL_LINGER_S = 2.0  # for a refused caller to close the stream once it has the error
 # A caller is banned for BAN_S after BAN_AFTER refused requests within BAN_WINDOW_S.
@@ -92,6 +93,32 @@ async def read_frame(
     except DecodeError:
         raise FrameError(f"a frame of {length} bytes is not a {message_type.__name__}") from None
     return message
+
+
+async def write_frames(
+    messages: Iterable[Message | RPCError], writer: asyncio.StreamWriter
+) -> None:
+    """Send ``messages`` as hivemind frames (``P2P.send_protobuf``'s, counted and paced by
+    ``node.limits`` as it counts them), gathered into writes of up to ``WRITE_BYTES``:
+    hivemind writes a frame's marker, length and body apart, a system call each."""
+    pending: list[bytes] = []
+    size = 0
+    for message in messages:
+        body = message.SerializeToString()
+        marker = P2P.ERROR_MARKER if isinstance(message, RPCError) else P2P.MESSAGE_MARKER
+        pending += (marker, len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER), body)
+        size += len(body) + limits.FRAME_OVERHEAD
+        if size >= WRITE_BYTES:
+            await _write(pending, size, writer)
+            pending, size = [], 0
+    if pending:
+        await _write(pending, size, writer)
+
+
+async def _write(parts: list[bytes], size: int, writer: asyncio.StreamWriter) -> None:
+    await limits.traffic.send(size)
+    writer.write(b"".join(parts))
+    await writer.drain()
 
 
 async def _send_error(writer: asyncio.StreamWriter, message: str) -> None:
