@@ -6,13 +6,20 @@ this process) on the same preset, and the bytes that crossed loopback per sample
 the activation bytes the stage boundaries require (one hidden state forward and one
 gradient back per boundary). Prints the ratios.
 
-    python -m scripts.bench_pipeline --preset small --micro-batches 120
+The swarm runs ``--repeats`` rounds of ``--micro-batches`` each way the trainer can call:
+``reused`` (streams kept open per peer and stage, the default) and ``per-call`` (a new
+stream per call), alternating in one swarm so that both see the same machine; it prints
+each way's median [range] and their ratio round by round. The baseline runs
+``--repeats`` times before the swarm starts.
+
+    python -m scripts.bench_pipeline --preset tiny --micro-batches 100 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +32,7 @@ from models.data import load_corpus
 from models.training import train_baseline
 from node.cli.train import open_trainer
 from node.harness.local_swarm import LOCAL, launch_node, stop_all
+from node.pipeline import client as stage_client
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
 
@@ -48,18 +56,41 @@ def loopback_bytes() -> int:
     return lo.bytes_sent if lo else 0
 
 
-async def swarm_rate(dht: SwarmDHT, micro_batches: int, in_flight: int) -> tuple[float, float]:
+WAYS = ("reused", "per-call")  # how the trainer's calls get their streams
+
+
+async def swarm_rates(
+    dht: SwarmDHT, micro_batches: int, in_flight: int, repeats: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Each way's (samples/s, loopback bytes per sample), one per round; the ways take
+    turns within each round."""
     trainer = await open_trainer(dht, TrainerSettings(in_flight=in_flight, call_timeout_s=120))
+    rates: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     try:
         await trainer.train(in_flight * 2)  # warm-up: connections, allocations
-        before_bytes, before_samples = loopback_bytes(), trainer.stats.samples
-        started = time.perf_counter()
-        await trainer.train(micro_batches)
-        elapsed = time.perf_counter() - started
-        samples = trainer.stats.samples - before_samples
-        return samples / elapsed, (loopback_bytes() - before_bytes) / samples
+        for _ in range(repeats):
+            for way in WAYS:
+                stage_client.reuse_streams(trainer.p2p, way == "reused")
+                before_bytes, before_samples = loopback_bytes(), trainer.stats.samples
+                started = time.perf_counter()
+                await trainer.train(micro_batches)
+                elapsed = time.perf_counter() - started
+                samples = trainer.stats.samples - before_samples
+                wire = (loopback_bytes() - before_bytes) / samples
+                rates[way].append((samples / elapsed, wire))
+                print(f"  {way:9s} {samples / elapsed:8.1f} samples/s", flush=True)
+        return rates
     finally:
+        stage_client.close_sessions(trainer.p2p)
         await trainer.p2p.shutdown()
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """``median [min-max]``."""
+    return (
+        f"{statistics.median(values):.{digits}f} "
+        f"[{min(values):.{digits}f}-{max(values):.{digits}f}]"
+    )
 
 
 def main() -> None:
@@ -69,15 +100,17 @@ def main() -> None:
     p.add_argument("--peers", type=int, default=2, help="peers per stage")
     p.add_argument("--micro-batches", type=int, default=120)
     p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5, help="rounds of each way, and baselines")
     args = p.parse_args()
 
     corpus = load_corpus()
     model, optim = preset(args.preset)
     print(f"cores: {psutil.cpu_count()}  torch threads: {torch.get_num_threads()}  "
           f"preset {args.preset}: micro-batch {optim.micro_batch_size} x "
-          f"{model.block_size}")  # fmt: skip
-    base = baseline_rate(args.preset, args.micro_batches, corpus)
-    print(f"baseline (one process):         {base:8.1f} samples/s")
+          f"{model.block_size}  load average: {psutil.getloadavg()[0]:.1f}",
+          flush=True)  # fmt: skip
+    bases = [baseline_rate(args.preset, args.micro_batches, corpus) for _ in range(args.repeats)]
+    print(f"baseline (one process):         {spread(bases, 1)} samples/s", flush=True)
 
     nodes, dht = [], None
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,17 +127,24 @@ def main() -> None:
                 n.wait_serving(120)
             dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
                                  host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
-            rate, wire = asyncio.run(swarm_rate(dht, args.micro_batches, args.in_flight))
+            rates = asyncio.run(swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats))
         finally:
             if dht is not None:
                 dht.shutdown()
             stop_all(nodes)
 
+    base = statistics.median(bases)
     needed = 2 * (args.stages - 1) * model.block_size * model.n_embd * 4  # fwd + bwd, float32
-    print(f"swarm ({args.stages} stages x {args.peers} peers): {rate:8.1f} samples/s")
-    print(f"ratio swarm / baseline:         {rate / base:8.3f}")
-    print(f"loopback bytes per sample:      {wire:10.0f}  (activations required: {needed})")
-    print(f"ratio wire / required bytes:    {wire / needed:8.3f}")
+    print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
+    for way in WAYS:
+        rate, wire = [r for r, _ in rates[way]], [w for _, w in rates[way]]
+        print(f"swarm ({args.stages} stages x {args.peers} peers), {way} streams:")
+        print(f"  samples/s:                    {spread(rate, 1)}")
+        print(f"  ratio swarm / baseline:       {spread([r / base for r in rate])}")
+        print(f"  loopback bytes per sample:    {spread(wire, 0)}  (activations: {needed})")
+        print(f"  ratio wire / required bytes:  {spread([w / needed for w in wire])}")
+    paired = [a / b for (a, _), (b, _) in zip(rates[WAYS[0]], rates[WAYS[1]], strict=True)]
+    print(f"ratio {WAYS[0]} / {WAYS[1]}, round by round: {spread(paired)}")
 
 
 if __name__ == "__main__":

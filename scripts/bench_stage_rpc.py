@@ -3,8 +3,10 @@
     python -m scripts.bench_stage_rpc [--calls 300] [--train-preset small --train-calls 12]
 
 Prints medians measured side by side in one run: an echo of a 4 x 16 float32 tensor as a
-unary call and as a stream call (what ``StageServer`` uses), a ``StageServer`` forward of
-the ``tiny`` preset's stage 0 against the same forward run locally, and a training
+unary call and as a stream call, a ``StageServer`` forward of the ``tiny`` preset's stage
+0 on a reused stream (a session, what callers use) and on a stream of its own, with the
+CPU time per call of this process and of the two ``p2pd`` daemons, against the same
+forward run locally, and a training
 micro-batch on stage 0 of ``--train-preset`` (a forward marked ``train``, then its
 backward, to the same peer) with the server keeping the forward's graph against the same
 server recomputing it.
@@ -22,6 +24,7 @@ import time
 # hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
 from typing import AsyncIterator  # noqa: UP035
 
+import psutil
 import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, ServicerBase
@@ -47,6 +50,22 @@ class Echo(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for request in requests:
             yield runtime_pb2.ExpertResponse(tensors=request.tensors)
+
+
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its children (the daemons)."""
+    me = psutil.Process()
+    own = sum(me.cpu_times()[:2])
+    return own, sum(sum(c.cpu_times()[:2]) for c in me.children(recursive=True))
+
+
+async def _cpu_ms(call, n: int) -> tuple[float, float]:
+    """Milliseconds of CPU per call: this process's, the daemons'."""
+    own, daemons = _cpu_s()
+    for _ in range(n):
+        await call()
+    own_after, daemons_after = _cpu_s()
+    return 1e3 * (own_after - own) / n, 1e3 * (daemons_after - daemons) / n
 
 
 async def _median_ms(call, n: int) -> float:
@@ -137,12 +156,32 @@ async def main(n: int, train_preset: str, train_calls: int) -> None:
             with torch.no_grad():
                 stage(x)
 
-        remote_ms = await _median_ms(remote, n)
-        local_ms = await _median_ms(local, n)
+        timed: dict[str, list[float]] = {"reused": [], "own": [], "local": []}
+        cpu: dict[str, list[tuple[float, float]]] = {"reused": [], "own": [], "local": []}
+        for _ in range(3):  # the ways take turns, so that both see the same machine
+            for way in ("reused", "own"):
+                stage_client.reuse_streams(client, way == "reused")
+                timed[way].append(await _median_ms(remote, n // 3))
+                cpu[way].append(await _cpu_ms(remote, n // 3))
+            timed["local"].append(await _median_ms(local, n // 3))
+            cpu["local"].append(await _cpu_ms(local, n // 3))
+        stage_client.reuse_streams(client, True)
+        ms = {way: statistics.median(t) for way, t in timed.items()}
         print(
-            f"tiny stage 0 forward ({tuple(x.shape)}): remote {remote_ms:.2f} ms, "
-            f"local {local_ms:.2f} ms, ratio {remote_ms / local_ms:.1f}"
+            f"tiny stage 0 forward ({tuple(x.shape)}): remote on a reused stream "
+            f"{ms['reused']:.2f} ms, on a stream of its own {ms['own']:.2f} ms, local "
+            f"{ms['local']:.2f} ms; ratio reused / own {ms['reused'] / ms['own']:.2f}, "
+            f"reused / local {ms['reused'] / ms['local']:.1f}"
         )
+        local_cpu = statistics.median(own for own, _ in cpu["local"])
+        print(f"  CPU per call: the forward run locally {local_cpu:.2f} ms")
+        for way, label in (("reused", "a reused stream"), ("own", "a stream of its own")):
+            own, daemons = (statistics.median(c) for c in zip(*cpu[way], strict=True))
+            print(
+                f"  CPU per call on {label}: this process {own:.2f} ms (both sides and the "
+                f"forward), p2pd daemons {daemons:.2f} ms; beyond the forward "
+                f"{own + daemons - local_cpu:.2f} ms"
+            )
         await stage_server.shutdown()
         stage_server = None
         await _train_ratio(server, client, train_preset, train_calls)

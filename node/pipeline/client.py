@@ -8,6 +8,14 @@ nonsense: retry on another peer of the stage), and of those ``StageBusy`` when t
 shed it for load (``protocol.admission.BUSY``: retry elsewhere, without holding it
 against the peer for long).
 
+Calls go through sessions (``node.pipeline.server``): a stream to a peer's stage is kept
+open after a call that was answered, and the next call to that stage of that peer takes
+it instead of opening a new one (a stream open costs more CPU than a small call). A call
+holds its stream alone (calls in flight to one peer use one stream each); a stream that
+failed in any way (an error answer, a timeout, a cancellation) is closed, never reused;
+one idle for ``IDLE_S`` is closed, and at most ``MAX_IDLE_STREAMS`` idle ones are kept per
+peer and stage.
+
 Gradients follow ``models.training``'s convention: the last stage back-propagates
 ``loss * B``, so every gradient that comes back is a sum over the micro-batch's samples.
 """
@@ -15,8 +23,11 @@ Gradients follow ``models.training``'s convention: the last stage back-propagate
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
+import time
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
@@ -24,7 +35,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from node import limits
-from node.pipeline.server import StageServer, stage_namespace
+from node.pipeline.server import SESSION, SESSION_IDLE_S, StageServer, stage_namespace
 from node.pipeline.wire import (
     FAILED,
     MAX_FRAME_BYTES,
@@ -36,12 +47,16 @@ from node.pipeline.wire import (
     serialize,
     split_message,
 )
-from node.rpc.service import FrameError, read_frame
+from node.rpc.service import FrameError, read_frame, write_frames
 from protocol.admission import BUSY
 from protocol.stage_messages import BACKWARD, FORWARD, StageMeta, StageRequestError
 
 DEFAULT_TIMEOUT = 30.0
 MAX_RESPONSE_BYTES = 2**30
+# An idle stream is reused for at most this long, well within the server's own idle limit,
+# so that a call never goes out on a stream the server is closing.
+IDLE_S = SESSION_IDLE_S / 3
+MAX_IDLE_STREAMS = 8  # idle streams kept per peer and stage (calls in flight there, at most)
 
 
 class StageCallError(Exception):
@@ -86,27 +101,20 @@ async def call(
     max_response_bytes: int = MAX_RESPONSE_BYTES,
     local: StageServer | None = None,
 ) -> list[torch.Tensor]:
-    """Send one raw request to the ``rpc_<kind>`` of ``peer_id``'s server of ``stage``
-    and return the response's tensors. ``local``: ``peer_id`` is this process's own peer
-    and this is its server of ``stage``; the request is served in-process."""
+    """Send one raw ``kind`` request to ``peer_id``'s server of ``stage`` (in a session:
+    see the module docstring) and return the response's tensors. ``local``: ``peer_id``
+    is this process's own peer and this is its server of ``stage``; the request is served
+    in-process."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
     if local is not None:
         return await _call_local(local, peer_id, kind, metadata, tensors, timeout)
-    handle = StageServer.handle_name(stage_namespace(stage), f"rpc_{kind}")
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
     # the bytes both ways count (and wait for the node's limits) as the call's purpose
     purpose = limits.PURPOSE.set(purpose_of(kind))
     try:
         async with asyncio.timeout(timeout):
-            _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handle)
-            with contextlib.closing(writer):  # closing tells the server we are done
-                sending = asyncio.create_task(_send(writer, metadata, tensors))
-                try:
-                    return await _receive(reader, assembler)
-                finally:
-                    sending.cancel()  # done, or the server answered before reading it all
-                    await asyncio.gather(sending, return_exceptions=True)
+            return await _call_on_stream(p2p, peer_id, kind, stage, metadata, tensors, assembler)
     except TimeoutError:
         raise StageTimeout(peer_id, f"no response within {timeout} s") from None
     except P2PHandlerError as e:
@@ -122,6 +130,138 @@ async def call(
         raise StageUnavailable(peer_id, f"unreachable: {type(e).__name__}: {e}") from None
     finally:
         limits.PURPOSE.reset(purpose)
+
+
+@dataclass
+class _Stream:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    idle_since: float = 0.0  # time.monotonic() when its last call was answered
+
+
+class _Sessions:
+    """The idle session streams of one ``P2P``, per (peer, handle)."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[PeerID, str], list[_Stream]] = {}
+        self._swept = time.monotonic()
+
+    def take(self, key: tuple[PeerID, str]) -> _Stream | None:
+        """The most recently used idle stream of ``key`` that is still open, if any."""
+        now = time.monotonic()
+        self._sweep(now)
+        idle = self._idle.get(key, [])
+        while idle:
+            stream = idle.pop()
+            if now - stream.idle_since < IDLE_S and not stream.reader.at_eof():
+                return stream
+            stream.writer.close()  # the server closed it (it shut down, or idled it out)
+        return None
+
+    def give_back(self, key: tuple[PeerID, str], stream: _Stream) -> None:
+        """``stream`` answered its call whole: keep it for the next call of ``key``."""
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= MAX_IDLE_STREAMS:
+            stream.writer.close()
+            return
+        stream.idle_since = time.monotonic()
+        idle.append(stream)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for stream in idle:
+                stream.writer.close()
+        self._idle.clear()
+
+    def _sweep(self, now: float) -> None:
+        """Close the streams idle past ``IDLE_S`` (at most once per ``IDLE_S``)."""
+        if now - self._swept < IDLE_S:
+            return
+        self._swept = now
+        for key, idle in list(self._idle.items()):
+            for stream in idle:
+                if now - stream.idle_since >= IDLE_S:
+                    stream.writer.close()
+            idle[:] = [s for s in idle if now - s.idle_since < IDLE_S]
+            if not idle:
+                del self._idle[key]
+
+
+# Each P2P's idle streams; None: its calls open a stream each (``reuse_streams``).
+_sessions: weakref.WeakKeyDictionary[P2P, _Sessions | None] = weakref.WeakKeyDictionary()
+
+
+def reuse_streams(p2p: P2P, reuse: bool) -> None:
+    """Whether calls made through ``p2p`` from now on keep their streams for the next call
+    (the default) or open one per call to the ``rpc_forward`` / ``rpc_backward`` handlers,
+    closed once answered (what ``python -m scripts.bench_pipeline`` compares)."""
+    close_sessions(p2p)
+    if not reuse:
+        _sessions[p2p] = None
+
+
+def close_sessions(p2p: P2P) -> None:
+    """Close the idle streams that calls made through ``p2p`` keep (before it shuts down)."""
+    sessions = _sessions.pop(p2p, None)
+    if sessions is not None:
+        sessions.close()
+
+
+async def _call_on_stream(
+    p2p: P2P,
+    peer_id: PeerID,
+    kind: str,
+    stage: int,
+    metadata: bytes,
+    tensors: list[runtime_pb2.Tensor],
+    assembler: Assembler,
+) -> list[torch.Tensor]:
+    """One request and its response on an idle session stream to ``peer_id``'s ``stage``
+    (a new one if none is idle, or if the idle one turns out closed before any answer: the
+    server closed it unread), kept for the next call only if this one was answered whole;
+    or, where ``p2p`` reuses no streams, on a new stream to ``rpc_<kind>``."""
+    if p2p in _sessions and _sessions[p2p] is None:
+        sessions, handle = None, f"rpc_{kind}"
+    else:
+        sessions, handle = _sessions.setdefault(p2p, _Sessions()), SESSION
+    key = (peer_id, StageServer.handle_name(stage_namespace(stage), handle))
+    idle = sessions.take(key) if sessions is not None else None
+    if idle is not None:
+        try:
+            return await _exchange(sessions, key, idle, metadata, tensors, assembler)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if assembler.received:
+                raise  # it was answering: the server broke, not the idle stream
+    _, reader, writer = await p2p.call_binary_stream_handler(*key)
+    return await _exchange(sessions, key, _Stream(reader, writer), metadata, tensors, assembler)
+
+
+async def _exchange(
+    sessions: _Sessions | None,
+    key: tuple[PeerID, str],
+    stream: _Stream,
+    metadata: bytes,
+    tensors: list[runtime_pb2.Tensor],
+    assembler: Assembler,
+) -> list[torch.Tensor]:
+    """Send the request on ``stream`` and read its response; then keep the stream in
+    ``sessions`` if it was answered whole, else close it."""
+    answered = False
+    try:
+        sending = asyncio.create_task(_send(stream.writer, metadata, tensors))
+        try:
+            out = await _receive(stream.reader, assembler)
+            await sending  # a server answers once it has read the whole request
+        finally:
+            sending.cancel()  # done, or the server answered before reading it all
+            await asyncio.gather(sending, return_exceptions=True)
+        answered = True
+        return out
+    finally:
+        if answered and sessions is not None:
+            sessions.give_back(key, stream)
+        else:  # closing tells the server we are done
+            stream.writer.close()
 
 
 def purpose_of(kind: str) -> str:
@@ -154,9 +294,8 @@ async def _call_local(
 async def _send(
     writer: asyncio.StreamWriter, metadata: bytes, tensors: list[runtime_pb2.Tensor]
 ) -> None:
-    for message in split_message(runtime_pb2.ExpertRequest, metadata, tensors):
-        await P2P.send_protobuf(message, writer)
-    await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+    messages = split_message(runtime_pb2.ExpertRequest, metadata, tensors)
+    await write_frames(itertools.chain(messages, [P2P.END_OF_STREAM]), writer)
 
 
 async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[torch.Tensor]:

@@ -14,6 +14,19 @@ error reply with a field that does not exist, and the caller waits for its timeo
 against a unary one, and a served forward against a local one, is measured by
 ``python -m scripts.bench_stage_rpc`` (figures in BENCHMARKS.md, "Pipeline").
 
+Sessions. Opening a stream costs more than a small request itself (a new socket to each
+daemon and a new libp2p stream: about 4 ms of CPU on loopback against under 1 ms for a
+request on an open stream; ``python -m scripts.bench_stage_rpc``), so callers keep
+streams open: the ``session`` handler serves one request after another on one stream,
+each request ended by hivemind's end-of-stream frame and answered as ``rpc_forward`` /
+``rpc_backward`` answer (the request's ``StageMeta.kind`` says which). Each request is
+admitted, charged, timed, checked and counted as a request on a stream of its own is;
+its ticket is held from its first frame to its answer, not while the session is idle. A
+caller holds at most ``AdmissionLimits.per_caller`` sessions (the node ``total``), an
+idle one is closed after ``SESSION_IDLE_S``, and after any error (a refusal, a shed
+request, a bad frame) the session ends as a refused stream does. ``rpc_forward`` and
+``rpc_backward`` (one request per stream) stay for callers that open a stream per call.
+
 A backward is stateless: the caller re-sends the stage's inputs with the gradient of its
 outputs, so any peer of the stage can serve the backward of a forward that ran elsewhere.
 The computation (kept forward graphs, recompute, accumulation into ``.grad``) is the
@@ -71,7 +84,9 @@ from typing import AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from models.stages import Stage
 from models.training import StageOptimizer
@@ -89,13 +104,18 @@ from node.pipeline.wire import (
     serialize,
     split_message,
 )
+from node.rpc.hivemind_compat import DETACH_TIMEOUT_S, p2pd_running
 from node.rpc.service import (
     BAN_AFTER,
     BAN_S,
     BAN_WINDOW_S,
     MEMBERSHIP,
+    FrameError,
     NodeServicer,
     admitted_ticket,
+    read_frame,
+    refuse,
+    write_frames,
 )
 from protocol.admission import BUSY, InFlight, Refusal, request_deadline_s
 from protocol.routing import BanList
@@ -124,6 +144,15 @@ SHARE_WAIT_S = 0.5
 # An open micro-batch whose backward has not come after this long is forgotten (its trainer
 # died, or sent the backward to another peer of the stage): it no longer holds a step back.
 OPEN_S = 10.0
+# The handler of sessions: streams that carry one request after another (see ``session``).
+SESSION = "session"
+# A session with no request for this long is closed: callers reuse a stream for less time
+# (``node.pipeline.client.IDLE_S``), so they never send on one the server is closing.
+SESSION_IDLE_S = 60.0
+
+
+class CallerGone(Exception):
+    """The caller's stream ended in the middle of a request (nobody to answer)."""
 
 
 class Shed(Exception):
@@ -155,6 +184,7 @@ class StageCounters:
     overdue: int = 0  # of those, admitted after ``HOLD_S`` without the step (may be stale)
     inferred: int = 0  # inference forwards served (generation), not counted in ``forward``
     shed: int = 0  # requests this server shed for load or for arriving too slowly
+    sessions: int = 0  # sessions opened (each serves requests one after another)
 
 
 def stage_namespace(stage: int) -> str:
@@ -225,6 +255,10 @@ class StageServer(NodeServicer):
         self._gate_changed: asyncio.Event | None = None
         self._gate_loop: asyncio.AbstractEventLoop | None = None
         self._held = self._overdue = self._waiting = 0
+        # Sessions open now: caller -> how many, and their writers (closed on detach).
+        self._sessions: dict[str, int] = {}
+        self._session_writers: set[asyncio.StreamWriter] = set()
+        self._sessions_opened = 0
 
     @classmethod
     async def create(
@@ -239,6 +273,25 @@ class StageServer(NodeServicer):
         self = cls(stage, optimizer, contract, run_id, **settings)
         await self.attach(p2p)
         return self
+
+    async def attach(self, p2p: P2P) -> None:
+        await super().attach(p2p)
+        await p2p.add_binary_stream_handler(
+            self.handle_name(self.namespace, SESSION), self._serve_session
+        )
+
+    async def detach(self, timeout_s: float = DETACH_TIMEOUT_S) -> None:
+        """Stop taking requests, and end the open sessions (their callers reroute)."""
+        p2p = self._p2p
+        if p2p is not None and p2pd_running(p2p):
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(timeout_s):
+                    await p2p.remove_binary_stream_handler(
+                        self.handle_name(self.namespace, SESSION)
+                    )
+        for writer in list(self._session_writers):
+            writer.close()
+        await super().detach(timeout_s)
 
     async def shutdown(self) -> None:
         """Stop taking requests and wait for the computation in progress."""
@@ -267,7 +320,13 @@ class StageServer(NodeServicer):
             overdue=self._overdue,
             inferred=self.executor.inferred,
             shed=sum(self.shed_tally.totals.values()) if self.shed_tally else 0,
+            sessions=self._sessions_opened,
         )
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open now."""
+        return len(self._session_writers)
 
     def refused(self, context: P2PContext, what: str, reason: str, cause: str = "") -> None:
         self._rejected += 1  # bad frames too, which the handler never sees
@@ -441,6 +500,101 @@ class StageServer(NodeServicer):
         # (hivemind then cancels this handler): closing first can cut the last chunk short.
         await asyncio.sleep(self.close_grace)
 
+    async def _serve_session(
+        self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Serve the requests of one session until the caller closes it, it idles past
+        ``SESSION_IDLE_S``, or a request fails (see the module docstring)."""
+        name = self.handle_name(self.namespace, SESSION)
+        local_id = self._p2p.peer_id if self._p2p is not None else info.peer_id
+        context = P2PContext(handle_name=name, local_id=local_id, remote_id=info.peer_id)
+        caller = info.peer_id.to_base58()
+        with contextlib.closing(writer):
+            if banned := self.ban_refusal(context):
+                await refuse(reader, writer, banned, MAX_FRAME_BYTES)
+                return
+            if refusal := self._session_refusal(caller):
+                await refuse(reader, writer, BUSY + self.shed(context, *refusal), MAX_FRAME_BYTES)
+                return
+            self._sessions[caller] = self._sessions.get(caller, 0) + 1
+            self._sessions_opened += 1
+            self._session_writers.add(writer)
+            try:
+                while await self._serve_in_session(context, reader, writer):
+                    pass
+            finally:
+                self._session_writers.discard(writer)
+                self._sessions[caller] -= 1
+                if not self._sessions[caller]:
+                    del self._sessions[caller]
+
+    def _session_refusal(self, caller: str) -> tuple[Refusal, str] | None:
+        """Why ``caller`` may not open another session now, or None."""
+        limits = self.in_flight.limits
+        if self._sessions.get(caller, 0) >= limits.per_caller:
+            return Refusal.CALLER_REQUESTS, f"peer {caller} has {limits.per_caller} sessions open"
+        if sum(self._sessions.values()) >= limits.total:
+            return Refusal.TOTAL_REQUESTS, f"{limits.total} sessions open"
+        return None
+
+    async def _serve_in_session(
+        self, context: P2PContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Serve the session's next request; whether the session goes on."""
+        try:
+            async with asyncio.timeout(SESSION_IDLE_S):
+                first = await read_frame(reader, runtime_pb2.ExpertRequest, MAX_FRAME_BYTES)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            return False  # idle, or the caller closed the session
+        except FrameError as e:
+            self.refused(context, "a stage session", str(e))
+            await refuse(reader, writer, REFUSED + str(e), MAX_FRAME_BYTES)
+            return False
+        if isinstance(first, RPCError):
+            return False  # the caller ended the session
+        if banned := self.ban_refusal(context):
+            await refuse(reader, writer, banned, MAX_FRAME_BYTES)
+            return False
+        ticket = self.in_flight.admit(context.remote_id.to_base58())
+        if isinstance(ticket, Refusal):
+            await refuse(reader, writer, BUSY + self.shed(context, ticket), MAX_FRAME_BYTES)
+            return False
+
+        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            """The request's frames, up to its end-of-stream frame."""
+            yield first
+            while True:
+                try:
+                    frame = await read_frame(reader, runtime_pb2.ExpertRequest, MAX_FRAME_BYTES)
+                except FrameError as e:
+                    raise StageRequestError(str(e)) from None
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    raise CallerGone() from None
+                if isinstance(frame, RPCError):
+                    return
+                yield frame
+
+        kind = _kind_of(first)
+        purpose = limits.PURPOSE.set(limits.ACTIVATIONS if kind == FORWARD else limits.GRADIENTS)
+        try:
+            admitted = admitted_ticket.set(ticket)
+            try:
+                responses = await self._serve(kind, requests(), context)
+            except CallerGone:
+                return False
+            except Exception as e:  # refused, shed or failed: the session ends as a stream does
+                await refuse(reader, writer, str(e), MAX_FRAME_BYTES)
+                return False
+            finally:
+                admitted_ticket.reset(admitted)
+                self.in_flight.release(ticket)
+            await write_frames(responses, writer)
+            return True
+        except ConnectionError:
+            return False  # the caller is gone
+        finally:
+            limits.PURPOSE.reset(purpose)
+
     async def _serve(
         self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> list[runtime_pb2.ExpertResponse]:
@@ -496,6 +650,8 @@ class StageServer(NodeServicer):
         except StageRequestError as e:
             self.refused(context, f"a {kind} request", str(e), cause)
             raise StageRequestError(REFUSED + str(e)) from None
+        except CallerGone:
+            raise
         except Exception as e:
             logger.exception(f"failed to serve a {kind} request from {context.remote_id}")
             raise RuntimeError(f"{FAILED}{type(e).__name__}: {e}") from None
@@ -602,3 +758,13 @@ class StageServer(NodeServicer):
             self.optimizer.accumulated(batch_size)
         self.on_accumulated()
         self.gate_changed()
+
+
+def _kind_of(first: runtime_pb2.ExpertRequest) -> str:
+    """The kind a session's request declares (``FORWARD`` if it declares none that is
+    valid: ``_serve`` then refuses its metadata as any handler would)."""
+    try:
+        kind = StageMeta.decode(first.metadata).kind
+    except Exception:  # whatever it is, ``_serve`` refuses it with the reason
+        return FORWARD
+    return kind if kind in (FORWARD, BACKWARD) else FORWARD

@@ -20,7 +20,7 @@ its stage servers) admits each stream when it opens, before reading it: one over
 caller's or the node's cap is shed at once with a ``BUSY`` error (``shed``: a ``rpc.refused``
 event, not a strike against the caller), and an admitted stream's ticket is the handler's
 ``admitted_ticket`` until the stream ends. A refused stream lingers for the caller to read
-its error (``_refuse``), but at most ``MAX_LINGERING`` at once: past that, a flood of
+its error (``refuse``), but at most ``MAX_LINGERING`` at once: past that, a flood of
 streams is closed right after its errors are sent, so that it cannot hold the node's
 descriptors.
 """
@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import ClassVar
@@ -42,13 +42,14 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.servicer import RPCHandler
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from node import events
+from node import events, limits
 from node.rpc.hivemind_compat import DETACH_TIMEOUT_S, PinnedHandleNames, p2pd_running
 from protocol.admission import BUSY, InFlight, Refusal, RefusalTally, Ticket
 from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)
 
+WRITE_BYTES = 2**18  # frames gathered into one write (and one wait for the upload limit)
 MAX_PREFETCH = 5  # frames read ahead of the handler, as hivemind does: at most 6 in memory
 REFUSAL_LINGER_S = 2.0  # for a refused caller to close the stream once it has the error
 # A caller is banned for BAN_S after BAN_AFTER refused requests within BAN_WINDOW_S.
@@ -58,7 +59,7 @@ BAN_S = 60.0
 # The cause of a refusal as a non-member (``BanList.strike``): forgiven once the caller is
 # admitted, since a restart of either side makes a member look like a stranger for a while.
 MEMBERSHIP = "membership"
-# Refused streams that may linger at once (``_refuse``); more are closed as soon as their
+# Refused streams that may linger at once (``refuse``); more are closed as soon as their
 # error is sent (a caller may then see a reset rather than the error).
 MAX_LINGERING = 128
 # The ticket of the stream a stream handler serves (``NodeServicer.in_flight``), if any.
@@ -94,12 +95,38 @@ async def read_frame(
     return message
 
 
+async def write_frames(
+    messages: Iterable[Message | RPCError], writer: asyncio.StreamWriter
+) -> None:
+    """Send ``messages`` as hivemind frames (``P2P.send_protobuf``'s, counted and paced by
+    ``node.limits`` as it counts them), gathered into writes of up to ``WRITE_BYTES``:
+    hivemind writes a frame's marker, length and body apart, a system call each."""
+    pending: list[bytes] = []
+    size = 0
+    for message in messages:
+        body = message.SerializeToString()
+        marker = P2P.ERROR_MARKER if isinstance(message, RPCError) else P2P.MESSAGE_MARKER
+        pending += (marker, len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER), body)
+        size += len(body) + limits.FRAME_OVERHEAD
+        if size >= WRITE_BYTES:
+            await _write(pending, size, writer)
+            pending, size = [], 0
+    if pending:
+        await _write(pending, size, writer)
+
+
+async def _write(parts: list[bytes], size: int, writer: asyncio.StreamWriter) -> None:
+    await limits.traffic.send(size)
+    writer.write(b"".join(parts))
+    await writer.drain()
+
+
 async def _send_error(writer: asyncio.StreamWriter, message: str) -> None:
     with contextlib.suppress(ConnectionError):  # the caller may be gone: nothing to tell
         await P2P.send_protobuf(RPCError(message=message), writer)
 
 
-async def _refuse(
+async def refuse(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str, max_bytes: int
 ) -> None:
     """Send ``message`` as the stream's error, then drop what the caller still sends (at
@@ -191,14 +218,14 @@ class NodeServicer(PinnedHandleNames):
         the handler)."""
         with contextlib.closing(writer):
             if banned := self.ban_refusal(context):
-                await _refuse(reader, writer, banned, max_bytes)
+                await refuse(reader, writer, banned, max_bytes)
                 return
             ticket = None
             if self.in_flight is not None:
                 ticket = self.in_flight.admit(context.remote_id.to_base58())
                 if isinstance(ticket, Refusal):
                     reason = self.shed(context, ticket)
-                    await _refuse(reader, writer, BUSY + reason, max_bytes)
+                    await refuse(reader, writer, BUSY + reason, max_bytes)
                     return
             try:
                 await self._read_and_respond(
@@ -253,7 +280,7 @@ class NodeServicer(PinnedHandleNames):
         if isinstance(error, FrameError):
             self.refused(context, f"a {context.handle_name} stream", str(error))
             message = self.refusal_prefix + str(error)
-            await _refuse(reader, writer, message, max_bytes)
+            await refuse(reader, writer, message, max_bytes)
         elif error is not None:
             logger.warning(f"reading a stream from {context.remote_id} failed: {error!r}")
 

@@ -23,11 +23,13 @@ from models.stages import Stage, StageRange, validate_boundaries
 from models.training import StageOptimizer, pipeline_loss
 from node.measure.bandwidth import BandwidthProbe, measure_bandwidth
 from node.pipeline import client as stage_client
-from node.pipeline.client import StageRefused, StageTimeout, StageUnavailable
-from node.pipeline.server import StageServer
+from node.pipeline import server as server_module
+from node.pipeline.client import StageBusy, StageRefused, StageTimeout, StageUnavailable
+from node.pipeline.server import SESSION, StageServer, stage_namespace
 from node.pipeline.wire import serialize
 from node.rpc.membership import MembershipGate, present
 from node.rpc.service import BAN_AFTER, BAN_WINDOW_S
+from protocol.admission import AdmissionLimits, InFlight
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipPolicy, issue_invite, parse_invite_token
 from protocol.ownership import make_run_id
@@ -524,6 +526,8 @@ def test_bad_requests_are_refused_and_leave_state_alone(caplog):
 
             for name, stage, kind, metadata, tensors, words in cases:
                 peer = _peer(servers[stage])
+                # a session serves the kind a request declares; a kind's own handler checks it
+                stage_client.reuse_streams(client, name != "kind mismatch")
                 with pytest.raises(StageRefused) as info:
                     await stage_client.call(
                         client, peer, kind, metadata, tensors, stage=stage, timeout=10
@@ -706,5 +710,85 @@ def test_refused_invites_count_toward_a_ban_and_admission_forgives_them():
             await gate.shutdown()
             for p2p in (forger, honest, server):
                 await p2p.shutdown()
+
+    _run(body())
+
+
+async def _until(check, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def test_calls_reuse_their_streams_and_a_refusal_ends_only_its_session():
+    x, _ = _batch()
+    kw = {"run_id": RUN, "stage": 0, "timeout": 30}
+    bad = StageMeta("other", 0, FORWARD, 1).encode()
+
+    async def body():
+        async with _swarm(TWO, [0], callers=_patient()) as (client, (s0,)):
+            first = await stage_client.forward(client, s0.peer_id, x, **kw)
+            for _ in range(4):
+                assert torch.equal(await stage_client.forward(client, s0.peer_id, x, **kw), first)
+            assert (s0.counters.forward, s0.counters.sessions) == (5, 1)
+            # calls in flight at once take a stream each: the idle one, and two new ones
+            calls = [stage_client.forward(client, s0.peer_id, x, **kw) for _ in range(3)]
+            await asyncio.gather(*calls)
+            assert (s0.counters.forward, s0.counters.sessions, s0.open_sessions) == (8, 3, 3)
+
+            # a refused request ends its session (closed, never reused); the others serve on
+            with pytest.raises(StageRefused, match="run 'other'"):
+                await stage_client.call(client, s0.peer_id, FORWARD, bad, [serialize(x)], stage=0)
+            await _until(lambda: s0.open_sessions == 2, "the refused session to end")
+            await stage_client.forward(client, s0.peer_id, x, **kw)
+            assert (s0.counters.forward, s0.counters.rejected, s0.counters.sessions) == (9, 1, 3)
+
+            # one stream per call: the rpc_forward handler, no session
+            stage_client.reuse_streams(client, False)
+            try:
+                assert torch.equal(await stage_client.forward(client, s0.peer_id, x, **kw), first)
+            finally:
+                stage_client.reuse_streams(client, True)
+            assert (s0.counters.forward, s0.counters.sessions) == (10, 3)
+            await _until(lambda: s0.open_sessions == 0, "the client's idle sessions to close")
+
+    _run(body())
+
+
+def test_a_session_the_server_idled_out_is_replaced_without_a_failure(monkeypatch):
+    monkeypatch.setattr(server_module, "SESSION_IDLE_S", 0.5)
+    x, _ = _batch()
+    kw = {"run_id": RUN, "stage": 0, "timeout": 30}
+
+    async def body():
+        async with _swarm(TWO, [0]) as (client, (s0,)):
+            await stage_client.forward(client, s0.peer_id, x, **kw)
+            assert s0.open_sessions == 1
+            await _until(lambda: s0.open_sessions == 0, "the idle session to be closed")
+            await stage_client.forward(client, s0.peer_id, x, **kw)  # on a new stream
+            assert (s0.counters.forward, s0.counters.sessions) == (2, 2)
+
+    _run(body())
+
+
+def test_a_caller_holds_at_most_its_share_of_sessions():
+    x, _ = _batch()
+    kw = {"run_id": RUN, "stage": 0, "timeout": 30}
+    in_flight = InFlight(AdmissionLimits(per_caller=2, total=4))
+
+    async def body():
+        async with _swarm(TWO, [0], in_flight=in_flight) as (client, (s0,)):
+            handle = StageServer.handle_name(stage_namespace(0), SESSION)
+            held = [await client.call_binary_stream_handler(s0.peer_id, handle) for _ in range(2)]
+            await _until(lambda: s0.open_sessions == 2, "two idle sessions")
+            with pytest.raises(StageBusy, match="2 sessions open"):
+                await stage_client.forward(client, s0.peer_id, x, **kw)
+            held.pop()[2].close()
+            await _until(lambda: s0.open_sessions == 1, "a session to end")
+            await stage_client.forward(client, s0.peer_id, x, **kw)
+            assert (s0.counters.forward, s0.counters.shed) == (1, 1)
+            for _, _, writer in held:
+                writer.close()
 
     _run(body())

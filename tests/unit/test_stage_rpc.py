@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 
 from models.stages import Stage, StageRange
 from models.training import StageOptimizer
+from node.pipeline import client as client_module
 from node.pipeline.server import StageServer
 from node.pipeline.wire import MAX_CHUNK_BYTES, Assembler, serialize, split_message
 from node.rpc.membership import NOT_A_MEMBER
@@ -290,3 +291,32 @@ def test_decoded_tensor_checks():
         parse_request(C0, StageMeta(RUN, 0, BACKWARD, 0), [x])
     with pytest.raises(StageRequestError, match="grad_outputs"):
         parse_request(C0, StageMeta(RUN, 0, BACKWARD, 0), [x, h[:, :8]])
+
+
+class _Writer:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_idle_streams_are_reused_until_closed_idle_or_too_many(monkeypatch):
+    async def body():
+        now = [100.0]
+        monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
+        sessions = client_module._Sessions()
+        key = (PeerID.from_base58(peer_id_of(Ed25519PrivateKey.generate().public_key())), "h")
+        assert sessions.take(key) is None
+        streams = [client_module._Stream(asyncio.StreamReader(), _Writer()) for _ in range(10)]
+        for stream in streams:
+            sessions.give_back(key, stream)
+        kept = streams[: client_module.MAX_IDLE_STREAMS]
+        assert [s.writer.closed for s in streams] == [s not in kept for s in streams]
+        assert sessions.take(key) is kept[-1]  # the most recently used first
+        kept[-2].reader.feed_eof()  # the server closed it
+        assert sessions.take(key) is kept[-3] and kept[-2].writer.closed
+        now[0] += client_module.IDLE_S  # the rest idled out: closed, not reused
+        assert sessions.take(key) is None
+        assert all(s.writer.closed for s in kept[:-3])
+
+    asyncio.run(body())
