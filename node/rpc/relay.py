@@ -160,7 +160,7 @@ async def reservation_holds(
         except TimeoutError:
             return f"no connection through the relay within {timeout_s:.0f} s"
         except (P2PDaemonError, ValueError, OSError) as e:
-            return f"{type(e).__name__}: {e}"[:200]
+            return " ".join(f"{type(e).__name__}: {e}".split())[:200]  # one line
         finally:
             if probe is not None:
                 with contextlib.suppress(Exception):
