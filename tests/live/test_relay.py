@@ -69,7 +69,7 @@ def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_p
         wait_until(lambda: first.events("node.started"), 60, "the first node to start")
         run = first.run_id
         second = start("p1", net.hosts[1], [_maddr_at(first, net.hosts[0].address)])
-        wait_until(lambda: second.events("node.started"), 90, "the second node to start")
+        wait_until(lambda: second.maddrs_file.exists(), 90, "the second node's addresses")
         publics = {first.peer_id: first, second.peer_id: second}
         seeds = [_maddr_at(first, net.hosts[0].address), _maddr_at(second, net.hosts[1].address)]
         home = launch_node(tmp_path, "h0", run, initial_peers=seeds, host_maddr=ANY,
@@ -113,19 +113,21 @@ def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
     """2 public and 2 home nodes (tiny, 2 stages, training on): each home finds it is not
     reachable and serves through the first node's relay (event and record); peers connect
     to it through the relay, it serves micro-batches, takes part in averaging rounds with
-    its stage's other peer, and the swarm trains."""
+    its stage's other peer, and the swarm trains. The relay resets each relayed connection
+    after 1 MiB (``--relay-data-limit-mib 1``): a call that fails mid-call on a home is
+    rerouted to another peer of its stage."""
     nodes: list[NodeProcess] = []
     try:
 
-        def start(name: str, where: Host | Home, peers: list[str]) -> NodeProcess:
+        def start(name: str, where: Host | Home, peers: list[str], extra=()) -> NodeProcess:
             node = launch_node(tmp_path, name, run, initial_peers=peers, train=True,
                                host_maddr=ANY, wrap=where.exec, wait=False,
-                               extra=["--heartbeat", "3"])  # fmt: skip
+                               extra=["--heartbeat", "3", *extra])  # fmt: skip
             nodes.append(node)
             return node
 
         run = "relay"
-        first = start("p0", net.hosts[0], [])
+        first = start("p0", net.hosts[0], [], ["--relay-data-limit-mib", "1"])
         wait_until(lambda: first.events("node.started"), 60, "the first node to start")
         run, seed = first.run_id, [_maddr_at(first, net.hosts[0].address)]
         public = start("p1", net.hosts[1], seed)
@@ -161,5 +163,11 @@ def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
             assert record["relay"] == first.peer_id, record
         assert records[public.peer_id]["reachable"] is True
         assert records[public.peer_id]["relay"] is None
+        for node in nodes:  # a call cut mid-call (a relay reset) is sent again elsewhere
+            rerouted = node.events("call.rerouted")
+            for failed in node.events("call.failed"):
+                if failed["peer"] in {h.peer_id for h in homes}:
+                    assert any(r["stage"] == failed["stage"] and r["t"] >= failed["t"]
+                               for r in rerouted), (node.name, failed)  # fmt: skip
     finally:
         stop_all(nodes)
