@@ -11,7 +11,9 @@ hivemind ``P2P`` (``peer``, in its namespace): the public ones with hivemind's d
 peer, autorelay on the first (trusted, no discovery), so that they learn their public
 (router) address from several observers. Home A then connects to home B at
 ``PUBLIC0/p2p-circuit/p2p/B`` and, for ``--watch`` seconds, lists its connections to B:
-relayed (``/p2p-circuit``) or direct. Prints one JSON line per second and a verdict.
+relayed (``/p2p-circuit``) or direct. Prints one JSON line per second and a verdict; every
+peer's ``p2pd`` hole-punching log lines (go-libp2p's ``p2p-holepunch`` logger) go to
+stderr, as ``{"peer": NAME, "holepunch": MESSAGE}``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +38,16 @@ async def peer(args: argparse.Namespace) -> None:
 
     from node.rpc.hivemind_compat import connect, p2pd_options
 
+    class HolePunchLines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "holepunch" in str(getattr(record, "caller", "")):
+                line = {"peer": args.name, "holepunch": record.getMessage()[:300]}
+                print(json.dumps(line), file=sys.stderr, flush=True)
+
+    os.environ["GOLOG_LOG_LEVEL"] = "error,p2p-holepunch=debug"
+    daemon_log = logging.getLogger("hivemind.p2p.p2p_daemon")
+    daemon_log.setLevel(logging.DEBUG)
+    daemon_log.addHandler(HolePunchLines())
     extra = ["-relayDiscovery=false"] if args.trusted else []
     with p2pd_options(extra_args=extra):
         p2p = await P2P.create(
@@ -78,6 +92,7 @@ def main() -> int:
     p.add_argument("--trusted", nargs="*", default=[])
     p.add_argument("--relay")
     p.add_argument("--target")
+    p.add_argument("--name", default="")
     args = p.parse_args()
     if args.peer:
         asyncio.run(peer(args))
@@ -88,8 +103,9 @@ def main() -> int:
 
     procs: list[subprocess.Popen] = []
 
-    def start(where, *extra: str) -> tuple[subprocess.Popen, str]:
-        command = [sys.executable, "-m", "scripts.netem.holepunch", "--peer", *extra]
+    def start(where, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+        command = [sys.executable, "-m", "scripts.netem.holepunch", "--peer", "--name", name,
+                   *extra]  # fmt: skip
         proc = subprocess.Popen(where.exec(command), stdout=subprocess.PIPE, text=True, cwd=ROOT)
         procs.append(proc)
         return proc, json.loads(proc.stdout.readline())["peer_id"]
@@ -99,12 +115,12 @@ def main() -> int:
         with Network([dc] * args.publics, [home, home], subnet="44.77.0") as net:
             try:
                 publics = []
-                for host in net.hosts:
-                    _, pid = start(host, "--initial", *publics[:1])
+                for i, host in enumerate(net.hosts):
+                    _, pid = start(host, f"public{i}", "--initial", *publics[:1])
                     publics.append(f"/ip4/{host.address}/tcp/{PORT}/p2p/{pid}")
                 common = ["--initial", *publics, "--trusted", publics[0]]
-                _, b = start(net.homes[1], *common)
-                a, _ = start(net.homes[0], *common, "--relay", publics[0], "--target", b,
+                _, b = start(net.homes[1], "homeB", *common)
+                a, _ = start(net.homes[0], "homeA", *common, "--relay", publics[0], "--target", b,
                              "--watch", str(args.watch),
                              "--reserve-wait", str(args.reserve_wait))  # fmt: skip
                 first_direct = None
