@@ -16,7 +16,12 @@ fields:
   did and did not reach it), ``declared`` (true: ``--reachable yes`` or ``no`` said so and
   no peer was asked), ``serves`` (false: found unreachable at start, it holds no
   stage and runs as a trainer only, and its DHT stays a client), ``relay`` (null: no
-  relay is used).
+  relay is used; not reachable, it is one found holding the node's reservation).
+- ``relay.changed``: ``previous``, ``relay`` (peer ids; ``relay`` null: no initial peer
+  holds a reservation for the node now, so routing skips it until one does): a node
+  serving through a relay found that relay failing its checks and chose another.
+- ``relay.link``: ``peer``, ``link`` (``relayed``, ``direct`` or ``none``): how this node
+  is linked to a peer that serves through a relay, when that changes.
 - ``node.heartbeat`` (every ``--heartbeat`` seconds while serving): ``stage``,
   ``second_stage`` (None when none), ``served`` (micro-batches), ``steps`` (optimizer
   steps of its stages), ``stage_peers`` (peers on its stages, itself included),

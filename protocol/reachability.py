@@ -182,15 +182,73 @@ def relayed_throughput(
     return tuple(min(t, cap) * RELAY_PREFERENCE for t in throughput)
 
 
+def relay_candidates(trusted: Sequence[str], reachable: dict[str, bool | None]) -> list[str]:
+    """The ``trusted`` relays (the initial peers, on which this node's ``p2pd`` reserves
+    slots) a node may serve through, best first: those whose peer is known to be reachable
+    (``reachable``: peer id -> its record's verdict), then those not known either way;
+    never one known to be unreachable. Only ``/ip4`` or ``/ip6`` TCP addresses with a peer
+    id qualify (what ``PeerInfo.relay`` holds)."""
+    usable = [m for m in dict.fromkeys(trusted) if re.fullmatch(RELAY_MADDR_PATTERN, m)]
+    return [m for wanted in (True, None) for m in usable
+            if reachable.get(relay_peer_id(m)) is wanted]  # fmt: skip
+
+
 def choose_relay(trusted: Sequence[str], reachable: dict[str, bool | None]) -> str | None:
-    """Which of the ``trusted`` relays (the initial peers, on which this node's ``p2pd``
-    reserves slots) to announce: the first whose peer is known to be reachable
-    (``reachable``: peer id -> its record's verdict), else the first not known to be
-    unreachable, else None. Only ``/ip4`` or ``/ip6`` TCP addresses with a peer id qualify
-    (what ``PeerInfo.relay`` holds)."""
-    usable = [m for m in trusted if re.fullmatch(RELAY_MADDR_PATTERN, m)]
-    for wanted in (True, None):
-        for maddr in usable:
-            if reachable.get(relay_peer_id(maddr)) is wanted:
-                return maddr
-    return None
+    """The best of ``relay_candidates``, or None if there is none."""
+    return next(iter(relay_candidates(trusted, reachable)), None)
+
+
+def relay_order(candidates: Sequence[str], current: str | None) -> list[str]:
+    """In which order to try ``candidates`` when the ``current`` relay failed a check: the
+    ones after it (in their order, wrapping around) first, and ``current`` itself last (it
+    may have come back). With no current relay (or one no longer a candidate), the
+    candidates in their order."""
+    if current not in candidates:
+        return list(candidates)
+    i = list(candidates).index(current)
+    return [*candidates[i + 1 :], *candidates[:i], current]
+
+
+@dataclass
+class RelayWatch:
+    """When a node that serves through a relay checks that the relay still holds its
+    reservation, and when it gives up on it: sans-I/O, driven with the time ``now``.
+
+    ``tick`` (the node's cheap, frequent look: is it still connected to the relay?) says
+    whether to check the reservation now: every ``check_every_s`` while all is well, and
+    every ``retry_after_s`` once the connection is gone or a check failed. ``checked``
+    takes the outcome of a check and says whether to choose a relay again: after
+    ``misses_allowed`` failed checks in a row (one can fail on a loaded link while the
+    reservation holds), and at every check while the node has no relay (``relay`` None:
+    no candidate held a reservation at the last choice; it looks again every
+    ``check_every_s``)."""
+
+    check_every_s: float
+    retry_after_s: float
+    misses_allowed: int = 2
+    relay: str | None = None
+    misses: int = 0
+    last_check: float = float("-inf")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.retry_after_s <= self.check_every_s or self.misses_allowed < 1:
+            raise ValueError(
+                "need 0 < retry_after_s <= check_every_s and misses_allowed >= 1, got "
+                f"{self.retry_after_s}, {self.check_every_s} and {self.misses_allowed}"
+            )
+
+    def tick(self, now: float, connected: bool) -> bool:
+        """Whether to check now (``connected``: to the relay, as the daemon says)."""
+        hurry = self.relay is not None and (self.misses > 0 or not connected)
+        return now - self.last_check >= (self.retry_after_s if hurry else self.check_every_s)
+
+    def checked(self, now: float, ok: bool) -> bool:
+        """Record a check of the current relay's reservation (``ok``: it holds); True when
+        the node should choose a relay again (then call ``chose``)."""
+        self.last_check = now
+        self.misses = 0 if ok else self.misses + 1
+        return self.relay is None or self.misses >= self.misses_allowed
+
+    def chose(self, now: float, relay: str | None) -> None:
+        """The relay chosen (None: no candidate held a reservation)."""
+        self.relay, self.misses, self.last_check = relay, 0, now

@@ -41,6 +41,7 @@ from node.daemon.join import (
     owned_spec,
     owner_key_of,
 )
+from node.daemon.relay_keeper import CHOOSE_WAIT_S, RelayKeeper
 from node.daemon.watch import Heartbeat, Members
 from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
@@ -78,7 +79,6 @@ from protocol.membership import MembershipError
 from protocol.ownership import check_run_id
 from protocol.reachability import (
     Reachability,
-    choose_relay,
     dial_target,
     relay_peer_id,
     relayed_throughput,
@@ -320,6 +320,7 @@ class Node:
         # p2pd reserves a slot) it serves through, announced in its record.
         self.relay: str | None = None
         self._relay_links: dict[str, str] = {}  # relayed peer -> how we are linked to it
+        self._relay_keeper: RelayKeeper | None = None  # unreachable, with relaying on
         # Whether it holds stages: decided by the verdict at start (a later verdict leaves
         # it serving; routing then skips it by its record).
         self.serves = True
@@ -427,7 +428,8 @@ class Node:
                 self.settings.reachable == "yes", self.dht.visible_maddrs()
             )
         if not self.reachability.serves and self.settings.relay.use:
-            self.relay = await self._choose_relay()
+            self._relay_keeper = RelayKeeper(self.p2p, self.settings.initial_peers, self._views)
+            self.relay = await self._relay_keeper.choose(wait_s=CHOOSE_WAIT_S)
         self.serves = self.reachability.serves or self.relay is not None
         if self.reachability.serves:
             await self.dht.become_server()
@@ -435,14 +437,21 @@ class Node:
             self.dht.serve_averaging()  # peers reach its averagers through the relay
         self._report_reachability()
 
-    async def _choose_relay(self) -> str | None:
-        """The initial peer to serve through (``choose_relay``), by the run's records."""
-        try:
-            records = {p.peer_id: p.reachable for p in await self.dht.peers()}
-        except Exception as e:  # a DHT hiccup: choose among the initial peers blind
-            logger.debug("reading the run's peers failed: %s", e)
-            records = {}
-        return choose_relay(self.settings.initial_peers, records)
+    async def _views(self) -> dict[str, bool | None]:
+        """Each peer's reachability, as the run's records say (for ``RelayKeeper``)."""
+        return {p.peer_id: p.reachable for p in await self.dht.peers()}
+
+    def _relay_changed(self, previous: str | None, relay: str | None) -> None:
+        """``RelayKeeper``'s news: serve through ``relay`` now (None: through none, so
+        routing skips this node until one holds its reservation again); re-announce."""
+        self.relay = relay
+        events.emit(
+            "relay.changed",
+            previous=previous and relay_peer_id(previous),
+            relay=relay and relay_peer_id(relay),
+        )
+        logger.warning("%s", self.reachability_line())
+        self._changed.set()
 
     async def _ask_reachability(self) -> Reachability:
         maddrs = self.dht.visible_maddrs()
@@ -518,6 +527,19 @@ class Node:
             return (
                 f"not reachable, serving through relay {relay_peer_id(self.relay)} "
                 f"({r.no} of {asked} peers could not dial this node directly)"
+            )
+        keeper = self._relay_keeper
+        if keeper is not None:
+            tried = "; ".join(f"{relay_peer_id(m)}: {why}" for m, why in keeper.tried.items())
+            what = (
+                "peers will not route calls to its stages until one does"
+                if self.serves
+                else "running as a trainer only (it serves no stage)"
+            )
+            return (
+                f"not reachable ({r.no} of {asked} peers could not dial this node), and no "
+                f"initial peer holds a relay reservation for it ({tried or 'none to try'}): "
+                f"{what}"
             )
         what = (
             "peers will not route calls to its stages"
@@ -738,6 +760,9 @@ class Node:
                 tasks.create_task(self._watch_loop(), name="watch"),
             ]
             background.append(tasks.create_task(self._recheck_reachability(), name="reachability"))
+            if self._relay_keeper is not None and self.relay is not None:
+                keeper = self._relay_keeper.run(self._relay_changed)
+                background.append(tasks.create_task(keeper, name="relay-keeper"))
             serves = self.serves  # if not, a trainer only: no stage to hold
             if serves and not await until_stopped(stop, self._join()):
                 for task in background:

@@ -10,6 +10,10 @@ of them in its record (``PeerInfo.relay``), and peers dial it at
 ``RELAY/p2p-circuit/p2p/PEER`` (``connect_relayed``): ``p2pd`` never announces a
 ``/p2p-circuit`` address itself.
 
+Whether a relay holds this node's reservation is told by no ``p2pd`` call:
+``reservation_holds`` dials the node through the relay from a short-lived ``p2pd`` of its
+own (a fresh identity, with no connection to the node that a dial could reuse).
+
 Light to import (hivemind only inside ``connect_relayed``): the CLI's parser reads
 ``RelaySettings``' defaults.
 """
@@ -17,7 +21,9 @@ Light to import (hivemind only inside ``connect_relayed``): the CLI's parser rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # one dial through a relay
+PROBE_TIMEOUT_S = 30.0  # a reservation check: a daemon's start, a dial, its shutdown
 
 
 @dataclass(frozen=True)
@@ -117,3 +124,44 @@ async def connect_relayed(p2p: P2P, records: Iterable[PeerInfo]) -> dict[str, st
     await asyncio.gather(*(dial(r) for r in todo))
     now = await links() if todo else before
     return {r.peer_id: now.get(r.peer_id, "none") for r in relayed}
+
+
+async def reservation_holds(
+    relay: str, peer_id: str, *, timeout_s: float = PROBE_TIMEOUT_S
+) -> str | None:
+    """None if ``relay`` (its ``/ip4/A/tcp/P/p2p/ID`` address) holds a reservation for
+    ``peer_id`` (this node): a fresh ``p2pd`` (a new identity, its own sockets; started,
+    used and stopped within ``timeout_s``) connects to ``peer_id`` at
+    ``RELAY/p2p-circuit/p2p/PEER``, which the relay forwards only on a reservation; else
+    why not, in one line. Run it from the node's process: the dial goes out as the node's
+    would (from its network namespace, through its NAT)."""
+    from hivemind.p2p import P2P, P2PDaemonError, PeerID
+    from multiaddr import Multiaddr
+
+    from node.rpc.hivemind_compat import connect, p2pd_options
+    from protocol.reachability import circuit_maddr
+
+    maddr = circuit_maddr(relay, peer_id)
+    probe: P2P | None = None
+    with tempfile.TemporaryDirectory(prefix="relay-probe-", dir="/tmp") as sockets:
+        try:
+            async with asyncio.timeout(timeout_s):
+                with p2pd_options(socket_dir=sockets):
+                    probe = await P2P.create(
+                        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                        dht_mode="client",
+                        auto_nat=False,
+                        nat_port_map=False,
+                        use_relay=True,
+                        startup_timeout=timeout_s,
+                    )
+                await connect(probe, PeerID.from_base58(peer_id), [Multiaddr(maddr)])
+            return None
+        except TimeoutError:
+            return f"no connection through the relay within {timeout_s:.0f} s"
+        except (P2PDaemonError, ValueError, OSError) as e:
+            return " ".join(f"{type(e).__name__}: {e}".split())[:200]  # one line
+        finally:
+            if probe is not None:
+                with contextlib.suppress(Exception):
+                    await probe.shutdown()

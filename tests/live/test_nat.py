@@ -95,7 +95,8 @@ def _reachability(node: NodeProcess, definite: bool = False) -> dict:
                  if not definite or e["reachable"] is not None]  # fmt: skip
         return found[-1] if found else None
 
-    return wait_until(said, 60, f"node {node.name} to find out whether it is reachable")
+    # A home serving through a relay reports once a relay holds its reservation.
+    return wait_until(said, 150, f"node {node.name} to find out whether it is reachable")
 
 
 def test_home_nodes_behind_nat_train_and_are_never_routed_to(homes_net, tmp_path):

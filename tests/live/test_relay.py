@@ -6,6 +6,8 @@ network cannot be built (``scripts.netem.network.NetemUnavailable``)."""
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -30,23 +32,102 @@ def net() -> Iterator[Network]:
         pytest.skip(f"cannot build the emulated network here: {e}")
 
 
+@pytest.fixture
+def one_home() -> Iterator[Network]:
+    """Two public hosts, and one home behind a router."""
+    try:
+        with Network([profile("datacenter")] * 2, [profile("home")], subnet=PUBLIC_SUBNET) as n:
+            yield n
+    except NetemUnavailable as e:
+        pytest.skip(f"cannot build the emulated network here: {e}")
+
+
+def _served(node: NodeProcess) -> int:
+    """Micro-batches ``node`` served, as its latest heartbeat says."""
+    beats = node.events("node.heartbeat")
+    return beats[-1]["served"] if beats else 0
+
+
+def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_path) -> None:
+    """2 public nodes (both training, both usable as relays: the home's initial peers) and
+    1 home behind NAT (tiny, 1 stage, so that every node serves it and no stage empties
+    when one dies). The home announces a relay that it checked holds its reservation;
+    SIGKILL that relay: within a bounded time the home emits ``relay.changed`` to the
+    other, its record says so, and the surviving trainer's micro-batches reach it again."""
+    net, nodes = one_home, []
+    try:
+
+        def start(name: str, where: Host | Home, peers: list[str], extra=()) -> NodeProcess:
+            node = launch_node(tmp_path, name, run, initial_peers=peers, train=True,
+                               host_maddr=ANY, wrap=where.exec, wait=False,
+                               extra=["--heartbeat", "3", *extra])  # fmt: skip
+            nodes.append(node)
+            return node
+
+        run = "rechoose"
+        first = start("p0", net.hosts[0], [], ["--stages", "1"])
+        wait_until(lambda: first.events("node.started"), 60, "the first node to start")
+        run = first.run_id
+        second = start("p1", net.hosts[1], [_maddr_at(first, net.hosts[0].address)])
+        wait_until(lambda: second.maddrs_file.exists(), 90, "the second node's addresses")
+        publics = {first.peer_id: first, second.peer_id: second}
+        seeds = [_maddr_at(first, net.hosts[0].address), _maddr_at(second, net.hosts[1].address)]
+        home = launch_node(tmp_path, "h0", run, initial_peers=seeds, host_maddr=ANY,
+                           wrap=net.homes[0].exec, wait=False,
+                           extra=["--heartbeat", "3"])  # fmt: skip
+        nodes.append(home)
+
+        said = _reachability(home)
+        assert said["reachable"] is False and said["serves"], said
+        assert said["relay"] in publics, said
+        relay, other = publics[said["relay"]], next(n for p, n in publics.items()
+                                                    if p != said["relay"])  # fmt: skip
+        home.wait_serving(150)
+        wait_until(lambda: _served(home) >= 5, 120, "the home to serve through its relay")
+
+        relay.stop(signal.SIGKILL)
+        killed = time.monotonic()
+
+        def changed() -> dict | None:
+            if not home.alive():
+                raise RuntimeError(f"the home exited:\n{home.output()[-2000:]}")
+            found = [e for e in home.events("relay.changed") if e["relay"] == other.peer_id]
+            return found[0] if found else None
+
+        event = wait_until(changed, 150, "the home to serve through the other relay")
+        took = time.monotonic() - killed
+        assert event["previous"] == relay.peer_id, event
+        before = _served(home)
+        wait_until(lambda: _served(home) >= before + 5, 150,
+                   "the survivor's micro-batches to reach the home again")  # fmt: skip
+        view = status(run, seeds[1 - list(publics).index(relay.peer_id)], host_maddr=ANY,
+                      wrap=net.hosts[1 - list(publics).index(relay.peer_id)].exec)  # fmt: skip
+        record = next(p for p in view["peers"] if p["peer_id"] == home.peer_id)
+        assert record["relay"] == other.peer_id and record["reachable"] is False, record
+        print(f"relay re-chosen {took:.0f} s after the kill")
+    finally:
+        stop_all(nodes)
+
+
 def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
     """2 public and 2 home nodes (tiny, 2 stages, training on): each home finds it is not
     reachable and serves through the first node's relay (event and record); peers connect
     to it through the relay, it serves micro-batches, takes part in averaging rounds with
-    its stage's other peer, and the swarm trains."""
+    its stage's other peer, and the swarm trains. The relay resets each relayed connection
+    after 1 MiB (``--relay-data-limit-mib 1``): a call that fails mid-call on a home is
+    rerouted to another peer of its stage."""
     nodes: list[NodeProcess] = []
     try:
 
-        def start(name: str, where: Host | Home, peers: list[str]) -> NodeProcess:
+        def start(name: str, where: Host | Home, peers: list[str], extra=()) -> NodeProcess:
             node = launch_node(tmp_path, name, run, initial_peers=peers, train=True,
                                host_maddr=ANY, wrap=where.exec, wait=False,
-                               extra=["--heartbeat", "3"])  # fmt: skip
+                               extra=["--heartbeat", "3", *extra])  # fmt: skip
             nodes.append(node)
             return node
 
         run = "relay"
-        first = start("p0", net.hosts[0], [])
+        first = start("p0", net.hosts[0], [], ["--relay-data-limit-mib", "1"])
         wait_until(lambda: first.events("node.started"), 60, "the first node to start")
         run, seed = first.run_id, [_maddr_at(first, net.hosts[0].address)]
         public = start("p1", net.hosts[1], seed)
@@ -59,15 +140,11 @@ def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
         for node in nodes:
             node.wait_serving(120)
 
-        def served(node: NodeProcess) -> int:
-            beats = node.events("node.heartbeat")
-            return beats[-1]["served"] if beats else 0
-
         def averaged(node: NodeProcess) -> bool:
             return any(e["ok"] and e["peers"] >= 2 for e in node.events("averaging.round"))
 
         for home in homes:  # calls reach it through the relay; it averages with its peer
-            wait_until(lambda h=home: served(h) >= 10, 120, f"home {home.name} to serve")
+            wait_until(lambda h=home: _served(h) >= 10, 120, f"home {home.name} to serve")
             wait_until(lambda h=home: averaged(h), 120, f"home {home.name} to average")
         relayed = {e["peer"] for n in nodes for e in n.events("relay.link")}
         assert {h.peer_id for h in homes} <= relayed, relayed
@@ -86,5 +163,11 @@ def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
             assert record["relay"] == first.peer_id, record
         assert records[public.peer_id]["reachable"] is True
         assert records[public.peer_id]["relay"] is None
+        for node in nodes:  # a call cut mid-call (a relay reset) is sent again elsewhere
+            rerouted = node.events("call.rerouted")
+            for failed in node.events("call.failed"):
+                if failed["peer"] in {h.peer_id for h in homes}:
+                    assert any(r["stage"] == failed["stage"] and r["t"] >= failed["t"]
+                               for r in rerouted), (node.name, failed)  # fmt: skip
     finally:
         stop_all(nodes)

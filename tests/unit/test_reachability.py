@@ -1,12 +1,18 @@
 """``protocol.reachability`` without a network: the dial-back messages, the addresses a
 peer may be dialled at, the verdict rule against lying peers; and relays: which one a
-node serves through, what it advertises, its record, and its daemon's flags."""
+node serves through, when it checks its reservation and chooses another (``RelayWatch``,
+and ``RelayKeeper`` with a fake daemon and probe), what it advertises, its record, and its
+daemon's flags."""
 
 from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
+from node.daemon.relay_keeper import RelayKeeper
 from node.rpc.relay import RelaySettings
 from protocol.reachability import (
     MAX_MADDRS,
@@ -17,12 +23,15 @@ from protocol.reachability import (
     DialResult,
     Reachability,
     ReachabilityError,
+    RelayWatch,
     choose_relay,
     circuit_maddr,
     decode,
     dial_target,
     encode,
     observed_ip,
+    relay_candidates,
+    relay_order,
     relay_peer_id,
     relayed_throughput,
     verdict,
@@ -113,6 +122,107 @@ def test_the_relay_is_an_initial_peer_known_reachable_else_not_known_unreachable
     assert choose_relay(["/dns4/relay.example/tcp/4001/p2p/" + RELAY_ID], {}) is None
     assert choose_relay(["/ip4/44.77.0.2/udp/4001/quic/p2p/" + RELAY_ID], {}) is None
     assert choose_relay([], {}) is None
+
+
+def test_candidates_put_known_reachable_relays_first_and_drop_known_unreachable_ones():
+    assert relay_candidates([RELAY, OTHER], {OTHER_ID: True}) == [OTHER, RELAY]
+    assert relay_candidates([RELAY, OTHER, RELAY], {}) == [RELAY, OTHER]
+    assert relay_candidates([RELAY, OTHER], {OTHER_ID: False}) == [RELAY]
+
+
+def test_after_a_failed_relay_the_others_are_tried_first_and_it_last():
+    third = "/ip4/44.77.0.4/tcp/4001/p2p/" + RELAY_ID[:-1] + "2"
+    assert relay_order([RELAY, OTHER, third], OTHER) == [third, RELAY, OTHER]
+    assert relay_order([RELAY, OTHER], None) == [RELAY, OTHER]
+    assert relay_order([RELAY], OTHER) == [RELAY]  # the failed one is no candidate now
+    assert relay_order([], RELAY) == []
+
+
+def test_the_watch_checks_rarely_when_well_at_once_when_cut_and_rechooses_after_misses():
+    watch = RelayWatch(check_every_s=120, retry_after_s=10, misses_allowed=2)
+    watch.chose(0.0, RELAY)
+    assert not watch.tick(5.0, connected=True)
+    assert watch.tick(120.0, connected=True)
+    assert not watch.checked(120.0, ok=True)  # holds: keep it
+    assert not watch.tick(125.0, connected=False)  # cut, but checked 5 s ago
+    assert watch.tick(130.0, connected=False)
+    assert not watch.checked(130.0, ok=False)  # one miss may be a loaded link
+    assert not watch.tick(135.0, connected=True) and watch.tick(140.0, connected=True)
+    assert watch.checked(140.0, ok=False)  # two in a row: choose again
+    watch.chose(141.0, None)  # none held: look again every check_every_s
+    assert not watch.tick(200.0, connected=False) and watch.tick(261.0, connected=False)
+    with pytest.raises(ValueError, match="retry_after_s"):
+        RelayWatch(check_every_s=5, retry_after_s=10)
+
+
+class _Daemon:
+    """What ``RelayKeeper`` asks of a P2P: its peer id and its connections."""
+
+    def __init__(self, connected: set[str]):
+        self.peer_id = SimpleNamespace(to_base58=lambda: ADDR.rsplit("/p2p/", 1)[1])
+        self.connected = connected
+
+    async def list_peers(self):
+        return [SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda p=p: p))
+                for p in self.connected]  # fmt: skip
+
+
+def test_the_keeper_announces_a_relay_that_holds_and_moves_when_it_dies():
+    holding = {RELAY, OTHER}
+    daemon = _Daemon({RELAY_ID, OTHER_ID})
+    probed: list[str] = []
+
+    async def probe(relay: str, peer: str) -> str | None:
+        assert peer == daemon.peer_id.to_base58()
+        probed.append(relay_peer_id(relay))
+        return None if relay in holding else "NO_RESERVATION"
+
+    async def views() -> dict[str, bool | None]:
+        return {RELAY_ID: True, OTHER_ID: True}
+
+    async def scenario() -> list[tuple[str | None, str | None]]:
+        keeper = RelayKeeper(daemon, [RELAY, OTHER], views, probe=probe,
+                             tick_s=0.01, check_every_s=60, retry_after_s=0.02)  # fmt: skip
+        holding.discard(RELAY)  # the first has no reservation yet: the next is chosen
+        assert await keeper.choose(wait_s=0) == OTHER
+        assert probed == [RELAY_ID, OTHER_ID] and list(keeper.tried) == [RELAY]
+        changes: list[tuple[str | None, str | None]] = []
+        async with asyncio.timeout(5):
+            task = asyncio.create_task(keeper.run(lambda *c: changes.append(c)))
+            holding.add(RELAY)
+            holding.discard(OTHER)  # the relay dies: its connection goes
+            daemon.connected.discard(OTHER_ID)
+            while not changes:
+                await asyncio.sleep(0.01)
+            holding.discard(RELAY)  # that one dies too: the node says it has no relay
+            daemon.connected.discard(RELAY_ID)
+            while len(changes) < 2:
+                await asyncio.sleep(0.01)
+            task.cancel()
+        return changes
+
+    assert asyncio.run(scenario()) == [(OTHER, RELAY), (RELAY, None)]
+
+
+def test_the_keeper_waits_a_bounded_time_for_a_reservation_at_start():
+    async def never(relay: str, peer: str) -> str | None:
+        return "NO_RESERVATION"
+
+    async def views() -> dict[str, bool | None]:
+        raise TimeoutError("the DHT did not answer")  # read as nothing known
+
+    async def scenario() -> RelayKeeper:
+        keeper = RelayKeeper(_Daemon(set()), [RELAY, OTHER], views, probe=never,
+                             check_every_s=60, retry_after_s=0.02)  # fmt: skip
+        async with asyncio.timeout(5):
+            assert await keeper.choose(wait_s=0.1) is None
+        return keeper
+
+    keeper = asyncio.run(scenario())
+    assert keeper.relay is None and keeper.tried == {
+        RELAY: "NO_RESERVATION",
+        OTHER: "NO_RESERVATION",
+    }
 
 
 def test_a_relayed_peer_advertises_less_than_its_relay_path_carries():

@@ -1,0 +1,153 @@
+"""Whether ``p2pd`` (hivemind 1.1.12's) upgrades a relayed connection between two homes,
+each behind its own NAT router, to a direct one (DCUtR hole punching). As root.
+
+    python -m scripts.netem.holepunch [--publics 4] [--watch 60]
+
+Builds ``--publics`` public hosts on a public-looking bridge (AutoNAT, relay addresses and
+hole punching ignore private addresses) and 2 homes, each behind a router of its own
+(nftables masquerade; the router drops connections started outside). Each host runs one
+hivemind ``P2P`` (``peer``, in its namespace): the public ones with hivemind's defaults
+(AutoNAT, hole punching, a relay service); the homes with every public peer as initial
+peer, autorelay on the first (trusted, no discovery), so that they learn their public
+(router) address from several observers. Home A then connects to home B at
+``PUBLIC0/p2p-circuit/p2p/B`` and, for ``--watch`` seconds, lists its connections to B:
+relayed (``/p2p-circuit``) or direct. Prints one JSON line per second and a verdict; every
+peer's ``p2pd`` hole-punching log lines (go-libp2p's ``p2p-holepunch`` logger) go to
+stderr, as ``{"peer": NAME, "holepunch": MESSAGE}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+PORT = 4001
+
+
+async def peer(args: argparse.Namespace) -> None:
+    """One ``P2P`` in this namespace; prints ``{"peer_id", "maddrs"}``, then (with
+    ``--target``) dials it through ``--relay`` and reports how it is linked, else waits."""
+    from hivemind.p2p import P2P, P2PDaemonError, PeerID
+    from multiaddr import Multiaddr
+
+    from node.rpc.hivemind_compat import connect, p2pd_options
+
+    class HolePunchLines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "holepunch" in str(getattr(record, "caller", "")):
+                line = {"peer": args.name, "holepunch": record.getMessage()[:300]}
+                print(json.dumps(line), file=sys.stderr, flush=True)
+
+    os.environ["GOLOG_LOG_LEVEL"] = "error,p2p-holepunch=debug"
+    daemon_log = logging.getLogger("hivemind.p2p.p2p_daemon")
+    daemon_log.setLevel(logging.DEBUG)
+    daemon_log.addHandler(HolePunchLines())
+    extra = ["-relayDiscovery=false"] if args.trusted else []
+    with p2pd_options(extra_args=extra):
+        p2p = await P2P.create(
+            initial_peers=args.initial or None,
+            host_maddrs=[f"/ip4/0.0.0.0/tcp/{PORT}"],
+            use_auto_relay=bool(args.trusted),
+            trusted_relays=args.trusted or None,
+            dht_mode="client" if args.trusted else "server",
+        )
+    print(json.dumps({"peer_id": p2p.peer_id.to_base58()}), flush=True)
+    if not args.target:
+        await asyncio.sleep(3600)
+        return
+    target = PeerID.from_base58(args.target)
+    circuit = Multiaddr(f"{args.relay}/p2p-circuit/p2p/{args.target}")
+    start = time.monotonic()
+    while True:  # B reserves once its AutoNAT finds it private
+        try:
+            await connect(p2p, target, [circuit])
+            break
+        except P2PDaemonError as e:
+            if time.monotonic() - start > args.reserve_wait:
+                print(json.dumps({"error": " ".join(str(e).split())[:300]}), flush=True)
+                return
+            await asyncio.sleep(2)
+    connected = time.monotonic()
+    while time.monotonic() - connected < args.watch:
+        addrs = [str(a) for p in await p2p.list_peers() if p.peer_id == target for a in p.addrs]
+        direct = any("p2p-circuit" not in a for a in addrs)
+        print(json.dumps({"t": round(time.monotonic() - connected, 1), "addrs": addrs,
+                          "direct": direct}), flush=True)  # fmt: skip
+        await asyncio.sleep(1)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--publics", type=int, default=4)
+    p.add_argument("--watch", type=float, default=60.0)
+    p.add_argument("--reserve-wait", type=float, default=120.0)
+    p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--initial", nargs="*", default=[])
+    p.add_argument("--trusted", nargs="*", default=[])
+    p.add_argument("--relay")
+    p.add_argument("--target")
+    p.add_argument("--name", default="")
+    args = p.parse_args()
+    if args.peer:
+        asyncio.run(peer(args))
+        return 0
+
+    from scripts.netem.network import ROOT, NetemUnavailable, Network
+    from scripts.netem.profiles import profile
+
+    procs: list[subprocess.Popen] = []
+
+    def start(where, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+        command = [sys.executable, "-m", "scripts.netem.holepunch", "--peer", "--name", name,
+                   *extra]  # fmt: skip
+        proc = subprocess.Popen(where.exec(command), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        procs.append(proc)
+        return proc, json.loads(proc.stdout.readline())["peer_id"]
+
+    dc, home = profile("datacenter"), profile("home")
+    try:
+        with Network([dc] * args.publics, [home, home], subnet="44.77.0") as net:
+            try:
+                publics = []
+                for i, host in enumerate(net.hosts):
+                    _, pid = start(host, f"public{i}", "--initial", *publics[:1])
+                    publics.append(f"/ip4/{host.address}/tcp/{PORT}/p2p/{pid}")
+                common = ["--initial", *publics, "--trusted", publics[0]]
+                _, b = start(net.homes[1], "homeB", *common)
+                a, _ = start(net.homes[0], "homeA", *common, "--relay", publics[0], "--target", b,
+                             "--watch", str(args.watch),
+                             "--reserve-wait", str(args.reserve_wait))  # fmt: skip
+                first_direct = None
+                seen = False
+                for line in a.stdout:
+                    print(line.rstrip(), flush=True)
+                    got = json.loads(line)
+                    seen = seen or "t" in got
+                    if got.get("direct") and first_direct is None:
+                        first_direct = got["t"]
+                a.wait()
+            finally:
+                for proc in procs:
+                    proc.kill()
+                    proc.wait()
+    except NetemUnavailable as e:
+        print(f"SKIPPED: {e}")
+        return 2
+    if not seen:
+        print("verdict: home A never connected to home B through the relay")
+    elif first_direct is None:
+        print(f"verdict: the relayed connection stayed relayed for {args.watch:.0f} s")
+    else:
+        print(f"verdict: a direct connection to home B appeared {first_direct} s after the "
+              "relayed one")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
