@@ -36,6 +36,7 @@ from node.cli.maddrs import (
     check_listen_maddr,
     check_peer_maddr,
 )
+from node.log_budget import LogBudget
 from node.rpc.child_process import die_with_parent
 from node.rpc.gossip import PUBSUB_FLAGS
 from node.rpc.hivemind_compat import (
@@ -193,6 +194,8 @@ class RunRecordValidator(RecordValidatorBase):
         # the clock goes back past the record's date (bounds only tighten, and then this
         # is forgotten).
         self._accepted: dict[tuple[bytes, bytes, bytes, float], float] = {}
+        # A flood of bad records is a line each for the first few, then a count a minute.
+        self._refusals_logged = LogBudget(f"DHT records of run {run} refused")
         self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
@@ -254,7 +257,8 @@ class RunRecordValidator(RecordValidatorBase):
                     self._accepted.clear()
                 self._accepted[seen] = info.timestamp
         except Exception as e:  # anything a peer sends that we cannot read is refused
-            logger.warning("refused a DHT record of run %s: %s", self.run, e)
+            if self._refusals_logged.take(time.monotonic(), logger):
+                logger.warning("refused a DHT record of run %s: %s", self.run, e)
             events.emit("record.refused", run=self.run, reason=str(e))
             return False
         return True
@@ -335,6 +339,7 @@ class SwarmDHT:
         self.bounds: PeerBounds | None = None  # what the run's peer records may hold
         self._peers_read: tuple[float, object, list[PeerInfo]] | None = None  # when, policy
         self._dropped: set[str] = set()  # reasons already logged
+        self._drops_logged = LogBudget("records dropped as they were read")
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
         self._conflicts: set[bytes] = set()  # later specs for this run id, already reported
@@ -495,6 +500,7 @@ class SwarmDHT:
                 records.append(record)
             except RecordError as e:
                 self._log_dropped(e)
+        self._drops_logged.flush(time.monotonic(), logger, logging.WARNING)
         if self.policy is not None and self.policy.private:
             # Each bearer proof is a claim on its invite: learn them all before judging any,
             # so that of two peers using one token at once, the later is dropped right away.
@@ -578,7 +584,9 @@ class SwarmDHT:
                 )
 
     def _log_dropped(self, e: RecordError) -> None:
-        """Warn once per distinct reason (records are re-read every second or so)."""
+        """Warn once per distinct reason (records are re-read every second or so), and of
+        distinct reasons only the first few a minute (``LogBudget``: a flood of records
+        from fresh keys is a distinct reason each)."""
         reason = str(e)
         if reason in self._dropped:
             logger.debug("dropped a record: %s", reason)
@@ -586,7 +594,8 @@ class SwarmDHT:
         if len(self._dropped) >= 1000:
             self._dropped.clear()
         self._dropped.add(reason)
-        logger.warning("dropped a record: %s", reason)
+        if self._drops_logged.take(time.monotonic(), logger):
+            logger.warning("dropped a record: %s", reason)
 
     async def publish_spec(self, signed: SignedSpec) -> bool:
         """Store the owner-signed spec (every node does, again and again, so it outlives
