@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -434,22 +434,32 @@ class SwarmDHT:
         raw = encode_peer_info(info, key)
         return await self._store(peers_key(self.run), info, raw, ttl_s)
 
-    async def peers(self) -> list[PeerInfo]:
+    async def peers(
+        self, select: Callable[[list[str]], Collection[str]] | None = None
+    ) -> list[PeerInfo]:
         """The run's peer records that validate (and, in a private run, whose peers show a
         valid invite; once the spec is known, that fit the run's ``PeerBounds``: a
         throughput per stage for exactly its stages, so that every stage they name is one
         of the run's, and no larger than the run needs); the rest are logged and dropped.
-        A read less than ``PEERS_FRESH_S`` old (under the same policy) is returned again."""
+        A whole read less than ``PEERS_FRESH_S`` old (under the same policy) is returned
+        again. ``select``: given the peer ids the read found (before any record is
+        checked), those whose records to return; a reader that needs a bounded part of a
+        large read (a trainer: the peers it has proven, and a few others) then checks
+        only that part, not each record of a flood."""
         last = self._peers_read
         if (
             last is not None
             and time.monotonic() - last[0] < PEERS_FRESH_S
             and last[1] is self.policy
         ):
-            return list(last[2])
+            if select is None:
+                return list(last[2])
+            chosen = set(select([p.peer_id for p in last[2]]))
+            return [p for p in last[2] if p.peer_id in chosen]
         policy = self.policy
-        found = await self._read(peers_key(self.run), decode_peer_info, self.bounds)
-        self._peers_read = (time.monotonic(), policy, found)
+        found = await self._read(peers_key(self.run), decode_peer_info, self.bounds, select)
+        if select is None:
+            self._peers_read = (time.monotonic(), policy, found)
         return list(found)
 
     async def publish_archive(self, record: ArchiveRecord, key: Ed25519PrivateKey) -> bool:
@@ -481,16 +491,25 @@ class SwarmDHT:
         )
 
     async def _read(
-        self, key: str, decode: Callable[..., R], bounds: PeerBounds | None = None
+        self,
+        key: str,
+        decode: Callable[..., R],
+        bounds: PeerBounds | None = None,
+        select: Callable[[list[str]], Collection[str]] | None = None,
     ) -> list[R]:
         """The signed per-peer records under ``key`` that ``decode`` accepts (and that fit
         ``bounds``, if given) and, in a private run, whose peers show a valid invite; the
-        rest are logged and dropped."""
+        rest are logged and dropped. With ``select``, only the records of the subkeys it
+        picks are checked and returned."""
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
+        items = found.value.items()
+        if select is not None:
+            chosen = set(select([k for k in found.value if isinstance(k, str)]))
+            items = [(k, v) for k, v in items if k in chosen]
         now, records, result = get_dht_time(), [], []
-        for subkey, item in found.value.items():
+        for subkey, item in items:
             try:
                 record = decode(
                     item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
