@@ -32,6 +32,8 @@ from protocol.records import (
     encode_peer_info,
 )
 
+IN_FLIGHT = 64  # an attacker's stores in flight at once
+
 
 def attacker_dht(maddr: str) -> hivemind.DHT:
     """A DHT peer of the run that checks nothing: it stores and serves whatever it is given."""
@@ -66,25 +68,29 @@ def peer_info(run: str, peer_id: str, **changes) -> PeerInfo:
 
 def sybil_flood(attacker: hivemind.DHT, run: str, n: int, timeout: float = 120.0, **changes) -> int:
     """Store ``n`` sybil records (each from a new key, serving stage ``i % 2``, dated now,
-    living as long as a record may) with ``changes``, all at once; returns the size of one
-    in bytes. ``TimeoutError`` if they are not all stored within ``timeout``."""
-    key, futures, size = peers_key(run), [], 0
-    for i in range(n):
+    living as long as a record may) with ``changes``, ``IN_FLIGHT`` stores at a time (a
+    thousand at once can overrun the pipe to hivemind's DHT process on a loaded machine);
+    returns the size of one in bytes. ``TimeoutError`` if they are not all stored within
+    ``timeout``."""
+    key, pending, size = peers_key(run), [], 0
+    deadline = time.monotonic() + timeout
+    for i in range(n + IN_FLIGHT):
+        if len(pending) >= IN_FLIGHT or (i >= n and pending):
+            try:
+                pending.pop(0).result(timeout=max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TimeoutError(
+                    f"the attacker stored {i - len(pending) - 1} of {n} records in {timeout:.0f} s"
+                ) from None
+        if i >= n:
+            continue
         secret, peer_id = fresh_key()
         now = get_dht_time()
         fields = {"stage": i % 2, "timestamp": now, "ttl_s": MAX_RECORD_AGE_S, **changes}
         raw = encode_peer_info(peer_info(run, peer_id, **fields), secret)
         size = len(raw)
         expiration = now + MAX_RECORD_AGE_S
-        futures.append(attacker.store(key, raw, expiration, subkey=peer_id, return_future=True))
-    deadline = time.monotonic() + timeout
-    for done, f in enumerate(futures):
-        try:
-            f.result(timeout=max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            raise TimeoutError(
-                f"the attacker stored {done} of {n} records in {timeout:.0f} s"
-            ) from None
+        pending.append(attacker.store(key, raw, expiration, subkey=peer_id, return_future=True))
     return size
 
 

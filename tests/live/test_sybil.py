@@ -3,8 +3,9 @@ raw ``hivemind.DHT`` that checks nothing (as ``test_node_records`` stores forged
 
 Every sybil record is validly signed, but no sybil runs a node: none answers a call or a
 dial. What must hold: the honest peers stay listed in ``swarmtrain status --json``, a
-trainer keeps training at a fifth of its undisturbed rate or more (routing gives a peer
-traffic only as its calls succeed), and claims of 1e9 samples/s on a stage move no peer
+trainer keeps training at half its undisturbed rate or more (routing gives a peer
+traffic only as its calls succeed, and a trainer checks a bounded part of each read of
+the run's peers), and claims of 1e9 samples/s on a stage move no peer
 off it (placement counts only peers it has reached)."""
 
 from __future__ import annotations
@@ -79,10 +80,7 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
             f"records of {fat} and {lean} bytes; status listed {len(listed)} peers; trainer "
             f"{calm:.0f} samples/s undisturbed, {attacked:.0f} under the flood"
         )
-        # Issue 23 asks for within 2x; on an idle 2-core machine the flood still costs
-        # about 3x (the nodes and the trainer read and check 2,000 records on one CPU
-        # budget): this bound holds the trainer to training on, not yet to the target.
-        assert attacked >= calm / 5, f"{attacked} samples/s under the flood, {calm} without"
+        assert attacked >= calm / 2, f"{attacked} samples/s under the flood, {calm} without"
     finally:
         if attacker is not None:
             attacker.shutdown()
