@@ -51,6 +51,7 @@ from models.config import PRESETS
 from protocol.identity import peer_id_of
 from protocol.ownership import check_owner
 from protocol.records import (
+    MAX_RATE,
     MAX_STAGES,
     PROTOCOL_VERSION,
     PeerId,
@@ -71,6 +72,7 @@ MAX_ANNOUNCE_AGE_S = 120.0  # 4 periods: a run whose owner node is down drops of
 MAX_ANNOUNCE_BYTES = 4096  # a real one is a few hundred bytes (2 KiB with 256 stages)
 MAX_DATA_CHARS = 64  # the data description shown in a listing
 VOUCH_CONCURRENCY = 16  # a reader's lookups of runs' peers in flight at once
+MAX_ANNOUNCED_PEERS = 1_000_000
 
 
 class RunAnnouncement(BaseModel):
@@ -86,7 +88,7 @@ class RunAnnouncement(BaseModel):
     n_layer: Annotated[int, Field(ge=1, le=100_000)]
     n_embd: Annotated[int, Field(ge=1, le=1_000_000)]
     data: Annotated[str, Field(max_length=MAX_DATA_CHARS)]
-    peers: Annotated[int, Field(ge=0, le=1_000_000)]  # live peers (not leaving)
+    peers: Annotated[int, Field(ge=0, le=MAX_ANNOUNCED_PEERS)]  # live peers (not leaving)
     # Samples/s routing offers on each stage (protocol.routing.candidates_by_stage): its
     # length is the run's number of stages, its least the pipeline's pace.
     stage_throughput: Annotated[tuple[Rate, ...], Field(min_length=1, max_length=MAX_STAGES)]
@@ -142,13 +144,16 @@ def decode_announcement(
 def live_figures(peers: Iterable[PeerInfo], n_stages: int) -> tuple[int, tuple[float, ...]]:
     """How many peers of a run are live (not leaving), and the samples/s routing offers on
     each of its ``n_stages`` stages, from a read of its peer records: the owner announces
-    these, and a reader counts them again from the records it reads."""
+    these, and a reader counts them again from the records it reads. Each saturates at
+    what an announcement may hold (``MAX_ANNOUNCED_PEERS``, ``MAX_RATE`` a stage): records
+    from fresh keys cost nothing, and claims summing past the bound must not make the
+    owner's announcement invalid, and so unstored."""
     present = [p for p in peers if p.state is not PeerState.LEAVING]
     totals = tuple(
-        round(sum(c.throughput for c in stage), 1)
+        min(round(sum(c.throughput for c in stage), 1), MAX_RATE)
         for stage in candidates_by_stage(present, n_stages)
     )
-    return len({p.peer_id for p in present}), totals
+    return min(len({p.peer_id for p in present}), MAX_ANNOUNCED_PEERS), totals
 
 
 def preset_of(spec: RunSpec) -> str:

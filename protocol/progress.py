@@ -11,6 +11,7 @@ occasion claims nothing. Peers refuse to store a record that would expire more t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -29,6 +30,9 @@ from protocol.records import (
 )
 
 MAX_EPOCH = 2**53  # msgpack and floats agree on every integer up to here
+# How far past the median of a stage's claimed epochs a claim (or a downloaded state) is
+# believed: peers of a stage step together, a few rounds apart at most.
+MAX_EPOCHS_AHEAD = 8
 MAX_PEER_ID_CHARS = 128
 _PROGRESS_DOMAIN = b"swarmtrain/progress"
 
@@ -110,3 +114,18 @@ def decode_progress(
     """The ``Progress`` of a record read from the DHT (``decode_progress_record``)."""
     record = decode_progress_record(raw, subkey=subkey, run=run, now=now, max_age_s=max_age_s)
     return Progress(record.peer_id, record.epoch, record.samples)
+
+
+def believable_epochs(epochs: Sequence[int], max_ahead: int = MAX_EPOCHS_AHEAD) -> list[int]:
+    """The epochs of ``epochs`` (a stage's peers' signed claims) at most ``max_ahead``
+    above their median (the lower one): while most peers are honest the median is an
+    honest epoch, and a claim far beyond it is one peer's word, not the stage's, so a
+    joiner neither waits for it nor takes a state from it. A peer alone is believed (there
+    is nothing to compare it with); an honest peer far ahead of a majority is not either,
+    and the others catch up from it by averaging, not by a joiner's download."""
+    if max_ahead < 0:
+        raise ValueError(f"max_ahead must be >= 0, got {max_ahead}")
+    if not epochs:
+        return []
+    median = sorted(epochs)[(len(epochs) - 1) // 2]
+    return [e for e in epochs if e <= median + max_ahead]

@@ -31,7 +31,8 @@ _PEER_DOMAIN = b"swarmtrain/peer-info"
 # A relay's TCP address and peer id: /ip4/A/tcp/P/p2p/ID or /ip6/A/tcp/P/p2p/ID.
 RELAY_MADDR_PATTERN = r"^/ip[46]/[0-9a-fA-F.:]+/tcp/[0-9]{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{1,64}$"
 
-Rate = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+MAX_RATE = 1e9  # samples/s: what a record (or a run announcement) may claim of one stage
+Rate = Annotated[float, Field(ge=0.0, le=MAX_RATE, allow_inf_nan=False)]
 # How long a record lives in the DHT after its timestamp. A record that names it must be
 # stored to expire exactly then (``expires_at``), so a peer's newer record always outlives
 # its older ones: a replayed old record cannot displace a fresh one.

@@ -183,15 +183,20 @@ def route(
     Proven peers (``probation``) are drawn in proportion to ``throughput * share / (load
     + 1)``. A call probes an unproven peer (not a suspect) with chance
     ``probation.probe_share``, and only while no probe of the stage is in flight
-    (``probing``); with no proven peer, every call probes. A probe goes to a peer in
+    (``probing``); with no proven candidate, every call probes. A probe goes to a peer in
     ``preferred`` (e.g. one the caller's transport is connected to: it runs a real host)
     if there is one, else to any, drawn uniformly: a throughput claim counts for nothing
     before calls have shown it. Banned peers are skipped unless every candidate is banned;
-    suspects are probed only when no other candidate is left."""
+    suspects are probed only when no other candidate is left. When every proven
+    candidate is banned (busy for a moment, or failed and not yet out of the view), a
+    call goes to one of them all the same unless a ``preferred`` peer can be probed: a
+    flood's records must not take every call a proven peer sheds."""
     if not candidates:
         raise ValueError("no peer serves this stage")
     pool = [c for c in candidates if c.peer_id not in banned] or list(candidates)
     proven = [c for c in pool if probation.proven(c.peer_id)]
+    if not proven and not any(c.peer_id in preferred for c in pool):
+        proven = [c for c in candidates if probation.proven(c.peer_id)]
     fresh = [
         c for c in pool if not probation.proven(c.peer_id) and not probation.suspect(c.peer_id, now)
     ]
@@ -204,6 +209,15 @@ def route(
         fresh = [c for c in pool if not probation.proven(c.peer_id)]
     first = [c for c in fresh if c.peer_id in preferred] or fresh
     return rng.choice(first).peer_id, True
+
+
+def refresh_period(base_s: float, listed: int, per: int = 64, most: float = 8.0) -> float:
+    """How long a reader of a run's peers waits between reads: ``base_s``, times
+    ``listed / per`` once more than ``per`` peers are listed, at most ``most`` times.
+    Each read brings every record again, so a flood of records would set a reader's work;
+    a large run's view changes little in one ``base_s`` (failed calls leave it at once,
+    and a newcomer waits a little longer for its first calls)."""
+    return base_s * min(max(listed / per, 1.0), most)
 
 
 def keep_unproven(

@@ -3,7 +3,10 @@ the newer of a state kept on disk and an archive's, else the initial weights
 (``protocol.archive.start_from``).
 
 Everything that arrives is checked against the local stage (``node.averaging.state``)
-before it replaces anything.
+before it replaces anything. Peers' progress records are claims: only epochs consistent
+with the stage's other peers count (``protocol.progress.believable_epochs``), a peer that
+claims more is ignored for a while (``ProgressBoard.distrust``), and a downloaded state
+further ahead than the believable epochs is refused.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from node.averaging.state import StageState, StateError
 from node.averaging.strategies import Strategy
 from node.averaging.transport import HivemindTransport
 from protocol.archive import Start, start_from
+from protocol.progress import MAX_EPOCHS_AHEAD, believable_epochs
 
 logger = logging.getLogger(__name__)
 
 # A state kept on disk: its metadata, tensors, and where it was kept (for log lines).
 Saved = tuple[dict, list[torch.Tensor], str]
+DOUBTED_S = 60.0  # how long the progress of a peer far ahead of the others is ignored
 
 
 class StateDownloadError(RuntimeError):
@@ -91,13 +96,25 @@ async def initial_state(
     deadline = time.monotonic() + timeout_s
     while True:
         others = await board.refresh()
+        epochs = believable_epochs([p.epoch for p in others])
+        if doubted := [p for p in others if p.epoch > max(epochs, default=0)]:
+            logger.warning(
+                "%s: ignoring the progress of %d peers far ahead of the others (%s at "
+                "epoch %d; the others at most %d)",
+                name, len(doubted), doubted[0].peer_id, doubted[0].epoch, max(epochs),
+            )  # fmt: skip
+            board.distrust([p.peer_id for p in doubted], DOUBTED_S)
+            others = [p for p in others if p.epoch <= max(epochs, default=0)]
         archives = await archived() if archived is not None else {}
-        start = start_from([p.epoch for p in others], kept_epoch, archives.values())
+        start = start_from(epochs, kept_epoch, archives.values())
         if start not in (Start.PEERS, Start.ARCHIVE):
             break
         state = await download(
             transport, strategy, max(1.0, deadline - time.monotonic()), name=name
         )
+        if state is not None and start is Start.PEERS and not _believable(state, epochs, name):
+            board.distrust([state.source], DOUBTED_S)
+            state = None
         if state is not None and (
             start is Start.PEERS or kept_epoch is None or state.epoch > kept_epoch
         ):
@@ -123,6 +140,19 @@ async def initial_state(
         return await _take(strategy, kept, Start.CHECKPOINT, name, why, saved[2])
     logger.info("%s: no peer holds it, starting from initial weights", name)
     return LoadedState(Start.INITIAL, strategy.optimizer.step_count, strategy.epoch)
+
+
+def _believable(state: StageState, epochs: list[int], name: str) -> bool:
+    """Whether a state downloaded from a peer is at most ``MAX_EPOCHS_AHEAD`` past the
+    stage's believable epochs (logged if not: its source lied, or ran on alone)."""
+    if state.epoch <= max(epochs, default=0) + MAX_EPOCHS_AHEAD:
+        return True
+    logger.warning(
+        "%s: refused the state %s handed over: epoch %d, far ahead of the stage's peers "
+        "(at most %d)",
+        name, state.source, state.epoch, max(epochs, default=0),
+    )  # fmt: skip
+    return False
 
 
 async def _take(

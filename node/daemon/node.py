@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 import os
-import random
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -59,6 +58,7 @@ from node.measure.bandwidth import (
     BandwidthProbe,
     advertised,
     measure_bandwidth,
+    partners,
 )
 from node.measure.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
 from node.pipeline.server import StageServer
@@ -491,16 +491,20 @@ class Node:
                 self._changed.set()
 
     async def _askers(self) -> list[PeerID]:
-        """Whom to ask for a dial-back, likeliest answerers first: the run's peers known to
-        be reachable, those not known either way, other peers we are connected to (the
-        initial peers), and last those known to be unreachable (they can dial out)."""
+        """Whom to ask for a dial-back, likeliest answerers first: the run's peers this
+        node has reached (a live host holds their key; a record alone costs nothing to
+        forge), those known to be reachable, those not known either way, other peers we
+        are connected to (the initial peers), and last those known to be unreachable
+        (they can dial out)."""
         try:
             records = [p for p in await self.dht.peers() if p.peer_id != self.peer_id]
         except Exception as e:  # a DHT hiccup: the connected peers still answer
             logger.debug("reading the run's peers failed: %s", e)
             records = []
         connected = [p.peer_id.to_base58() for p in await self.p2p.list_peers()]
+        reached = self.placement.reached if self.placement is not None else lambda p: False
         groups = [
+            [p.peer_id for p in records if reached(p.peer_id)],
             [p.peer_id for p in records if p.reachable is True],
             [p.peer_id for p in records if p.reachable is None],
             connected,
@@ -1013,15 +1017,17 @@ class Node:
             await self._checkpoint()
 
     async def _measure_bandwidth(self) -> None:
-        """Up/down against a serving peer (up to 3 tried); on failure it stays 'unknown'."""
-        others = [p for p in await self.dht.peers() if p.routable and p.peer_id != self.peer_id]
-        for peer in random.Random(self.peer_id).sample(others, min(3, len(others))):
+        """Up/down against a serving peer (up to 3 tried, those reached first:
+        ``bandwidth.partners``); on failure it stays 'unknown'."""
+        records = await self.dht.peers()
+        reached = self.placement.reached if self.placement is not None else lambda p: False
+        for peer in partners(records, self.peer_id, reached, self.peer_id):
             try:
-                self.bandwidth = await measure_bandwidth(self.p2p, PeerID.from_base58(peer.peer_id))
+                self.bandwidth = await measure_bandwidth(self.p2p, PeerID.from_base58(peer))
             except BandwidthError as e:
                 logger.warning("could not measure bandwidth: %s", e)
                 continue
-            logger.info("bandwidth against %s: %.0f up / %.0f down Mbit/s", peer.peer_id,
+            logger.info("bandwidth against %s: %.0f up / %.0f down Mbit/s", peer,
                         *self.bandwidth)  # fmt: skip
             self._changed.set()  # re-announce with the measured figures
             return

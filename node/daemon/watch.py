@@ -1,14 +1,18 @@
 """Who joins and leaves a run, as one node's reads of the run's peers see it, and the
 node's heartbeat. ``Members`` is the bookkeeping (no I/O): a peer has joined when a read
 first shows it, and has left when it announces ``leaving`` or its record has been
-missing for longer than ``grace_s``."""
+missing for longer than ``grace_s``. Joins and leaves are each an event, but only the first
+few of each per minute are a log line (``LogBudget``): a flood of sybil records is a
+thousand joins, and then one summary line."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from node import events
+from node.log_budget import LogBudget
 from protocol.records import PeerInfo, PeerState
 
 logger = logging.getLogger(__name__)
@@ -25,6 +29,8 @@ class Members:
     seen: dict[str, float] | None = None  # None before the first read
     joined: list[PeerInfo] = field(default_factory=list)  # from the last ``update``
     left: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why)
+    joins_logged: LogBudget = field(default_factory=lambda: LogBudget("peers joined"))
+    leaves_logged: LogBudget = field(default_factory=lambda: LogBudget("peers left"))
 
     def update(self, peers: list[PeerInfo], now: float) -> None:
         """Take one read of the run's peers; ``joined`` and ``left`` say what changed (at
@@ -49,17 +55,23 @@ class Members:
                 kept[peer_id] = last
         self.seen = kept | dict.fromkeys(present, now)
 
-    def report(self, first: bool) -> None:
-        """Log and emit (``peer.joined``, ``peer.left``) the last update's changes."""
+    def report(self, first: bool, now: float | None = None) -> None:
+        """Emit (``peer.joined``, ``peer.left``) the last update's changes, and log them
+        within the budgets (``now``: ``time.monotonic()`` unless given)."""
+        now = time.monotonic() if now is None else now
         if first and self.seen:
             logger.info("%d other peers in the run", len(self.seen))
         for p in self.joined:
-            stage = "no stage yet" if p.stage is None else f"stage {p.stage}"
-            logger.info("peer %s joined the run (%s)", p.peer_id, stage)
+            if self.joins_logged.take(now, logger):
+                stage = "no stage yet" if p.stage is None else f"stage {p.stage}"
+                logger.info("peer %s joined the run (%s)", p.peer_id, stage)
             events.emit("peer.joined", peer=p.peer_id, stage=p.stage)
         for peer_id, why in self.left:
-            logger.info("peer %s left the run (%s)", peer_id, why)
+            if self.leaves_logged.take(now, logger):
+                logger.info("peer %s left the run (%s)", peer_id, why)
             events.emit("peer.left", peer=peer_id, announced=why == ANNOUNCED, why=why)
+        self.joins_logged.flush(now, logger)
+        self.leaves_logged.flush(now, logger)
 
 
 @dataclass(frozen=True)

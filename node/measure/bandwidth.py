@@ -23,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import struct
 import time
+from collections.abc import Callable, Iterable
 
 from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
@@ -32,10 +34,12 @@ from hivemind.proto import runtime_pb2
 from node import limits
 from node.limits import PROBE, RECEIVED, SENT, TokenBucket
 from node.rpc.service import NodeServicer
+from protocol.records import PeerInfo
 from protocol.routing import BanList
 
 logger = logging.getLogger(__name__)
 
+MAX_PARTNERS = 3  # peers a node tries to measure its bandwidth against, at most
 MAX_PROBE_BYTES = 2 * 2**20  # per call; within hivemind's 4 MiB unary message limit
 DEFAULT_PROBE_BYTES = 2**20
 # Bytes served per second, with bursts of BURST: enough for a few peers measuring at
@@ -183,6 +187,27 @@ async def measure_bandwidth(
     except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:
         raise BandwidthError(f"peer {peer_id} unreachable: {type(e).__name__}: {e}") from None
     return _mbps(nbytes, up, rtt), _mbps(nbytes, down, rtt)
+
+
+def partners(
+    records: Iterable[PeerInfo],
+    me: str,
+    reached: Callable[[str], bool],
+    seed: str,
+    limit: int = MAX_PARTNERS,
+) -> list[str]:
+    """At most ``limit`` serving peers to measure against, in the order to try them: those
+    this node has reached (``reached``: a live host holds the key: on the run's topic
+    with us, or dialed) first, then the others, each group in an order drawn from
+    ``seed``. A record costs nothing to forge: with the others first, a flood of records
+    would spend every try on peers that run no host."""
+    rng = random.Random(seed)
+    serving = sorted({p.peer_id for p in records if p.routable and p.peer_id != me})
+    first = [p for p in serving if reached(p)]
+    rest = [p for p in serving if not reached(p)]
+    rng.shuffle(first)
+    rng.shuffle(rest)
+    return (first + rest)[: max(0, limit)]
 
 
 def advertised(

@@ -60,6 +60,7 @@ from protocol.routing import (
     Probation,
     candidates_by_stage,
     keep_unproven,
+    refresh_period,
     route,
 )
 from protocol.run_spec import RunSpec
@@ -175,20 +176,24 @@ class StageRouter:
         self._seen: dict[str, tuple[PeerInfo, float]] = {}  # peer -> newest record, read when
         self._in_flight: Counter = Counter()  # peer_id -> our calls running there
         self._refreshed = -math.inf  # time.monotonic() of the last view read
+        self._found = self._listed = 0  # peer ids the last read found (as it runs; once done)
 
     async def refresh(self) -> None:
         """Re-read the swarm's peers from the DHT (keeping, for ``view_grace_s``, those a
-        read missed)."""
-        try:
-            peers = await self.dht.peers()
-        except Exception as e:  # a DHT hiccup: keep the old view, retry next period
-            logger.warning("could not refresh the swarm view: %s", e)
-            return
+        read missed). Of a read's records, only ours, those of proven peers and a bounded
+        sample of the others are checked (``_select``): a flood of records costs a bounded
+        part of each refresh."""
         try:
             self._connected = frozenset(p.peer_id.to_base58() for p in await self.p2p.list_peers())
         except Exception as e:  # the daemon went away: no peer is preferred for probes
             logger.debug("could not list connected peers: %s", e)
             self._connected = frozenset()
+        try:
+            peers = await self.dht.peers(select=self._select)
+        except Exception as e:  # a DHT hiccup: keep the old view, retry next period
+            logger.warning("could not refresh the swarm view: %s", e)
+            return
+        self._listed = self._found
         now = time.monotonic()
         self._seen.update((p.peer_id, (p, now)) for p in peers)
         grace = self.settings.view_grace_s
@@ -200,6 +205,18 @@ class StageRouter:
             await connect_relayed(self.p2p, [p for p in recent if p.routable])
         except Exception as e:  # a daemon hiccup: their calls fail and reroute; retry next period
             logger.debug("could not connect to relayed peers: %s", e)
+
+    def _select(self, peer_ids: list[str]) -> set[str]:
+        """Of the peer ids a read found, those whose records to check: ours, the proven
+        ones, and ``max_unproven`` others per stage, twice over (their stages are not known
+        before their records are read), as ``keep_unproven`` orders them."""
+        self._found = len(peer_ids)
+        proven = self._probation.proven
+        sure = {p for p in peer_ids if p == self._own_id or proven(p)}
+        limit = 2 * self.settings.max_unproven * self.spec.n_stages
+        now, rng = time.monotonic(), self._rng
+        others = keep_unproven(peer_ids, self._probation, now, limit, rng, self._connected)
+        return sure | set(others)
 
     def _kept(self, records: list[PeerInfo], now: float) -> list[PeerInfo]:
         """``records`` less all but ``max_unproven`` unproven peers of each stage
@@ -222,7 +239,7 @@ class StageRouter:
 
     async def _refresh_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.refresh_s)
+            await asyncio.sleep(refresh_period(self.settings.refresh_s, self._listed))
             await self.refresh()
 
     def _opts(self, stage: int, peer: str, timeout: float) -> dict:
@@ -309,8 +326,10 @@ class StageRouter:
                 events.emit("call.failed", stage=stage, peer=peer, error=f"StageBusy: {e}")
                 self._bans.ban(peer, time.monotonic(), self.settings.busy_s)
                 self.stats.rerouted[stage] += 1
-                if all(c.peer_id in self._bans.banned(time.monotonic()) for c in candidates):
-                    await asyncio.sleep(self.settings.busy_s)  # every peer is busy or banned
+                proven = [c for c in candidates if self._probation.proven(c.peer_id)]
+                banned = self._bans.banned(time.monotonic())
+                if all(c.peer_id in banned for c in proven or candidates):
+                    await asyncio.sleep(self.settings.busy_s)  # every peer we trust is busy
                 retry = True
                 continue
             except (StageUnavailable, MembershipRefused) as e:

@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -36,6 +36,7 @@ from node.cli.maddrs import (
     check_listen_maddr,
     check_peer_maddr,
 )
+from node.log_budget import LogBudget
 from node.rpc.child_process import die_with_parent
 from node.rpc.gossip import PUBSUB_FLAGS
 from node.rpc.hivemind_compat import (
@@ -193,6 +194,8 @@ class RunRecordValidator(RecordValidatorBase):
         # the clock goes back past the record's date (bounds only tighten, and then this
         # is forgotten).
         self._accepted: dict[tuple[bytes, bytes, bytes, float], float] = {}
+        # A flood of bad records is a line each for the first few, then a count a minute.
+        self._refusals_logged = LogBudget(f"DHT records of run {run} refused")
         self._peers_id = DHTID.generate(source=peers_key(run)).to_bytes()
         self._spec_id = DHTID.generate(source=spec_key(run)).to_bytes()
         self._revoked_id = DHTID.generate(source=revocations_key(run)).to_bytes()
@@ -254,7 +257,8 @@ class RunRecordValidator(RecordValidatorBase):
                     self._accepted.clear()
                 self._accepted[seen] = info.timestamp
         except Exception as e:  # anything a peer sends that we cannot read is refused
-            logger.warning("refused a DHT record of run %s: %s", self.run, e)
+            if self._refusals_logged.take(time.monotonic(), logger):
+                logger.warning("refused a DHT record of run %s: %s", self.run, e)
             events.emit("record.refused", run=self.run, reason=str(e))
             return False
         return True
@@ -335,6 +339,7 @@ class SwarmDHT:
         self.bounds: PeerBounds | None = None  # what the run's peer records may hold
         self._peers_read: tuple[float, object, list[PeerInfo]] | None = None  # when, policy
         self._dropped: set[str] = set()  # reasons already logged
+        self._drops_logged = LogBudget("records dropped as they were read")
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
         self._conflicts: set[bytes] = set()  # later specs for this run id, already reported
@@ -429,22 +434,32 @@ class SwarmDHT:
         raw = encode_peer_info(info, key)
         return await self._store(peers_key(self.run), info, raw, ttl_s)
 
-    async def peers(self) -> list[PeerInfo]:
+    async def peers(
+        self, select: Callable[[list[str]], Collection[str]] | None = None
+    ) -> list[PeerInfo]:
         """The run's peer records that validate (and, in a private run, whose peers show a
         valid invite; once the spec is known, that fit the run's ``PeerBounds``: a
         throughput per stage for exactly its stages, so that every stage they name is one
         of the run's, and no larger than the run needs); the rest are logged and dropped.
-        A read less than ``PEERS_FRESH_S`` old (under the same policy) is returned again."""
+        A whole read less than ``PEERS_FRESH_S`` old (under the same policy) is returned
+        again. ``select``: given the peer ids the read found (before any record is
+        checked), those whose records to return; a reader that needs a bounded part of a
+        large read (a trainer: the peers it has proven, and a few others) then checks
+        only that part, not each record of a flood."""
         last = self._peers_read
         if (
             last is not None
             and time.monotonic() - last[0] < PEERS_FRESH_S
             and last[1] is self.policy
         ):
-            return list(last[2])
+            if select is None:
+                return list(last[2])
+            chosen = set(select([p.peer_id for p in last[2]]))
+            return [p for p in last[2] if p.peer_id in chosen]
         policy = self.policy
-        found = await self._read(peers_key(self.run), decode_peer_info, self.bounds)
-        self._peers_read = (time.monotonic(), policy, found)
+        found = await self._read(peers_key(self.run), decode_peer_info, self.bounds, select)
+        if select is None:
+            self._peers_read = (time.monotonic(), policy, found)
         return list(found)
 
     async def publish_archive(self, record: ArchiveRecord, key: Ed25519PrivateKey) -> bool:
@@ -476,16 +491,25 @@ class SwarmDHT:
         )
 
     async def _read(
-        self, key: str, decode: Callable[..., R], bounds: PeerBounds | None = None
+        self,
+        key: str,
+        decode: Callable[..., R],
+        bounds: PeerBounds | None = None,
+        select: Callable[[list[str]], Collection[str]] | None = None,
     ) -> list[R]:
         """The signed per-peer records under ``key`` that ``decode`` accepts (and that fit
         ``bounds``, if given) and, in a private run, whose peers show a valid invite; the
-        rest are logged and dropped."""
+        rest are logged and dropped. With ``select``, only the records of the subkeys it
+        picks are checked and returned."""
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
+        items = found.value.items()
+        if select is not None:
+            chosen = set(select([k for k in found.value if isinstance(k, str)]))
+            items = [(k, v) for k, v in items if k in chosen]
         now, records, result = get_dht_time(), [], []
-        for subkey, item in found.value.items():
+        for subkey, item in items:
             try:
                 record = decode(
                     item.value, subkey=subkey, run=self.run, now=now, max_age_s=MAX_RECORD_AGE_S
@@ -495,6 +519,7 @@ class SwarmDHT:
                 records.append(record)
             except RecordError as e:
                 self._log_dropped(e)
+        self._drops_logged.flush(time.monotonic(), logger, logging.WARNING)
         if self.policy is not None and self.policy.private:
             # Each bearer proof is a claim on its invite: learn them all before judging any,
             # so that of two peers using one token at once, the later is dropped right away.
@@ -578,7 +603,9 @@ class SwarmDHT:
                 )
 
     def _log_dropped(self, e: RecordError) -> None:
-        """Warn once per distinct reason (records are re-read every second or so)."""
+        """Warn once per distinct reason (records are re-read every second or so), and of
+        distinct reasons only the first few a minute (``LogBudget``: a flood of records
+        from fresh keys is a distinct reason each)."""
         reason = str(e)
         if reason in self._dropped:
             logger.debug("dropped a record: %s", reason)
@@ -586,7 +613,8 @@ class SwarmDHT:
         if len(self._dropped) >= 1000:
             self._dropped.clear()
         self._dropped.add(reason)
-        logger.warning("dropped a record: %s", reason)
+        if self._drops_logged.take(time.monotonic(), logger):
+            logger.warning("dropped a record: %s", reason)
 
     async def publish_spec(self, signed: SignedSpec) -> bool:
         """Store the owner-signed spec (every node does, again and again, so it outlives

@@ -9,21 +9,18 @@ honest node would hide every record that node holds from every reader."""
 
 from __future__ import annotations
 
-import hivemind
 from hivemind.utils import get_dht_time
 
+from node.harness.attackers import attacker_dht, forge_progress, own_record
 from node.harness.local_swarm import NodeProcess
 from protocol.keys import peers_key
-from protocol.progress import Progress, encode_progress, progress_key
 from protocol.records import (
     MAX_RECORD_AGE_S,
     PROTOCOL_VERSION,
-    PeerState,
-    decode_peer_info,
     encode_peer_info,
 )
 from tests.records import peer_info
-from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
+from tests.swarm import launch_node, status, stop_all, wait_until
 from tests.unit.test_node_records import _fresh
 
 
@@ -36,11 +33,6 @@ def _refusals(node) -> list[str]:
     return [e["reason"] for e in node.events("record.refused") if e["run"] == node.run_id]
 
 
-def _attacker(maddr: str) -> hivemind.DHT:
-    """A DHT peer of the run that checks nothing: it stores and serves whatever it is given."""
-    return hivemind.DHT(initial_peers=[maddr], host_maddrs=[LOCAL], start=True)
-
-
 def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
     run = "attacked"
     node = launch_node(tmp_path, "honest", run, extra=["--stage", "0"])
@@ -48,7 +40,7 @@ def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
     attacker = None
     try:
         assert node.wait_serving() == 0
-        attacker = _attacker(node.maddr)
+        attacker = attacker_dht(node.maddr)
         key = peers_key(run)
         expires = get_dht_time() + 60  # within every record's freshness but the stale one's
 
@@ -132,7 +124,7 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
     attacker = None
     try:
         assert node.wait_serving() == 0
-        attacker = _attacker(node.maddr)
+        attacker = attacker_dht(node.maddr)
         dated = get_dht_time() - MAX_RECORD_AGE_S + 15  # fresh for 15 s more: ~5 status calls
         (long_key, long_id), (short_key, short_id) = _fresh(), _fresh()
         for key, peer_id, expiration in [
@@ -176,21 +168,12 @@ def test_a_replayed_record_does_not_hide_a_live_node_nor_is_an_extra_stage_liste
     attacker = None
     try:
         assert node.wait_serving() == 0
-        attacker = _attacker(node.maddr)
+        attacker = attacker_dht(node.maddr)
         key = peers_key(run)
 
-        def own_record() -> tuple[bytes, float] | None:
-            found = attacker.get(key, latest=True)
-            item = (
-                found.value.get(node.peer_id) if found and isinstance(found.value, dict) else None
-            )
-            if item is None:
-                return None
-            return item.value, decode_peer_info(
-                item.value, subkey=node.peer_id, run=run, now=get_dht_time(), max_age_s=60
-            ).timestamp
-
-        raw, dated = wait_until(own_record, 20, "the node's record in the DHT")
+        raw, dated = wait_until(
+            lambda: own_record(attacker, run, node.peer_id), 20, "the node's record in the DHT"
+        )
         wait_until(lambda: get_dht_time() > dated + 5, 10, "the record to age 5 s")
         attacker.store(key, subkey=node.peer_id, value=raw, expiration_time=dated + 110)
         extra_key, extra_id = _fresh()
@@ -241,22 +224,10 @@ def test_a_forged_claim_of_being_far_ahead_does_not_stop_the_steps(tmp_path):
         for n in nodes:
             n.wait_serving()
         wait_until(lambda: all(_epoch(n) >= 2 for n in nodes), 90, "both stages to step")
-        attacker = _attacker(nodes[0].maddr)
+        attacker = attacker_dht(nodes[0].maddr)
         refused = {n.name: len(_refusals(n)) for n in nodes}
-        (_, unsigned), (stranger_key, stranger), (member_key, member) = _fresh(), _fresh(), _fresh()
-        now = get_dht_time()
-        record = peer_info(run, member, stage=None, state=PeerState.JOINING, timestamp=now)
-        assert attacker.store(
-            peers_key(run), encode_peer_info(record, member_key), now + 100, subkey=member
-        )
-        for stage in (0, 1):
-            claims = {
-                unsigned: [2**50, 0],
-                stranger: _claim(run, stranger, stranger_key, now),
-                member: _claim(run, member, member_key, now),
-            }
-            for liar, value in claims.items():
-                attacker.store(progress_key(run, stage), value, now + 100, subkey=liar)
+        liars = forge_progress(attacker, run, 2)
+        unsigned, stranger, member = liars["unsigned"], liars["stranger"], liars["member"]
 
         def named(n: NodeProcess) -> set[str]:
             return {p for e in n.events("progress.unproven") for p in e["peers"]}
@@ -278,8 +249,3 @@ def test_a_forged_claim_of_being_far_ahead_does_not_stop_the_steps(tmp_path):
         if attacker is not None:
             attacker.shutdown()
         stop_all(nodes)
-
-
-def _claim(run: str, peer: str, key, now: float) -> bytes:
-    """A validly signed progress record of ``peer`` claiming epoch 2^50."""
-    return encode_progress(Progress(peer, 2**50, 0), run=run, key=key, timestamp=now)

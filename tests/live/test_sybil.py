@@ -3,8 +3,9 @@ raw ``hivemind.DHT`` that checks nothing (as ``test_node_records`` stores forged
 
 Every sybil record is validly signed, but no sybil runs a node: none answers a call or a
 dial. What must hold: the honest peers stay listed in ``swarmtrain status --json``, a
-trainer keeps training at a fifth of its undisturbed rate or more (routing gives a peer
-traffic only as its calls succeed), and claims of 1e9 samples/s on a stage move no peer
+trainer keeps training at half its undisturbed rate or more (routing gives a peer
+traffic only as its calls succeed, and a trainer checks a bounded part of each read of
+the run's peers), and claims of 1e9 samples/s on a stage move no peer
 off it (placement counts only peers it has reached)."""
 
 from __future__ import annotations
@@ -12,47 +13,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
-import hivemind
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.utils import get_dht_time
-
-from protocol.identity import peer_id_of
-from protocol.keys import peers_key
-from protocol.records import MAX_MEMBERSHIP_CHARS, MAX_RECORD_AGE_S, MAX_STAGES, encode_peer_info
-from tests.records import peer_info
+from node.harness.attackers import attacker_dht, sybil_flood
+from protocol.records import MAX_MEMBERSHIP_CHARS, MAX_STAGES
 from tests.swarm import LOCAL, launch_node, status, stop_all, swarmtrain, wait_until
 
 SYBILS = 1000
 _RATE = re.compile(r"trained (\d+) micro-batches \((\d+) samples, (\d+) samples/s\)")
-
-
-def _attacker(maddr: str) -> hivemind.DHT:
-    """A DHT peer of the run that checks nothing: it stores and serves whatever it is given."""
-    return hivemind.DHT(initial_peers=[maddr], host_maddrs=[LOCAL], start=True)
-
-
-def _flood(attacker: hivemind.DHT, run: str, n: int, **changes) -> int:
-    """Store ``n`` sybil records (each from a new key, serving, dated now, living as long
-    as a record may) with ``changes``, all at once; returns the size of one in bytes."""
-    key, futures, size = peers_key(run), [], 0
-    for i in range(n):
-        secret = Ed25519PrivateKey.generate()
-        peer_id = peer_id_of(secret.public_key())
-        now = get_dht_time()
-        fields = {"stage": i % 2, "timestamp": now, "ttl_s": MAX_RECORD_AGE_S, **changes}
-        raw = encode_peer_info(peer_info(run, peer_id, **fields), secret)
-        size = len(raw)
-        expiration = now + MAX_RECORD_AGE_S
-        futures.append(attacker.store(key, raw, expiration, subkey=peer_id, return_future=True))
-    deadline = time.monotonic() + 120
-    for done, f in enumerate(futures):
-        try:
-            f.result(timeout=max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            raise AssertionError(f"the attacker stored {done} of {n} records in 120 s") from None
-    return size
 
 
 def _train(run: str, maddrs: list[str], micro_batches: int, timeout: float) -> tuple[float, str]:
@@ -93,12 +60,12 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
         maddrs = [n.maddr for n in nodes]
         calm, _ = _train(run, maddrs, 24, timeout=120)
 
-        attacker = _attacker(a.maddr)
-        fat = _flood(
+        attacker = attacker_dht(a.maddr)
+        fat = sybil_flood(
             attacker, run, SYBILS,
             throughput=(123456789.12345679,) * MAX_STAGES, membership="A" * MAX_MEMBERSHIP_CHARS,
         )  # fmt: skip
-        lean = _flood(attacker, run, SYBILS, throughput=(1e9, 1e9), device="x" * 64)
+        lean = sybil_flood(attacker, run, SYBILS, throughput=(1e9, 1e9), device="x" * 64)
         reads: list[set[str]] = []
 
         def honest_listed() -> set[str] | None:
@@ -113,10 +80,7 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
             f"records of {fat} and {lean} bytes; status listed {len(listed)} peers; trainer "
             f"{calm:.0f} samples/s undisturbed, {attacked:.0f} under the flood"
         )
-        # Issue 23 asks for within 2x; on an idle 2-core machine the flood still costs
-        # about 3x (the nodes and the trainer read and check 2,000 records on one CPU
-        # budget): this bound holds the trainer to training on, not yet to the target.
-        assert attacked >= calm / 5, f"{attacked} samples/s under the flood, {calm} without"
+        assert attacked >= calm / 2, f"{attacked} samples/s under the flood, {calm} without"
     finally:
         if attacker is not None:
             attacker.shutdown()
@@ -137,9 +101,9 @@ def test_fake_throughput_claims_move_no_peer_off_a_stage(tmp_path):
         for n in nodes:
             n.wait_serving()
         stage = c.stage()
-        attacker = _attacker(a.maddr)
+        attacker = attacker_dht(a.maddr)
         rates = (1e9, 0.0) if stage == 0 else (0.0, 1e9)
-        _flood(attacker, run, 20, stage=stage, throughput=rates)
+        sybil_flood(attacker, run, 20, stage=stage, throughput=rates)
         listed = wait_until(
             lambda: (v := status(run, a.maddr)) and len(v["peers"]) >= 23 and v,
             30,

@@ -32,7 +32,7 @@ from protocol.announce import (
 from protocol.identity import peer_id_of, sign
 from protocol.keys import RUNS_KEY, peers_key
 from protocol.ownership import make_run_id
-from protocol.records import PROTOCOL_VERSION, PeerState, RecordError
+from protocol.records import MAX_RATE, PROTOCOL_VERSION, PeerState, RecordError
 from protocol.run_spec import make_run_spec
 from tests.records import peer_info
 
@@ -290,3 +290,20 @@ def test_runs_takes_its_initial_peers_from_a_settings_file(tmp_path):
     argv = ["runs", "--config", str(path), "--json"]
     args = build_parser(argv).parse_args(argv)
     assert (args.initial_peers, args.json, args.timeout) == ([maddr], True, 20.0)
+
+
+def test_claims_summing_past_the_bounds_saturate_and_the_announcement_still_builds():
+    """A thousand sybil records each claiming 1e9 samples/s on a stage: the stage's total
+    saturates at what an announcement may hold, so the owner's announcement is valid (and
+    signed, and stored) whatever strangers claim."""
+    spec = make_run_spec("open", "tiny", 2, owner=OWNER, created=NOW - 60)
+    keys = [Ed25519PrivateKey.from_private_bytes((100 + i).to_bytes(32, "big")) for i in range(50)]
+    sybils = [
+        peer_info(spec.run, peer_id_of(k.public_key()), stage=0, throughput=(MAX_RATE, 0.0))
+        for k in keys
+    ]
+    honest = peer_info(spec.run, PEERS[0], stage=1, throughput=(10.0, 10.0))
+    assert live_figures([*sybils, honest], 2) == (51, (MAX_RATE, 10.0))
+    record = announcement_of(spec, [*sybils, honest], now=NOW)
+    assert record.stage_throughput == (MAX_RATE, 10.0)
+    assert _decode(encode_announcement(record, OWNER_KEY), subkey=spec.run) == record

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from protocol.routing import Candidate, Probation, keep_unproven, route
+from protocol.routing import Candidate, Probation, keep_unproven, refresh_period, route
 
 HONEST = Candidate("honest", 100.0, 0)
 SYBILS = [Candidate(f"sybil{i:04d}", 1e9, 0) for i in range(1000)]
@@ -111,3 +111,24 @@ def test_probation_settings_are_checked():
         Probation(suspect_s=0.0)
     with pytest.raises(ValueError, match="no peer serves"):
         route([], random.Random(0), Probation(), 0.0)
+
+
+def test_when_every_proven_peer_is_banned_calls_wait_for_them_not_for_the_flood():
+    """A proven peer that shed a call (busy) is banned for a moment: the flood's records
+    must not take the calls meanwhile, unless a connected peer can be probed."""
+    p = Probation(probe_share=0.0)
+    p.succeeded("honest")
+    banned = frozenset({"honest"})
+    drawn = _draws([HONEST, *SYBILS], p, n=200, banned=banned)
+    assert drawn == {"honest": 200}
+    rng = random.Random(4)
+    picked = route([HONEST, *SYBILS], rng, p, 0.0, banned=banned, preferred={"sybil0007"})
+    assert picked == ("sybil0007", True)  # a connected peer runs a host: worth a probe
+    assert _draws(SYBILS, p, n=50, banned=banned)["honest"] == 0  # none proven: probes
+
+
+def test_a_large_run_is_read_less_often_within_a_bound():
+    assert refresh_period(2.0, 4) == 2.0
+    assert refresh_period(2.0, 64) == 2.0
+    assert refresh_period(2.0, 256) == 8.0
+    assert refresh_period(2.0, 2000) == 16.0  # at most 8x

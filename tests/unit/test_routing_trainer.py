@@ -17,6 +17,19 @@ from tests.records import peer_info
 from tests.unit.test_trainer import _DHT, SPEC, _peer_id
 
 
+class _Counted(_DHT):
+    """The view, counting how many records each read returned."""
+
+    def __init__(self, infos) -> None:
+        super().__init__(infos)
+        self.returned: list[int] = []
+
+    async def peers(self, select=None):
+        found = await super().peers(select)
+        self.returned.append(len(found))
+        return found
+
+
 class _Flooded:
     """Stage calls that succeed on ``honest`` peers only (the sybils run no node)."""
 
@@ -62,7 +75,7 @@ def _flooded_trainer(
     corpus = SimpleNamespace(train=torch.randint(256, (4 * SPEC.model.block_size,)))
     settings = TrainerSettings(in_flight=4, refresh_s=0.05, probe_s=probe_s)
     calls = StageCalls(forward=stages.forward, loss=stages.loss, backward=stages.backward)
-    trainer = Trainer(_DHT(records), p2p, SPEC, corpus, settings, calls=calls)  # type: ignore[arg-type]
+    trainer = Trainer(_Counted(records), p2p, SPEC, corpus, settings, calls=calls)  # type: ignore[arg-type]
     return trainer, stages, honest
 
 
@@ -76,6 +89,8 @@ def test_a_flood_of_records_draws_no_training_call_once_a_peer_is_proven():
     assert stages.failed > 0  # the probes went on meanwhile
     assert max(stages.by_peer.values()) == 1  # each sybil failed once: then a suspect
     assert all(len(stage) <= 1 + 16 for stage in trainer.view)  # 16 unproven kept at most
+    # Each read checks the proven peers and a bounded sample of the others, not the flood.
+    assert 0 < max(trainer.dht.returned) <= 2 + 2 * 16 * 2, trainer.dht.returned
 
 
 def test_without_a_connected_peer_the_flood_is_probed_but_only_once_each():

@@ -39,8 +39,9 @@ class _DHT:
 
     infos: list[PeerInfo]
 
-    async def peers(self) -> list[PeerInfo]:
-        return self.infos
+    async def peers(self, select=None) -> list[PeerInfo]:
+        chosen = set(select([p.peer_id for p in self.infos])) if select else None
+        return [p for p in self.infos if chosen is None or p.peer_id in chosen]
 
 
 @dataclass
