@@ -138,13 +138,13 @@ def _cli(tmp_path: Path, *args: str) -> str:
     env = dict(os.environ, HOME=str(tmp_path), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, env=env,
-        timeout=120,
+        timeout=240,  # a loaded machine: imports, a DHT, the download
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
-@pytest.mark.timeout(480)  # a minute of training, then a stop, an export and a restart
+@pytest.mark.timeout(600)  # a minute of training, then a stop, an export and a restart
 def test_a_lone_default_node_trains_stops_on_ctrl_c_and_resumes(tmp_path: Path):
     log, maddrs = tmp_path / "node.log", tmp_path / "maddrs"
     proc = _start(tmp_path, log, maddrs)
@@ -168,7 +168,7 @@ def test_a_lone_default_node_trains_stops_on_ctrl_c_and_resumes(tmp_path: Path):
             return _events(tmp_path, "node.heartbeat")
 
         beat = wait_until(heartbeat, 90, "the node's first heartbeat", every=1.0)[-1]
-        assert beat["steps"] > 0 and beat["second_stage"] == 1, beat
+        assert beat["steps"] > 0 and {beat["stage"], beat["second_stage"]} == {0, 1}, beat
         last = [_epochs(dht, run, s) for s in range(2)]
         for stage in range(2):
             (peer,) = last[stage]
