@@ -19,6 +19,9 @@ from typing import TypeVar
 from node.events import read_events
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
+# How long a node may take to write its maddrs: imports, p2pd, the DHT and, for a joiner,
+# its reachability check; a minute and more when other swarms load the machine.
+START_TIMEOUT_S = 120.0
 T = TypeVar("T")
 
 
@@ -159,7 +162,7 @@ def launch_node(
         return maddrs.exists() and bool(maddrs.read_text().strip())
 
     try:
-        wait_until(started, 60, f"node {name} to start")
+        wait_until(started, START_TIMEOUT_S, f"node {name} to start")
     except BaseException:
         proc.kill()
         proc.wait()

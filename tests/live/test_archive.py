@@ -31,12 +31,13 @@ def test_a_stage_whose_peers_all_died_comes_back_from_the_archive(tmp_path):
         first = launch_node(tmp_path, "s0", "archived", extra=["--stage", "0"], train=True)
         nodes.append(first)
         run, peers = first.run_id, [first.maddr]
-        for name in ("s1a", "s1b"):
+        for name in ("s1a", "s1b"):  # started together: they wait on I/O at start
             nodes.append(launch_node(
-                tmp_path, name, run, initial_peers=peers, extra=["--stage", "1"], train=True
+                tmp_path, name, run, initial_peers=peers, extra=["--stage", "1"], train=True,
+                wait=False,
             ))  # fmt: skip
         for n in nodes:
-            n.wait_serving(90)
+            n.wait_serving(120)
         directory = tmp_path / "archive"
         extra = ["--archive", str(directory), "--checkpoint-every", str(EVERY_S)]
         archive = launch_node(tmp_path, "archive", run, initial_peers=peers, extra=extra)

@@ -3,10 +3,11 @@
 A lone node holds every stage (it takes the second stage too, being the swarm's only
 peer), so its own trainer has nobody to call but itself. It must keep training (its
 trainer calls its own stages in-process: libp2p does not dial itself) and keep serving
-for minutes; a Ctrl-C in its terminal (SIGINT to the whole process group, ``p2pd`` and
-the averager processes included) must stop it within seconds, leaving no process, and
-with its stages checkpointed: the model exports (from the live node too) and samples,
-and the node restarted resumes where it stopped. What the node did is read from its
+through its first heartbeat (a minute, with default flags); a Ctrl-C in its terminal
+(SIGINT to the whole process group, ``p2pd`` and the averager processes included) must
+stop it within seconds, leaving no process, and with its stages checkpointed: the model
+exports (from the live node too) and samples, and the node restarted resumes where it
+stopped. What the node did is read from its
 events, in the default place (beside its identity).
 """
 
@@ -28,7 +29,12 @@ from node.rpc.dht import SwarmDHT
 from protocol.averaging import decode_progress, progress_key
 from tests.swarm import LOCAL, status, wait_until
 
-RUN_FOR_S = 180.0  # a trainer that could not reach a stage gave up after 120 s
+# How long the node trains before it is stopped. A trainer that dials itself through
+# libp2p fails every call: it steps not at all, whatever the duration, and each half of the
+# run must step. Since the node pauses a failed trainer instead of dying with it, waiting
+# out the trainer's 120 s give-up (``TrainerSettings.stage_wait_s``) would show nothing
+# more; the node must still live through its first heartbeat (60 s by default).
+RUN_FOR_S = 60.0
 
 
 def _epochs(dht: SwarmDHT, run: str, stage: int) -> dict[str, int]:
@@ -85,12 +91,17 @@ def _serving_both(proc: subprocess.Popen, home: Path, log: Path, maddrs: Path) -
     maddr = wait_until(started, 90, "the node to start")
     run = _events(home, "node.started")[-1]["run"]
 
-    def both_stages_served() -> bool:
+    def holds_both() -> bool:
         assert proc.poll() is None, log.read_text()[-3000:]
+        return {e["role"] for e in _events(home, "stage.held")} == {"first", "second"}
+
+    wait_until(holds_both, 90, "the node to serve both stages", every=0.5)
+
+    def announced() -> bool:  # its record says so too, as others read it
         peers = status(run, maddr)["peers"]
         return bool(peers) and bool(peers[0]["second_serving"])
 
-    wait_until(both_stages_served, 90, "the node to serve both stages", every=1.0)
+    wait_until(announced, 60, "the node's record to list its second stage", every=1.0)
     return run, maddr
 
 
@@ -109,18 +120,32 @@ def _ctrl_c(proc: subprocess.Popen, home: Path, log: Path) -> None:
     assert {e["stage"] for e in _events(home, "checkpoint.written") if e["t"] >= sent} == {0, 1}
 
 
+def _alive(proc: subprocess.Popen, log: Path) -> None:
+    assert proc.poll() is None, f"the node died:\n{log.read_text()[-3000:]}"
+
+
+def _alive_until(proc: subprocess.Popen, log: Path, when: float) -> None:
+    """Wait until ``time.monotonic()`` passes ``when``; the node must live meanwhile."""
+
+    def passed() -> bool:
+        _alive(proc, log)
+        return time.monotonic() >= when
+
+    wait_until(passed, max(0.0, when - time.monotonic()) + 5, "the run's time", every=1.0)
+
+
 def _cli(tmp_path: Path, *args: str) -> str:
     env = dict(os.environ, HOME=str(tmp_path), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, env=env,
-        timeout=120,
+        timeout=240,  # a loaded machine: imports, a DHT, the download
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
-@pytest.mark.timeout(600)  # 3 minutes of training, then a stop, an export and a restart
-def test_a_lone_default_node_trains_for_minutes_stops_on_ctrl_c_and_resumes(tmp_path: Path):
+@pytest.mark.timeout(600)  # a minute of training, then a stop, an export and a restart
+def test_a_lone_default_node_trains_stops_on_ctrl_c_and_resumes(tmp_path: Path):
     log, maddrs = tmp_path / "node.log", tmp_path / "maddrs"
     proc = _start(tmp_path, log, maddrs)
     dht = None
@@ -134,14 +159,22 @@ def test_a_lone_default_node_trains_for_minutes_stops_on_ctrl_c_and_resumes(tmp_
                    "--host-maddrs", LOCAL, "--out", str(tmp_path / "live"))  # fmt: skip
         assert out.count("from peer") == 2, out
         assert _cli(tmp_path, "generate", "--model", str(tmp_path / "live"), "--prompt", "x")
-        while time.monotonic() - began < RUN_FOR_S:
-            assert proc.poll() is None, f"the node died:\n{log.read_text()[-3000:]}"
-            time.sleep(5)
+        _alive_until(proc, log, began + RUN_FOR_S / 2)
+        middle = [_epochs(dht, run, s) for s in range(2)]
+        _alive_until(proc, log, max(began + RUN_FOR_S, time.monotonic() + RUN_FOR_S / 3))
+
+        def heartbeat() -> list[dict]:
+            _alive(proc, log)
+            return _events(tmp_path, "node.heartbeat")
+
+        beat = wait_until(heartbeat, 90, "the node's first heartbeat", every=1.0)[-1]
+        assert beat["steps"] > 0 and {beat["stage"], beat["second_stage"]} == {0, 1}, beat
         last = [_epochs(dht, run, s) for s in range(2)]
         for stage in range(2):
             (peer,) = last[stage]
-            # a tiny step takes ~0.1 s here; a stalled trainer adds none
-            assert last[stage][peer] > first[stage].get(peer, 0) + 50, (stage, first, last)
+            steps = [first[stage].get(peer, 0), middle[stage].get(peer, 0), last[stage][peer]]
+            # A tiny step takes ~0.1 s here; a stalled trainer adds none in either half.
+            assert steps[0] < steps[1] < steps[2] and steps[2] > steps[0] + 50, (stage, steps)
         dht.shutdown()
         dht = None
         _ctrl_c(proc, tmp_path, log)

@@ -18,9 +18,10 @@ def test_three_nodes_discover_and_leave(tmp_path):
         a = launch_node(tmp_path, "a", run, extra=["--stage", "0"])
         nodes.append(a)
         run = a.run_id  # NAME@FINGERPRINT: how the others join
-        for name in ("b", "c"):
-            nodes.append(launch_node(tmp_path, name, run, initial_peers=[a.maddr]))
-        stages = {n.peer_id: n.wait_serving() for n in nodes}
+        for name in ("b", "c"):  # started together: they wait on I/O at start
+            nodes.append(launch_node(tmp_path, name, run, initial_peers=[a.maddr], wait=False))
+        served = [n.wait_serving(120) for n in nodes]  # then each has its maddrs
+        stages = {n.peer_id: stage for n, stage in zip(nodes, served, strict=True)}
         assert stages[a.peer_id] == 0
 
         view = wait_until(

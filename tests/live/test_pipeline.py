@@ -26,14 +26,13 @@ def swarm(tmp_path, run, stages_of_peers):
     try:
         for i, stage in enumerate(stages_of_peers):
             peers = [nodes[0].maddr] if nodes else []
-            nodes.append(
-                launch_node(
-                    tmp_path, f"p{i}", run, initial_peers=peers, extra=["--stage", str(stage)]
-                )  # fmt: skip
-            )
+            extra, first = ["--stage", str(stage)], not nodes
+            # The joiners start together: they wait on I/O at start.
+            node = launch_node(tmp_path, f"p{i}", run, initial_peers=peers, extra=extra, wait=first)
+            nodes.append(node)
             run = nodes[0].run_id  # the others join the run by its id
         for n in nodes:
-            n.wait_serving()
+            n.wait_serving(120)
         dht = SwarmDHT.start(run, initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
                              client_mode=True)  # fmt: skip
         yield nodes, dht

@@ -29,10 +29,12 @@ def _launch(tmp_path, run: str, pin: bool) -> list[NodeProcess]:
     for i, stage in enumerate(STAGES):
         extra = ["--checkpoint-every", str(EVERY_S)] + (["--stage", str(stage)] if pin else [])
         initial = [nodes[0].maddr] if nodes else []
-        nodes.append(launch_node(tmp_path, f"r{i}", run, initial_peers=initial, extra=extra))
+        nodes.append(  # the joiners start together: they wait on I/O at start
+            launch_node(tmp_path, f"r{i}", run, initial_peers=initial, extra=extra, wait=not nodes)
+        )
         run = nodes[0].run_id
     for n in nodes:
-        n.wait_serving(90)
+        n.wait_serving(120)
     return nodes
 
 

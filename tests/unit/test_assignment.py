@@ -513,6 +513,19 @@ def sim():
     return simulate_assignment
 
 
+# A small swarm that still shows every effect the tests below assert: the joining burst, the
+# wave that arrives and leaves, the stage loss, and the gaps two-stage peers close.
+SMALL_SWARM = dict(peers=120, stages=3, duration=1800.0, seed=1, settle=300.0)
+
+
+@pytest.fixture(scope="module")
+def small_swarm(sim):
+    """The small swarm simulated under every rule (ours with two-stage peers, the default):
+    its config and each rule's result, shared by the tests that read them."""
+    cfg = sim.Config(**SMALL_SWARM)
+    return cfg, {rule: sim.simulate(cfg, rule) for rule in sim.RULES}
+
+
 def test_the_simulators_bound_is_the_linear_programmes_optimum(sim):
     rng = np.random.default_rng(3)
     t = np.exp(rng.standard_normal((200, 1)) + 0.5 * rng.standard_normal((200, 3)))
@@ -531,9 +544,8 @@ def test_the_simulators_integer_assignment_deals_out_peers_alike_on_every_stage(
     assert 0.99 * bound <= sim.integer_assignment(t, lam) <= bound * (1 + 1e-9)
 
 
-def test_simulator_smoke_200_peers(sim):
-    cfg = sim.Config(peers=200, stages=3, duration=2400.0, seed=1, settle=300.0)
-    results = {rule: sim.simulate(cfg, rule) for rule in sim.RULES}
+def test_simulator_smoke(sim, small_swarm):
+    cfg, results = small_swarm
     ours, petals = (sim.summary(cfg, results[rule]) for rule in sim.RULES)
     assert ours["steady_mean"] > 0.9, ours
     assert ours["steady_mean"] > petals["steady_mean"], (ours, petals)
@@ -568,12 +580,11 @@ def test_two_stage_peers_give_their_second_stage_the_time_that_raises_the_least_
     assert second_stage_shares([12.0, 15.0, 10.0], [fast, slow]) == pytest.approx([0.0, 0.0])
 
 
-def test_simulator_two_stage_peers_close_the_gaps_that_joiners_leave(sim):
-    base = dict(peers=200, stages=3, duration=2400.0, seed=1, settle=300.0)
-    one = sim.Config(**base, two_stage_reserve=0.0)
+def test_simulator_two_stage_peers_close_the_gaps_that_joiners_leave(sim, small_swarm):
+    one = sim.Config(**SMALL_SWARM, two_stage_reserve=0.0)
     plain = sim.summary(one, sim.simulate(one, "ours"))
-    cfg = sim.Config(**base)  # two-stage peers: the default
-    r = sim.simulate(cfg, "ours")
+    cfg, results = small_swarm  # two-stage peers: the default
+    r = results["ours"]
     two = sim.summary(cfg, r)
     assert r.two_stage > 0
     assert two["balance"] > plain["balance"] and two["steady_mean"] > plain["steady_mean"]

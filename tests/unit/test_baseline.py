@@ -9,7 +9,7 @@ from models.training import train_baseline
 
 def test_tiny_baseline_learns(corpus):
     model, optim = preset("tiny")
-    result = train_baseline(model, optim, corpus, steps=60, eval_every=60, n_stages=2)
+    result = train_baseline(model, optim, corpus, steps=30, eval_every=30, n_stages=2)
     final = result.steps[-1].val_loss
     assert result.initial_val_loss > math.log(256) - 0.1  # starts near uniform bytes
     assert final < 3.3, final  # and learns the bytes of Python source
