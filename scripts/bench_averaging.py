@@ -74,8 +74,12 @@ PEERS = 2  # per stage, in the rounds and training measurements
 OWNER = peer_id_of(Ed25519PrivateKey.generate().public_key())  # the benchmark's runs
 
 
+ROUND_SETTINGS: dict[str, float] = {}  # --matchmaking-s, --round-timeout-s, where given
+
+
 def _spec(name: str, preset: str, **averaging) -> RunSpec:
-    return make_run_spec(name, preset, 2, owner=OWNER, averaging=AveragingSpec(**averaging))
+    settings = AveragingSpec(**(ROUND_SETTINGS | averaging))
+    return make_run_spec(name, preset, 2, owner=OWNER, averaging=settings)
 
 
 KEYS: dict[str, Ed25519PrivateKey] = {}  # the DHTs' identities, by peer id
@@ -426,6 +430,7 @@ async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
           f"(where the label names none)")  # fmt: skip
     print(f"  {'mode':<22} {'val before':>10} {'val after':>10} {'(peer 1)':>9} {'epochs':>9} "
           f"{'rounds':>6} {'alone':>5} {'avg bytes/sample':>16} {'(computed)':>10} "
+          f"{'bytes/round':>11} "
           f"{'vs gradient':>11} {'vs loss':>7} {'loopback/sample':>15} {'samples/s':>9} "
           f"{'copies apart':>12}")  # fmt: skip
     base = results[0].averaging_bytes / results[0].samples
@@ -437,12 +442,15 @@ async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
         vs_loss = f"{r.val[1] / dense.val[1]:.3f}" if dense is not None else "-"
         print(f"  {r.label:<22} {r.val[0]:>10.3f} {r.val[1]:>10.3f} {r.val_other:>9.3f} "
               f"{'/'.join(map(str, r.epochs)):>9} {r.rounds:>6} {r.alone:>5} "
-              f"{per_sample:>16,.1f} {computed:>10} {ratio:>11} {vs_loss:>7} "
+              f"{per_sample:>16,.1f} {computed:>10} "
+              f"{r.averaging_bytes / max(r.rounds, 1):>11,.0f} {ratio:>11} {vs_loss:>7} "
               f"{r.loopback_bytes / r.samples:>15,.0f} {r.samples / r.seconds:>9.0f} "
               f"{max(r.distance):>12.1e}")  # fmt: skip
     print("  avg bytes/sample: counted, every averaging frame the averager processes sent "
           "(parts and returned means); (computed): from\n  the rounds, uncompressed runs only "
           "(each peer sends half of its stage's tensors and returns the averaged half);\n"
+          "  bytes/round: counted bytes per successful round of one peer (failed attempts' "
+          "bytes included); alone: steps\n  alone and fallbacks, which send nothing;\n"
           "  vs gradient: gradient mode's counted bytes/sample over this row's; vs loss: "
           "validation loss after over that of\n  uncompressed DiLoCo at the same H; "
           "loopback/sample: all loopback traffic on this machine during training (DHT\n"
@@ -462,7 +470,12 @@ def main() -> None:
     parser.add_argument("--compressed", type=_compressed, nargs="*", default=[],
                         help="density:compression of compressed DiLoCo runs at each H, "
                         "e.g. 0.1:uint8")  # fmt: skip
+    parser.add_argument("--matchmaking-s", type=float, help="averaging.matchmaking_s of every run")
+    parser.add_argument("--round-timeout-s", type=float, help="averaging.round_timeout_s")
     args = parser.parse_args()
+    for key in ("matchmaking_s", "round_timeout_s"):
+        if getattr(args, key) is not None:
+            ROUND_SETTINGS[key] = getattr(args, key)
     limits.install()  # count the averaging frames of the processes forked from here on
     torch.set_num_threads(1)
     n_dhts = max([PEERS * 2 if args.micro_batches else 0, PEERS, *args.allreduce_peers])
