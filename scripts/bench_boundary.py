@@ -132,7 +132,7 @@ def main() -> int:
     model, opt = preset(args.preset)
     print(f"\n{args.preset}, 2 stages, {args.samples} samples, {args.runs} runs "
           f"(micro-batch {opt.micro_batch_size}, step {opt.target_batch_size})")  # fmt: skip
-    print("| setting | boundary bytes/sample | vs none | val loss | loss / none |")
+    print("| setting | boundary bytes/sample | none / setting | val loss | loss / none |")
     print("|---|---|---|---|---|")
     base = results["none"]
     for setting, runs in results.items():
@@ -140,18 +140,18 @@ def main() -> int:
         ratio = statistics.median(b for _, b in base) / per_sample
         losses = [loss for loss, _ in runs]
         rel = [loss / b for (loss, _), (b, _) in zip(runs, base, strict=True)]
-        print(f"| {setting} | {per_sample:.0f} | {ratio:.1f}x fewer | {_fmt(losses)} "
+        print(f"| {setting} | {per_sample:.0f} | {ratio:.1f}x | {_fmt(losses)} "
               f"| {_fmt(rel, 4)} |")  # fmt: skip
     for name in args.presets:
         model, opt = preset(name)
         cost = codec_cost(name)
         print(f"\n{name}: one micro-batch of hidden states ({opt.micro_batch_size} x "
               f"{model.block_size} x {model.n_embd}), one way")  # fmt: skip
-        print("| setting | bytes/sample | vs none | encode + decode ms |")
+        print("| setting | bytes/sample | none / setting | encode + decode ms |")
         print("|---|---|---|---|")
         for setting, (per_sample, ms) in cost.items():
             ratio = cost["none"][0] / per_sample
-            print(f"| {setting} | {per_sample:.0f} | {ratio:.1f}x fewer | {ms:.1f} |")
+            print(f"| {setting} | {per_sample:.0f} | {ratio:.1f}x | {ms:.1f} |")
     return 0
 
 
