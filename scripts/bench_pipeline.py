@@ -10,7 +10,7 @@ The swarm runs ``--repeats`` rounds of ``--micro-batches`` each way the trainer 
 ``reused`` (streams kept open per peer and stage, the default) and ``per-call`` (a new
 stream per call), alternating in one swarm so that both see the same machine; it prints
 each way's median [range] and their ratio round by round. The baseline runs
-``--repeats`` times before the swarm starts.
+``--baselines`` times before the swarm starts.
 
     python -m scripts.bench_pipeline --preset tiny --micro-batches 100 --repeats 5
 """
@@ -100,7 +100,8 @@ def main() -> None:
     p.add_argument("--peers", type=int, default=2, help="peers per stage")
     p.add_argument("--micro-batches", type=int, default=120)
     p.add_argument("--in-flight", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5, help="rounds of each way, and baselines")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of each way of calling")
+    p.add_argument("--baselines", type=int, default=1, help="runs of the baseline")
     args = p.parse_args()
 
     corpus = load_corpus()
@@ -109,7 +110,7 @@ def main() -> None:
           f"preset {args.preset}: micro-batch {optim.micro_batch_size} x "
           f"{model.block_size}  load average: {psutil.getloadavg()[0]:.1f}",
           flush=True)  # fmt: skip
-    bases = [baseline_rate(args.preset, args.micro_batches, corpus) for _ in range(args.repeats)]
+    bases = [baseline_rate(args.preset, args.micro_batches, corpus) for _ in range(args.baselines)]
     print(f"baseline (one process):         {spread(bases, 1)} samples/s", flush=True)
 
     nodes, dht = [], None
