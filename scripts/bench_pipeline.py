@@ -10,7 +10,7 @@ The swarm runs ``--repeats`` rounds of ``--micro-batches`` each way the trainer 
 ``reused`` (streams kept open per peer and stage, the default) and ``per-call`` (a new
 stream per call), alternating in one swarm so that both see the same machine; it prints
 each way's median [range] and their ratio round by round. The baseline runs
-``--repeats`` times before the swarm starts.
+``--baselines`` times before the swarm starts.
 
     python -m scripts.bench_pipeline --preset tiny --micro-batches 100 --repeats 5
 """
@@ -31,7 +31,7 @@ from models.config import preset
 from models.data import load_corpus
 from models.training import train_baseline
 from node.cli.train import open_trainer
-from node.harness.local_swarm import LOCAL, launch_node, stop_all
+from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
@@ -61,13 +61,14 @@ WAYS = ("reused", "per-call")  # how the trainer's calls get their streams
 
 async def swarm_rates(
     dht: SwarmDHT, micro_batches: int, in_flight: int, repeats: int
-) -> dict[str, list[tuple[float, float]]]:
-    """Each way's (samples/s, loopback bytes per sample), one per round; the ways take
-    turns within each round."""
+) -> tuple[dict[str, list[tuple[float, float]]], tuple[float, float]]:
+    """Each way's (samples/s, loopback bytes per sample), one per round (the ways take
+    turns within each round), and the wall-clock window of the rounds."""
     trainer = await open_trainer(dht, TrainerSettings(in_flight=in_flight, call_timeout_s=120))
     rates: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     try:
         await trainer.train(in_flight * 2)  # warm-up: connections, allocations
+        window = time.time()
         for _ in range(repeats):
             for way in WAYS:
                 stage_client.reuse_streams(trainer.p2p, way == "reused")
@@ -79,10 +80,24 @@ async def swarm_rates(
                 wire = (loopback_bytes() - before_bytes) / samples
                 rates[way].append((samples / elapsed, wire))
                 print(f"  {way:9s} {samples / elapsed:8.1f} samples/s", flush=True)
-        return rates
+        return rates, (window, time.time())
     finally:
         stage_client.close_sessions(trainer.p2p)
         await trainer.p2p.shutdown()
+
+
+def print_rounds(nodes: list[NodeProcess], window: tuple[float, float]) -> None:
+    """Each node's averaging rounds within ``window`` (wall clock): how many, the median
+    seconds from a round's trigger to its step, and the share of the window in rounds."""
+    start, end = window
+    for node in nodes:
+        rounds = [e for e in node.events("averaging.round") if start <= e["t"] <= end]
+        seconds = [e["seconds"] for e in rounds if e.get("seconds") is not None]
+        median = statistics.median(seconds) if seconds else float("nan")
+        print(
+            f"  {node.name}: {len(rounds)} averaging rounds, {median:.2f} s median from "
+            f"trigger to step, {sum(seconds) / (end - start):.2f} of the time in rounds"
+        )
 
 
 def spread(values: list[float], digits: int = 3) -> str:
@@ -100,7 +115,8 @@ def main() -> None:
     p.add_argument("--peers", type=int, default=2, help="peers per stage")
     p.add_argument("--micro-batches", type=int, default=120)
     p.add_argument("--in-flight", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5, help="rounds of each way, and baselines")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of each way of calling")
+    p.add_argument("--baselines", type=int, default=1, help="runs of the baseline (0: none)")
     args = p.parse_args()
 
     corpus = load_corpus()
@@ -109,8 +125,9 @@ def main() -> None:
           f"preset {args.preset}: micro-batch {optim.micro_batch_size} x "
           f"{model.block_size}  load average: {psutil.getloadavg()[0]:.1f}",
           flush=True)  # fmt: skip
-    bases = [baseline_rate(args.preset, args.micro_batches, corpus) for _ in range(args.repeats)]
-    print(f"baseline (one process):         {spread(bases, 1)} samples/s", flush=True)
+    bases = [baseline_rate(args.preset, args.micro_batches, corpus) for _ in range(args.baselines)]
+    if bases:
+        print(f"baseline (one process):         {spread(bases, 1)} samples/s", flush=True)
 
     nodes, dht = [], None
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,20 +144,24 @@ def main() -> None:
                 n.wait_serving(120)
             dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
                                  host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
-            rates = asyncio.run(swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats))
+            rates, window = asyncio.run(
+                swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats)
+            )
+            print_rounds(nodes, window)
         finally:
             if dht is not None:
                 dht.shutdown()
             stop_all(nodes)
 
-    base = statistics.median(bases)
+    base = statistics.median(bases) if bases else None
     needed = 2 * (args.stages - 1) * model.block_size * model.n_embd * 4  # fwd + bwd, float32
     print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
     for way in WAYS:
         rate, wire = [r for r, _ in rates[way]], [w for _, w in rates[way]]
         print(f"swarm ({args.stages} stages x {args.peers} peers), {way} streams:")
         print(f"  samples/s:                    {spread(rate, 1)}")
-        print(f"  ratio swarm / baseline:       {spread([r / base for r in rate])}")
+        if base is not None:
+            print(f"  ratio swarm / baseline:       {spread([r / base for r in rate])}")
         print(f"  loopback bytes per sample:    {spread(wire, 0)}  (activations: {needed})")
         print(f"  ratio wire / required bytes:  {spread([w / needed for w in wire])}")
     paired = [a / b for (a, _), (b, _) in zip(rates[WAYS[0]], rates[WAYS[1]], strict=True)]

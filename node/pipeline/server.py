@@ -14,18 +14,18 @@ error reply with a field that does not exist, and the caller waits for its timeo
 against a unary one, and a served forward against a local one, is measured by
 ``python -m scripts.bench_stage_rpc`` (figures in BENCHMARKS.md, "Pipeline").
 
-Sessions. Opening a stream costs more than a small request itself (a new socket to each
-daemon and a new libp2p stream: about 4 ms of CPU on loopback against under 1 ms for a
-request on an open stream; ``python -m scripts.bench_stage_rpc``), so callers keep
-streams open: the ``session`` handler serves one request after another on one stream,
-each request ended by hivemind's end-of-stream frame and answered as ``rpc_forward`` /
-``rpc_backward`` answer (the request's ``StageMeta.kind`` says which). Each request is
-admitted, charged, timed, checked and counted as a request on a stream of its own is;
-its ticket is held from its first frame to its answer, not while the session is idle. A
-caller holds at most ``AdmissionLimits.per_caller`` sessions (the node ``total``), an
-idle one is closed after ``SESSION_IDLE_S``, and after any error (a refusal, a shed
-request, a bad frame) the session ends as a refused stream does. ``rpc_forward`` and
-``rpc_backward`` (one request per stream) stay for callers that open a stream per call.
+Sessions. Opening a stream costs more CPU than a small request on a stream already open
+(a new socket to each daemon and a new libp2p stream; ``python -m scripts.bench_stage_rpc``
+measures both), so callers keep streams open: the ``session`` handler serves one request
+after another on one stream, each request ended by hivemind's end-of-stream frame and
+answered as ``rpc_forward`` / ``rpc_backward`` answer (the request's ``StageMeta.kind``
+says which). Each request is admitted, charged, timed, checked and counted as a request
+on a stream of its own is; its ticket is held from its first frame to its answer, not
+while the session is idle. A caller holds at most ``AdmissionLimits.per_caller`` sessions
+(the node ``total``), an idle one is closed after ``SESSION_IDLE_S``, and after any error
+(a refusal, a shed request, a bad frame) the session ends as a refused stream does.
+``rpc_forward`` and ``rpc_backward`` (one request per stream) stay for callers that open a
+stream per call.
 
 A backward is stateless: the caller re-sends the stage's inputs with the gradient of its
 outputs, so any peer of the stage can serve the backward of a forward that ran elsewhere.
@@ -144,7 +144,7 @@ SHARE_WAIT_S = 0.5
 # An open micro-batch whose backward has not come after this long is forgotten (its trainer
 # died, or sent the backward to another peer of the stage): it no longer holds a step back.
 OPEN_S = 10.0
-# The handler of sessions: streams that carry one request after another (see ``session``).
+# The handler of sessions: streams that carry one request after another (module docstring).
 SESSION = "session"
 # A session with no request for this long is closed: callers reuse a stream for less time
 # (``node.pipeline.client.IDLE_S``), so they never send on one the server is closing.
