@@ -16,9 +16,12 @@ fields:
   did and did not reach it), ``declared`` (true: ``--reachable yes`` or ``no`` said so and
   no peer was asked), ``serves`` (false: found unreachable at start, it holds no
   stage and runs as a trainer only, and its DHT stays a client), ``relay`` (null: no
-  relay is used; not reachable, it is one found holding the node's reservation).
+  relay is used; not reachable, it is one found holding the node's reservation),
+  ``relays_tried`` (relay peer id -> why it held no reservation for the node, when the
+  node looked for one: with ``relay`` null, why it runs as a trainer only).
 - ``relay.changed``: ``previous``, ``relay`` (peer ids; ``relay`` null: no initial peer
-  holds a reservation for the node now, so routing skips it until one does): a node
+  holds a reservation for the node now, so routing skips it until one does),
+  ``relays_tried`` (as in ``node.reachability``): a node
   serving through a relay found that relay failing its checks and chose another.
 - ``relay.link``: ``peer``, ``link`` (``relayed``, ``direct`` or ``none``): how this node
   is linked to a peer that serves through a relay, when that changes.

@@ -449,6 +449,7 @@ class Node:
             "relay.changed",
             previous=previous and relay_peer_id(previous),
             relay=relay and relay_peer_id(relay),
+            relays_tried=self._relays_tried(),
         )
         logger.warning("%s", self.reachability_line())
         self._changed.set()
@@ -469,10 +470,17 @@ class Node:
             declared=r.declared,
             serves=self.serves,
             relay=self.relay and relay_peer_id(self.relay),
+            relays_tried=self._relays_tried(),
         )
         (logger.info if r.reachable is not False else logger.warning)(
             "%s", self.reachability_line()
         )
+
+    def _relays_tried(self) -> dict[str, str]:
+        """Relay peer id -> why it held no reservation for us, at the last choice."""
+        keeper = self._relay_keeper
+        tried = keeper.tried if keeper is not None else {}
+        return {relay_peer_id(m): why for m, why in tried.items()}
 
     async def _recheck_reachability(self) -> None:
         """While nobody could tell (the first node of a run, or peers that disagreed), ask
@@ -532,9 +540,8 @@ class Node:
                 f"not reachable, serving through relay {relay_peer_id(self.relay)} "
                 f"({r.no} of {asked} peers could not dial this node directly)"
             )
-        keeper = self._relay_keeper
-        if keeper is not None:
-            tried = "; ".join(f"{relay_peer_id(m)}: {why}" for m, why in keeper.tried.items())
+        if self._relay_keeper is not None:
+            tried = "; ".join(f"{p}: {why}" for p, why in self._relays_tried().items())
             what = (
                 "peers will not route calls to its stages until one does"
                 if self.serves
