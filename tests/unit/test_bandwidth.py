@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.measure.bandwidth import (
     MAX_PARTNERS,
@@ -10,6 +11,9 @@ from node.measure.bandwidth import (
     BandwidthProbe,
     partners,
 )
+from protocol.identity import peer_id_of
+from protocol.records import PeerState
+from tests.records import peer_info
 
 
 def test_probe_settings_are_checked():
@@ -22,12 +26,6 @@ def test_probe_settings_are_checked():
 def test_partners_are_peers_reached_first_and_few():
     """A flood of serving records from fresh keys: the peers this node has reached come
     first, whatever the flood's size, and at most ``MAX_PARTNERS`` are tried."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from protocol.identity import peer_id_of
-    from protocol.records import PeerState
-    from tests.records import peer_info
-
     ids = [peer_id_of(Ed25519PrivateKey.generate().public_key()) for _ in range(203)]
     me, honest, sybils = ids[0], ids[1:3], ids[3:]
     records = [peer_info("run", p) for p in [me, *honest, *sybils]]
