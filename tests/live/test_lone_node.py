@@ -7,8 +7,8 @@ through its first heartbeat (a minute, with default flags); a Ctrl-C in its term
 (SIGINT to the whole process group, ``p2pd`` and the averager processes included) must
 stop it within seconds, leaving no process, and with its stages checkpointed: the model
 exports (from the live node too) and samples, and the node restarted resumes where it
-stopped. What the node did is read from its
-events, in the default place (beside its identity).
+stopped. What the node did is read from its events, in the default place (beside its
+identity).
 """
 
 from __future__ import annotations
