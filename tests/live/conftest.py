@@ -14,8 +14,8 @@ import pytest
 # Seconds per file in recent runs of ``make test`` on a loaded 2-core machine (pytest
 # --durations): resume 289, private 227, assignment 204, ops 184, generate 180, records
 # 160, pipeline 152, chaos 94-114, parity 97-113, archive 90-123, llama swarm 79-96, node
-# 85, nat 68, dashboard 65, cli 64, llama 40; the rest under 25. The lone node trains a
-# minute, not three: about 250 before, 130 or so now. Each group sums to about 850.
+# 85, nat 68, dashboard 65, cli 64, llama 40; the rest under 25. The lone node took
+# 242-256 training three minutes; it trains one now. Each group sums to about 850.
 GROUPS = {
     "test_lone_node.py": "a",
     "test_private_run.py": "a",

@@ -7,8 +7,8 @@ through its first heartbeat (a minute, with default flags); a Ctrl-C in its term
 (SIGINT to the whole process group, ``p2pd`` and the averager processes included) must
 stop it within seconds, leaving no process, and with its stages checkpointed: the model
 exports (from the live node too) and samples, and the node restarted resumes where it
-stopped. What the node did is read from its
-events, in the default place (beside its identity).
+stopped. What the node did is read from its events, in the default place (beside its
+identity).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _serving_both(proc: subprocess.Popen, home: Path, log: Path, maddrs: Path) -
     wait_until(holds_both, 90, "the node to serve both stages", every=0.5)
 
     def announced() -> bool:  # its record says so too, as others read it
-        peers = status(run, maddr)["peers"]
+        peers = status(run, maddr, timeout=120)["peers"]
         return bool(peers) and bool(peers[0]["second_serving"])
 
     wait_until(announced, 60, "the node's record to list its second stage", every=1.0)
