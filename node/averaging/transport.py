@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression
@@ -70,7 +70,7 @@ class BlockCodec(CompressionBase):
             raise sparsify.CodecError(
                 f"a {serialized_tensor.dtype} part of shape {size}: float32 expected"
             )
-        return sparsify.decode(serialized_tensor.buffer, int(np.prod(size))).reshape(size)
+        return sparsify.decode(serialized_tensor.buffer, math.prod(size)).reshape(size)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # Parts sized as uncompressed ones: a part of means can be float32 all through, and
