@@ -2,7 +2,7 @@
 
     python -m scripts.bench_averaging [--preset tiny] [--rounds 20] [--compression none]
         [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
-        [--compressed 0.1:uint8 ...]
+        [--compressed 0.1:uint8 ...] [--matchmaking-s S] [--round-timeout-s S]
 
 Three measurements in one run (a count of 0 skips one). Every peer is its own hivemind DHT
 and averager process, on 127.0.0.1.

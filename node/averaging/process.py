@@ -6,8 +6,9 @@ names, the reducer, the round, the state download, the shutdown) are overridden 
 
 - its handlers are served as ``StageAverager`` (``service_name``), whatever the subclass;
 - the process dies with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, as the node's
-  DHT process does), ignores SIGINT (the node stops it with ``shutdown``), and caps the
-  frames hivemind reads (``cap_frames``);
+  DHT process does), ignores SIGINT (the node stops it with ``shutdown``), caps the
+  frames hivemind reads (``cap_frames``), and decodes its ``compression``'s type with it
+  (``use_compression``: a codec of ours, in this process only);
 - a groupmate's part that is non-finite or wildly out of range, or comes with a bad
   weight, is refused, and the parts that pass are reduced by ``robust_mean`` (hivemind
   would average a NaN into everyone's result);
@@ -46,7 +47,7 @@ from hivemind.proto import averaging_pb2
 
 from node import events, limits
 from node.rpc.child_process import die_with_parent
-from node.rpc.hivemind_compat import AveragerCompat, cap_frames
+from node.rpc.hivemind_compat import AveragerCompat, cap_frames, use_compression
 from protocol.averaging import (
     MAX_ABS_CONTRIBUTION,
     ReturnedShare,
@@ -89,6 +90,7 @@ class StageAveragerProcess(AveragerCompat):
         self._members: set[PeerID] = set()
         self._members_read = -float("inf")
         self._rejected: dict[PeerID, float] = {}  # reducer -> refused until (monotonic)
+        self._compression = kwargs.get("compression")
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self) -> None:
@@ -99,6 +101,8 @@ class StageAveragerProcess(AveragerCompat):
         torch.set_num_threads(1)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops us
         limits.set_default_purpose(limits.AVERAGING)  # but state downloads: see below
+        if self._compression is not None:  # our codec decodes its type here, and only here
+            use_compression(self._compression)
         super().run()
 
     async def rpc_download_state(

@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression
@@ -30,7 +30,6 @@ from hivemind.proto import runtime_pb2
 
 from node.averaging.process import StageAveragerProcess
 from node.rpc.dht import SwarmDHT
-from node.rpc.hivemind_compat import use_compression
 from protocol import sparsify
 from protocol.averaging import averaging_prefix, within_bounds
 from protocol.run_spec import AveragingSpec, RunSpec
@@ -45,12 +44,14 @@ Tensors = list[torch.Tensor]
 
 class BlockCodec(CompressionBase):
     """``protocol.sparsify``'s lossless wire format as a hivemind compression (of float32
-    parts), in the slot of hivemind's ``UNIFORM_8BIT``: values the sender rounded to 8 bits
-    (``sparsify.round_to_grid``) travel in about a byte each, the means a reducer returns
-    in float16 or float32 where 8 bits would round them. A malformed part raises
-    ``sparsify.CodecError`` (the round refuses that sender, as for any bad part)."""
+    parts), in the slot of hivemind's ``BLOCKWISE_8BIT`` (which needs bitsandbytes; the
+    stage pipeline's uint8 is ``UNIFORM_8BIT``), in the averager process only. Values the
+    sender rounded to 8 bits (``sparsify.round_to_grid``) travel in about a byte each, the
+    means a reducer returns in float16 or float32 where 8 bits would round them. A
+    malformed part raises ``sparsify.CodecError`` (the round refuses that sender, as for
+    any bad part)."""
 
-    compression_type = runtime_pb2.UNIFORM_8BIT
+    compression_type = runtime_pb2.BLOCKWISE_8BIT
 
     def compress(
         self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False
@@ -69,7 +70,7 @@ class BlockCodec(CompressionBase):
             raise sparsify.CodecError(
                 f"a {serialized_tensor.dtype} part of shape {size}: float32 expected"
             )
-        return sparsify.decode(serialized_tensor.buffer, int(np.prod(size))).reshape(size)
+        return sparsify.decode(serialized_tensor.buffer, math.prod(size)).reshape(size)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # Parts sized as uncompressed ones: a part of means can be float32 all through, and
@@ -79,12 +80,10 @@ class BlockCodec(CompressionBase):
 
 def process_settings(settings: AveragingSpec) -> dict[str, object]:
     """The round settings of a stage's hivemind averager (``scripts/bench_averaging.py``
-    measures all-reduce with exactly these). With compression uint8 it also makes
-    ``BlockCodec`` the decoder of its type in this process and those it forks."""
-    compression: CompressionBase = NoCompression()  # float16 is in the buffers' dtype
-    if settings.compression == "uint8":
-        compression = BlockCodec()
-        use_compression(compression)
+    measures all-reduce with exactly these)."""
+    # float16 is in the buffers' dtype (see ``start``); uint8 values are rounded by the
+    # strategy and travel exactly in ``BlockCodec``.
+    compression = BlockCodec() if settings.compression == "uint8" else NoCompression()
     return {
         "min_matchmaking_time": settings.matchmaking_s,
         "request_timeout": min(3.0, settings.matchmaking_s / 2),

@@ -79,10 +79,10 @@ What is patched or overridden, and why:
 - ``Matchmaking._request_join_group`` (wrapped per averager in ``_set_matchmaking``): a
   leader that ``admits`` refuses is skipped, as one that rejected us.
 - ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES`` (an entry set by
-  :func:`use_compression`): hivemind decodes a received tensor by its compression type's
-  entry; a codec of ours takes a type's slot (hivemind's 8-bit ones fail to decode with
-  numpy 2). A part whose shape is not the one the reducer expects is refused
-  (:class:`ScreenedReducer`), as a part ``check_part`` refuses.
+  :func:`use_compression`, in the averager process): hivemind decodes a received tensor
+  by its compression type's entry; a codec of ours takes a type's slot. A part whose shape
+  is not the one the reducer expects is refused (:class:`ScreenedReducer`), as a part
+  ``check_part`` refuses.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor, serialization, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
 
@@ -17,6 +17,7 @@ from models.training import StageOptimizer
 from node.averaging import state as stage_state
 from node.averaging.strategies import AveragingStats, DiLoCoStrategy, make_strategy
 from node.averaging.transport import BlockCodec, process_settings
+from node.rpc.hivemind_compat import use_compression
 from protocol import sparsify
 from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, decode_run_spec, make_run_spec, sign_run_spec
@@ -81,16 +82,24 @@ def test_malformed_parts_are_refused(tamper):
         sparsify.decode(tamper(data), 300)
 
 
-def test_the_codec_takes_hiveminds_8bit_slot_and_refuses_a_wrong_dtype():
-    process_settings(AveragingSpec(mode="diloco", compression="uint8"))  # registers it
-    x = sparsify.round_to_grid(torch.randn(1000))
-    wire = serialize_torch_tensor(x, runtime_pb2.UNIFORM_8BIT)
-    assert len(wire.buffer) < 1100 and torch.equal(deserialize_torch_tensor(wire), x)
+def test_the_codec_takes_a_hivemind_slot_and_refuses_a_wrong_dtype():
+    codec = process_settings(AveragingSpec(mode="diloco", compression="uint8"))["compression"]
+    assert isinstance(codec, BlockCodec)
+    # Not hivemind's UNIFORM_8BIT: the stage pipeline's uint8 activations use that one.
+    assert codec.compression_type == runtime_pb2.BLOCKWISE_8BIT
+    kept = serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"]
+    use_compression(codec)  # as the averager process does
+    try:
+        x = sparsify.round_to_grid(torch.randn(1000))
+        wire = serialize_torch_tensor(x, runtime_pb2.BLOCKWISE_8BIT)
+        assert len(wire.buffer) < 1100 and torch.equal(deserialize_torch_tensor(wire), x)
+        nan = serialize_torch_tensor(torch.tensor([float("nan"), 1.0]), codec.compression_type)
+        assert bool(deserialize_torch_tensor(nan).isnan()[0])  # check_part refuses it after
+    finally:
+        serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = kept
     wire.dtype = "float64"
     with pytest.raises(sparsify.CodecError):
-        BlockCodec().extract(wire)
-    nan = serialize_torch_tensor(torch.tensor([float("nan"), 1.0]), runtime_pb2.UNIFORM_8BIT)
-    assert bool(deserialize_torch_tensor(nan).isnan()[0])  # check_part refuses it after
+        codec.extract(wire)
 
 
 @pytest.mark.parametrize(
