@@ -22,7 +22,8 @@ answered as ``rpc_forward`` / ``rpc_backward`` answer (the request's ``StageMeta
 says which). Each request is admitted, charged, timed, checked and counted as a request
 on a stream of its own is; its ticket is held from its first frame to its answer, not
 while the session is idle. A caller holds at most ``AdmissionLimits.per_caller`` sessions
-(the node ``total``), an idle one is closed after ``SESSION_IDLE_S``, and after any error
+(the node ``total``), one is closed when its first request does not start within
+``AdmissionLimits.first_s`` or when it idles for ``SESSION_IDLE_S``, and after any error
 (a refusal, a shed request, a bad frame) the session ends as a refused stream does.
 ``rpc_forward`` and ``rpc_backward`` (one request per stream) stay for callers that open a
 stream per call.
@@ -520,8 +521,10 @@ class StageServer(NodeServicer):
             self._sessions_opened += 1
             self._session_writers.add(writer)
             try:
-                while await self._serve_in_session(context, reader, writer):
-                    pass
+                # the first request comes as soon as the session opens, as a stream's does
+                wait_s = min(self.in_flight.limits.first_s, SESSION_IDLE_S)
+                while await self._serve_in_session(context, reader, writer, wait_s):
+                    wait_s = SESSION_IDLE_S
             finally:
                 self._session_writers.discard(writer)
                 self._sessions[caller] -= 1
@@ -538,11 +541,16 @@ class StageServer(NodeServicer):
         return None
 
     async def _serve_in_session(
-        self, context: P2PContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        context: P2PContext,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        wait_s: float,
     ) -> bool:
-        """Serve the session's next request; whether the session goes on."""
+        """Serve the session's next request, if it starts within ``wait_s``; whether the
+        session goes on."""
         try:
-            async with asyncio.timeout(SESSION_IDLE_S):
+            async with asyncio.timeout(wait_s):
                 first = await read_frame(reader, runtime_pb2.ExpertRequest, MAX_FRAME_BYTES)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             return False  # idle, or the caller closed the session

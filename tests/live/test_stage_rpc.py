@@ -775,7 +775,7 @@ def test_a_session_the_server_idled_out_is_replaced_without_a_failure(monkeypatc
 def test_a_caller_holds_at_most_its_share_of_sessions():
     x, _ = _batch()
     kw = {"run_id": RUN, "stage": 0, "timeout": 30}
-    in_flight = InFlight(AdmissionLimits(per_caller=2, total=4))
+    in_flight = InFlight(AdmissionLimits(per_caller=2, total=4, first_s=60.0))
 
     async def body():
         async with _swarm(TWO, [0], in_flight=in_flight) as (client, (s0,)):
@@ -789,6 +789,22 @@ def test_a_caller_holds_at_most_its_share_of_sessions():
             await stage_client.forward(client, s0.peer_id, x, **kw)
             assert (s0.counters.forward, s0.counters.shed) == (1, 1)
             for _, _, writer in held:
+                writer.close()
+
+    _run(body())
+
+
+def test_a_session_that_sends_nothing_is_closed_after_first_s():
+    in_flight = InFlight(AdmissionLimits(first_s=0.5))
+
+    async def body():
+        async with _swarm(TWO, [0], in_flight=in_flight) as (client, (s0,)):
+            handle = StageServer.handle_name(stage_namespace(0), SESSION)
+            _, _, writer = await client.call_binary_stream_handler(s0.peer_id, handle)
+            try:
+                await _until(lambda: s0.counters.sessions == 1, "the session to open")
+                await _until(lambda: s0.open_sessions == 0, "the silent session to close", 10)
+            finally:
                 writer.close()
 
     _run(body())
