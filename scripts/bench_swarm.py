@@ -615,6 +615,8 @@ def main() -> int:
         print(f"SKIPPED: {e}")
         return 2
     where = f"netem {args.netem}" if args.netem else "loopback"
+    if set(args.scenarios) <= set(named_only):  # they build their own emulated networks
+        where = "emulated networks of their own"
     print(f"=== medians over whole runs ({where})")
     summary = {name: _summary(name, runs) for name, runs in results.items()}
     runs = {n: [{k: v if math.isfinite(v) else None for k, v in r.items()} for r in rs]
