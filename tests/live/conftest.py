@@ -15,7 +15,8 @@ import pytest
 # --durations): resume 289, private 227, assignment 204, ops 184, generate 180, records
 # 160, pipeline 152, chaos 94-114, parity 97-113, archive 90-123, llama swarm 79-96, node
 # 85, nat 68, dashboard 65, cli 64, llama 40; the rest under 25. The lone node took
-# 242-256 training three minutes; it trains one now. Each group sums to about 850.
+# 242-256 training three minutes; training one, 115 (258 the old way, run next, at load
+# 7-11). Each group sums to about 850.
 GROUPS = {
     "test_lone_node.py": "a",
     "test_private_run.py": "a",
