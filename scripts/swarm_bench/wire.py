@@ -5,7 +5,9 @@ from __future__ import annotations
 import psutil
 
 from models.stages import Stage
+from node.pipeline.wire import COMPRESSIONS, compression_name
 from protocol.run_spec import RunSpec
+from protocol.stage_messages import wire_nbytes
 
 
 def loopback_bytes() -> int:
@@ -16,12 +18,16 @@ def loopback_bytes() -> int:
 
 def required_bytes(spec: RunSpec, peers_per_stage: int) -> dict:
     """Bytes per sample a run needs at the least: one hidden state forward and one
-    gradient back per stage boundary (float32 unless compressed), and the butterfly
+    gradient back per stage boundary (as the spec's compression encodes a micro-batch of
+    them: ``wire_nbytes``), and the butterfly
     all-reduce of each stage's gradients once per target batch (each of P peers sends
     2 (P-1)/P of the stage's parameters)."""
     model, optim = spec.model, spec.optim
-    width = 2 if spec.compression == "float16" else 1 if spec.compression == "uint8" else 4
-    activations = 2 * (spec.n_stages - 1) * model.block_size * model.n_embd * width
+    micro = optim.micro_batch_size
+    hidden = wire_nbytes(
+        _wire_name(spec.compression), "float32", micro * model.block_size * model.n_embd
+    )
+    activations = 2 * (spec.n_stages - 1) * hidden / micro
     avg_width = 2 if spec.averaging.compression == "float16" else 4
     p = peers_per_stage
     averaging = 0.0
@@ -31,3 +37,8 @@ def required_bytes(spec: RunSpec, peers_per_stage: int) -> dict:
             averaging += 2 * (p - 1) * params * avg_width / optim.target_batch_size
     return {"activation_bytes": activations, "averaging_bytes": averaging,
             "mode": spec.averaging.mode}  # fmt: skip
+
+
+def _wire_name(compression: str) -> str:
+    """The wire name (``CompressionType``'s, or one of ours) of a spec's compression."""
+    return compression_name(COMPRESSIONS[compression])
