@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -48,6 +48,18 @@ def _served(node: NodeProcess) -> int:
     return beats[-1]["served"] if beats else 0
 
 
+def _start(
+    nodes: list[NodeProcess], tmp_path, run: str, name: str, where: Host | Home,
+    peers: list[str], extra: Sequence[str] = (),
+) -> NodeProcess:  # fmt: skip
+    """A training node of ``run`` in ``where``'s namespace, kept in ``nodes`` to stop."""
+    node = launch_node(tmp_path, name, run, initial_peers=peers, train=True,
+                       host_maddr=ANY, wrap=where.exec, wait=False,
+                       extra=["--heartbeat", "3", *extra])  # fmt: skip
+    nodes.append(node)
+    return node
+
+
 def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_path) -> None:
     """2 public nodes (both training, both usable as relays: the home's initial peers) and
     1 home behind NAT (tiny, 1 stage, so that every node serves it and no stage empties
@@ -58,11 +70,7 @@ def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_p
     try:
 
         def start(name: str, where: Host | Home, peers: list[str], extra=()) -> NodeProcess:
-            node = launch_node(tmp_path, name, run, initial_peers=peers, train=True,
-                               host_maddr=ANY, wrap=where.exec, wait=False,
-                               extra=["--heartbeat", "3", *extra])  # fmt: skip
-            nodes.append(node)
-            return node
+            return _start(nodes, tmp_path, run, name, where, peers, extra)
 
         run = "rechoose"
         first = start("p0", net.hosts[0], [], ["--stages", "1"])
@@ -120,11 +128,7 @@ def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
     try:
 
         def start(name: str, where: Host | Home, peers: list[str], extra=()) -> NodeProcess:
-            node = launch_node(tmp_path, name, run, initial_peers=peers, train=True,
-                               host_maddr=ANY, wrap=where.exec, wait=False,
-                               extra=["--heartbeat", "3", *extra])  # fmt: skip
-            nodes.append(node)
-            return node
+            return _start(nodes, tmp_path, run, name, where, peers, extra)
 
         run = "relay"
         first = start("p0", net.hosts[0], [], ["--relay-data-limit-mib", "1"])
