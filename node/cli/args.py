@@ -588,6 +588,20 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
     create.add_argument("--averaging", default="gradient", choices=["gradient", "diloco"])
     create.add_argument("--inner-steps", type=int, default=50, help="diloco: local steps")
     create.add_argument(
+        "--averaging-compression",
+        default="none",
+        choices=["none", "float16", "uint8"],
+        help="of the averaged tensors (uint8: diloco only)",
+    )
+    create.add_argument(
+        "--averaging-density",
+        type=float,
+        default=1.0,
+        help="diloco: the share of each delta's coordinates a round sends (the rest waits "
+        "in each peer's residual); 0.1 with --averaging-compression uint8 sends about 30x "
+        "fewer bytes a round (BENCHMARKS.md, 'Compressed DiLoCo')",
+    )
+    create.add_argument(
         "--max-staleness",
         type=int,
         choices=[0, 1],

@@ -179,6 +179,16 @@ def _known(error: BaseException) -> bool:
     return False
 
 
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line; of a settings check, its first complaint only."""
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(error, pydantic.ValidationError):
+        from protocol.records import first_error
+
+        return first_error(error, error.title)
+    return " ".join(str(error).split())  # one line, whatever the message holds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
@@ -194,6 +204,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if not _known(e):
             raise
-        message = " ".join(str(e).split())  # one line, whatever the message holds
-        print(f"swarmtrain {args.command}: error: {message}", file=sys.stderr)
+        print(f"swarmtrain {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2

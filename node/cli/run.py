@@ -108,7 +108,12 @@ def _create(args: argparse.Namespace) -> int:
     key = load_or_create_key(args.owner_key)
     out = args.out or Path(f"{args.name}.spec.json")
     data = {} if args.data is None else _shards(args, model, out)
-    averaging = AveragingSpec(mode=args.averaging, inner_steps=args.inner_steps)
+    averaging = AveragingSpec(
+        mode=args.averaging,
+        inner_steps=args.inner_steps,
+        compression=args.averaging_compression,
+        density=args.averaging_density,
+    )
     spec = make_run_spec(
         args.name,
         args.preset or DEFAULT_PRESET,

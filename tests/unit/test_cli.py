@@ -50,3 +50,21 @@ def test_light_module_knows_the_corpus_name():
     from node.cli.args import STDLIB as light
 
     assert light == STDLIB
+
+
+def test_run_create_sets_compressed_diloco_and_refuses_it_in_one_line(tmp_path, capsys):
+    from node.cli.main import main
+    from protocol.run_spec import read_spec_file
+
+    base = ["run", "create", "zip", "--owner-key", str(tmp_path / "owner.key")]
+    out = tmp_path / "zip.spec.json"
+    zipped = ["--averaging-density", "0.1", "--averaging-compression", "uint8"]
+    assert main([*base, "--averaging", "diloco", *zipped, "--out", str(out)]) == 0
+    averaging = read_spec_file(out.read_text()).spec.averaging
+    assert (averaging.mode, averaging.density, averaging.compression) == ("diloco", 0.1, "uint8")
+    capsys.readouterr()
+    for wrong in (zipped, ["--averaging", "diloco", "--averaging-density", "0"]):
+        assert main([*base, *wrong, "--out", str(tmp_path / "no.json")]) == 2, wrong
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "density" in err and "pydantic" not in err, err
+        assert not (tmp_path / "no.json").exists()
