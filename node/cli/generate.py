@@ -3,7 +3,8 @@ needed) or from a live run's stages (``--run``: one inference forward through th
 pipeline per token, each stage on a peer that routing picks as it does for training;
 nothing is trained, kept or counted toward a step).
 
-Tokens are bytes. Both ways stream them to stdout as they are drawn and draw alike
+Tokens are bytes. Both ways stream them to stdout as they are drawn, as UTF-8 text (a
+byte that does not make one shows as U+FFFD), and draw alike
 (``models.generate.Sampler``), so at temperature 0 a run's text is its export's text
 (while its weights stay as they were, and with activations sent uncompressed).
 """
@@ -11,6 +12,7 @@ Tokens are bytes. Both ways stream them to stdout as they are drawn and draw ali
 from __future__ import annotations
 
 import argparse
+import codecs
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
@@ -93,28 +95,39 @@ def sample_swarm(
     return tokens()
 
 
-def _write(data: bytes) -> None:
-    out = sys.stdout.buffer
-    out.write(data)
-    out.flush()  # a token is shown as soon as it is drawn
+class _Text:
+    """Drawn bytes to stdout as UTF-8 text: each character as soon as its last byte is
+    drawn, and a byte that makes none as U+FFFD (a model's bytes need not be UTF-8)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        out = sys.stdout.buffer  # UTF-8 whatever the locale says
+        out.write(self._decoder.decode(data, final).encode())
+        out.flush()  # a token is shown as soon as it is drawn
+
+    def end(self) -> None:
+        self.write(b"\n", final=True)
 
 
 async def _generate(dht: SwarmDHT, args: argparse.Namespace) -> int:
     invite = member_invite(read_invite(args.invite), args.owner_key, dht.peer_id)
     joined = await join_run(dht, invite, spec_timeout_s=args.timeout)
     p2p = await dht.replicate_p2p()
+    text = _Text()
     try:
         settings = TrainerSettings(stage_wait_s=args.timeout)
         router = StageRouter(dht, p2p, joined.spec, settings, membership=joined.membership)
         tokens = sample_swarm(
             router, args.prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed
         )
-        _write(args.prompt.encode())
+        text.write(args.prompt.encode())
         async for token in tokens:
-            _write(token)
-        _write(b"\n")
+            text.write(token)
+        text.end()
     except TrainerError as e:
-        _write(b"\n")
+        text.end()
         print(f"swarmtrain generate: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -140,8 +153,9 @@ def run(args: argparse.Namespace) -> int:
     tokens: Iterable[bytes] = sample_text(
         args.model, args.prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed
     )
-    _write(args.prompt.encode())
+    text = _Text()
+    text.write(args.prompt.encode())
     for token in tokens:
-        _write(token)
-    _write(b"\n")
+        text.write(token)
+    text.end()
     return 0

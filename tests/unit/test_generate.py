@@ -76,3 +76,15 @@ def test_bad_input_is_refused_before_the_first_byte(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--max-new-tokens must be >= 0"):
         sample_swarm(router, "x", -1)  # type: ignore[arg-type]
     assert router.calls == 0
+
+
+def test_drawn_bytes_show_as_utf8_text_whatever_they_are(capsysbinary):
+    from node.cli.generate import _Text
+
+    text = _Text()
+    for token in (b"x", b"\xe2", b"\x82", b"\xac", b"\x92", b"y"):  # a euro sign, a stray byte
+        text.write(token)
+    assert capsysbinary.readouterr().out == "x€\ufffdy".encode()
+    text.write(b"\xe2")
+    text.end()  # a character cut off at the end shows as U+FFFD too
+    assert capsysbinary.readouterr().out == "\ufffd\n".encode()
