@@ -29,8 +29,14 @@ def _launch(tmp_path, run: str, pin: bool) -> list[NodeProcess]:
     for i, stage in enumerate(STAGES):
         extra = ["--checkpoint-every", str(EVERY_S)] + (["--stage", str(stage)] if pin else [])
         initial = [nodes[0].maddr] if nodes else []
-        nodes.append(  # the joiners start together: they wait on I/O at start
-            launch_node(tmp_path, f"r{i}", run, initial_peers=initial, extra=extra, wait=not nodes)
+        # Pinned, the joiners start together (they wait on I/O at start). Unpinned, one
+        # after another, as before the stop: a node alone for long may move to an empty
+        # stage, and the test is about each resuming its checkpoint's stage.
+        together = pin and bool(nodes)
+        nodes.append(
+            launch_node(
+                tmp_path, f"r{i}", run, initial_peers=initial, extra=extra, wait=not together
+            )
         )
         run = nodes[0].run_id
     for n in nodes:
