@@ -91,7 +91,7 @@ def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[
     return spec.run, path
 
 
-async def settled(dht: SwarmDHT, trainer: Trainer, timeout: float = 30.0) -> list[int]:
+async def settled(dht: SwarmDHT, trainer: Trainer, timeout: float = 90.0) -> list[int]:
     """Wait until no stage has a step pending: all of a stage's peers publish the same
     epoch, and their samples at it are below what starts a round. Returns each stage's
     epoch."""
