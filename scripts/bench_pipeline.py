@@ -60,17 +60,21 @@ WAYS = ("reused", "per-call")  # how the trainer's calls get their streams
 
 
 async def swarm_rates(
-    dht: SwarmDHT, micro_batches: int, in_flight: int, repeats: int
+    dht: SwarmDHT,
+    micro_batches: int,
+    in_flight: int,
+    repeats: int,
+    ways: tuple[str, ...] = WAYS,
 ) -> tuple[dict[str, list[tuple[float, float]]], tuple[float, float]]:
     """Each way's (samples/s, loopback bytes per sample), one per round (the ways take
     turns within each round, in alternating order), and the wall-clock window of the rounds."""
     trainer = await open_trainer(dht, TrainerSettings(in_flight=in_flight, call_timeout_s=120))
-    rates: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
+    rates: dict[str, list[tuple[float, float]]] = {way: [] for way in ways}
     try:
         await trainer.train(in_flight * 2)  # warm-up: connections, allocations
         window = time.time()
         for i in range(repeats):
-            for way in WAYS if i % 2 == 0 else WAYS[::-1]:  # ABBA: a drift favours neither
+            for way in ways if i % 2 == 0 else ways[::-1]:  # ABBA: a drift favours neither
                 stage_client.reuse_streams(trainer.p2p, way == "reused")
                 before_bytes, before_samples = loopback_bytes(), trainer.stats.samples
                 started = time.perf_counter()

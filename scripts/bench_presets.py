@@ -18,7 +18,7 @@ gradient averaging between a stage's two peers) and a trainer in this process wi
 ``--in-flight`` micro-batches in flight, against ``models.training.train_baseline`` (what
 ``swarmtrain baseline`` runs: the whole model in this process, every core unless
 ``--baseline-threads``), measured in turn in one run (``scripts.bench_pipeline``'s
-``baseline_rate`` and ``swarm_rate``). Each of ``--repeats`` rounds measures the
+``baseline_rate`` and ``swarm_rates``). Each of ``--repeats`` rounds measures the
 baseline, then the swarm (started once; idle while the baseline runs), and their ratio;
 figures are the median and range over the rounds. On a machine whose cores other jobs
 load, torch's threads wait on each other and the baseline reads far too low: measure it
@@ -54,7 +54,7 @@ from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
 from protocol.identity import peer_id_of
 from protocol.run_spec import make_run_spec, sign_run_spec, spec_file_text
-from scripts.bench_pipeline import baseline_rate, swarm_rate
+from scripts.bench_pipeline import baseline_rate, swarm_rates
 from scripts.bench_swarm import _spread
 from scripts.swarm_bench.swarm import BenchSwarm
 
@@ -213,7 +213,10 @@ def measure_throughput(args: argparse.Namespace, workdir: Path) -> dict[str, lis
                              host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
         for k in range(args.repeats):
             base = baseline_rate(args.swarm_preset, args.micro_batches, corpus)
-            rate, _ = asyncio.run(swarm_rate(dht, args.micro_batches, args.in_flight))
+            ways, _ = asyncio.run(
+                swarm_rates(dht, args.micro_batches, args.in_flight, 1, ways=("reused",))
+            )
+            rate = ways["reused"][0][0]
             for key, value in (("baseline", base), ("swarm", rate), ("ratio", rate / base)):
                 rates[key].append(value)
             print(f"  round {k + 1}: baseline {base:.2f}, swarm {rate:.2f} samples/s, "
