@@ -171,7 +171,8 @@ def memory_rows(args: argparse.Namespace, names: list[str], workdir: Path) -> li
                 row.node_peak.append(node)
                 row.children_peak.append(children)
             print(f"  {name} run {k + 1}: node peaks "
-                  f"{', '.join(f'{p / MIB:,.0f} MiB' for p, _ in peaks)} "
+                  f"{', '.join(f'{p / MIB:,.0f} MiB' for p, _ in peaks)}; children's "
+                  f"{', '.join(f'{c / MIB:,.0f} MiB' for _, c in peaks)} "
                   f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
         rows += mine
     return rows
