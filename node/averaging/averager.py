@@ -458,12 +458,7 @@ class StageAverager:
             self.epoch,
             ", ".join(f"{p.peer_id[-6:]} at {p.epoch}" for p in self.board.view()) or "none",
         )
-        await self._after_epoch(
-            how="alone",
-            peers=1,
-            ok=True,
-            measured=self._measured(window),
-        )
+        await self._after_epoch(how="alone", peers=1, ok=True, measured=self._measured(window))
 
     async def _average(self, group_size: int) -> None:
         """One round: take our contribution, average it until the round's deadline, apply
@@ -485,11 +480,7 @@ class StageAverager:
             await asyncio.shield(asyncio.to_thread(self.strategy.give_back, contribution))
 
     async def _average_until(
-        self,
-        contribution: Contribution,
-        window: _Window,
-        deadline: float,
-        group_size: int,
+        self, contribution: Contribution, window: _Window, deadline: float, group_size: int
     ) -> None:
         started = window.started
         epoch = self.epoch
@@ -527,10 +518,7 @@ class StageAverager:
             )
             self.stats.last_round_s = time.monotonic() - started
             await self._after_epoch(
-                how="averaged",
-                peers=len(mates) + 1,
-                ok=True,
-                measured=self._measured(window),
+                how="averaged", peers=len(mates) + 1, ok=True, measured=self._measured(window)
             )
             return
         await self.board.refresh()
@@ -548,12 +536,7 @@ class StageAverager:
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
         self.stats.last_round_s = time.monotonic() - started
-        await self._after_epoch(
-            how="fallback",
-            peers=1,
-            ok=False,
-            measured=self._measured(window),
-        )
+        await self._after_epoch(how="fallback", peers=1, ok=False, measured=self._measured(window))
 
     async def _after_epoch(
         self,
