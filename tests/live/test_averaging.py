@@ -824,8 +824,9 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
                     )
                 finally:
                     stop.set()
-            epoch = peers[0].averager.epoch
-            await _until(lambda: _at_epoch(epoch, *peers), 30, "both at one epoch, idle")
+            await _until(
+                lambda: _at_epoch(peers[0].averager.epoch, *peers), 30, "both at one epoch, idle"
+            )
 
             averaged = [e for e in rounds if e["how"] == "averaged"]
             assert len(averaged) >= 2, rounds  # each peer's round, at least
