@@ -21,8 +21,10 @@ It prints one line per run (JSON with ``--json``) and a table of medians [min-ma
 ``--runs`` runs, each loss also as a ratio to the baseline's at the same samples, with the
 pipeline's idle time in rounds: per round whose step landed while the trainer trained, the
 seconds in which the stage server's compute thread served nothing (``idle_s`` of
-``averaging.round``), as a median per round and as a share of the training time, summed
-over the stage's peers and averaged over the stages (1: every peer idle all the time).
+``averaging.round``), as a median per round, as a share of the rounds' seconds (the
+compute thread of a stage that holds its micro-batches during a round is idle for most of
+it), and as a share of the training time, summed over the stage's peers and averaged over
+the stages (1: every peer idle all the time).
 """
 
 from __future__ import annotations
@@ -208,10 +210,11 @@ async def _train(dht: SwarmDHT, config: SwarmConfig, checkpoints: list[int]) -> 
 def idle_in_rounds(nodes: list, windows: list[tuple[float, float]]) -> dict:
     """The pipeline's idle time in the rounds whose step landed within ``windows`` (wall
     clock, the trainer training): ``idle_per_round`` (median seconds over every peer's
-    rounds), ``idle_share`` (a stage's peers' idle seconds over the training time, mean
-    over the stages) and ``rounds`` (per stage, its peers' rounds summed)."""
+    rounds), ``idle_in_rounds`` (their idle seconds over their seconds), ``idle_share`` (a
+    stage's peers' idle seconds over the training time, mean over the stages) and
+    ``rounds`` (per stage, its peers' rounds summed)."""
     trained = sum(end - start for start, end in windows)
-    idle, per_stage = [], {}
+    idle, seconds_in_rounds, per_stage = [], 0.0, {}
     for node in nodes:
         stage = node.stage()
         rounds = [
@@ -219,10 +222,12 @@ def idle_in_rounds(nodes: list, windows: list[tuple[float, float]]) -> dict:
             if e.get("idle_s") is not None and any(a <= e["t"] <= b for a, b in windows)
         ]  # fmt: skip
         idle.extend(e["idle_s"] for e in rounds)
+        seconds_in_rounds += sum(e["seconds"] for e in rounds)
         seconds, count = per_stage.get(stage, (0.0, 0))
         per_stage[stage] = (seconds + sum(e["idle_s"] for e in rounds), count + len(rounds))
     return {
         "idle_per_round": statistics.median(idle) if idle else math.nan,
+        "idle_in_rounds": sum(idle) / seconds_in_rounds if seconds_in_rounds else math.nan,
         "idle_share": statistics.mean(s / trained for s, _ in per_stage.values()),
         "rounds": [per_stage[s][1] for s in sorted(per_stage)],
     }
@@ -325,13 +330,14 @@ def main() -> int:
                 print(json.dumps(r) if args.json else
                       f"{c.name} run {i}: {r['val']} epochs {r['epochs']} "
                       f"{r['samples_per_s']:.0f} samples/s, idle {r['idle_per_round']:.2f} s "
-                      f"per round, {r['idle_share']:.2f} of the time", flush=True)  # fmt: skip
+                      f"per round ({r['idle_in_rounds']:.2f} of the rounds' time), {r['idle_share']:.2f} "
+                      f"of the training time", flush=True)  # fmt: skip
     print()
     header = ["configuration", *(f"val @ {s}" for s in checkpoints), f"ratio @ {checkpoints[-1]}",
               "samples/s", f"s to {checkpoints[-1]}", "idle s / round",
-              "idle share"]  # fmt: skip
+              "idle / round time", "idle / training time"]  # fmt: skip
     rows = [header, ["baseline"] + [f"{base[s]:.3f}" for s in checkpoints] + ["1.000"]
-            + [""] * 4]  # fmt: skip
+            + [""] * 5]  # fmt: skip
     last = checkpoints[-1]
     for name, runs in results.items():
         rows.append(
@@ -341,6 +347,7 @@ def main() -> int:
             + [_fmt([r["samples_per_s"] for r in runs], digits=0)]
             + [_fmt([last / r["samples_per_s"] for r in runs], digits=0)]
             + [_fmt([r["idle_per_round"] for r in runs], digits=2)]
+            + [_fmt([r["idle_in_rounds"] for r in runs], digits=2)]
             + [_fmt([r["idle_share"] for r in runs], digits=2)]
         )
     for i, row in enumerate(rows):
