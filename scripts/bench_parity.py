@@ -330,8 +330,8 @@ def main() -> int:
                 print(json.dumps(r) if args.json else
                       f"{c.name} run {i}: {r['val']} epochs {r['epochs']} "
                       f"{r['samples_per_s']:.0f} samples/s, idle {r['idle_per_round']:.2f} s "
-                      f"per round ({r['idle_in_rounds']:.2f} of the rounds' time), {r['idle_share']:.2f} "
-                      f"of the training time", flush=True)  # fmt: skip
+                      f"per round ({r['idle_in_rounds']:.2f} of the rounds' time), "
+                      f"{r['idle_share']:.2f} of the training time", flush=True)  # fmt: skip
     print()
     header = ["configuration", *(f"val @ {s}" for s in checkpoints), f"ratio @ {checkpoints[-1]}",
               "samples/s", f"s to {checkpoints[-1]}", "idle s / round",
