@@ -47,7 +47,11 @@ fields:
   round failed and the copy stepped on its own contribution, or took no step), ``how``
   (``"averaged"``, ``"alone"``, ``"fallback"``, ``"abandoned"``, ``"caught_up"``,
   ``"loaded"``); ``seconds`` (from the round's trigger to its applied step: for
-  ``"averaged"``, ``"fallback"`` and a timed ``"alone"``); ``digest`` (``hash``: 8 hex
+  ``"averaged"``, ``"fallback"`` and a timed ``"alone"``), with them ``idle_s`` (of those
+  seconds, how long the stage server's compute thread served no request: the pipeline's
+  idle time in the round; absent without a server) and, in DiLoCo, ``inner_steps`` (the
+  copy's inner steps meanwhile: without ``AveragingSpec.overlap``, at most the one that
+  waited for the round); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means

@@ -6,8 +6,9 @@ how many samples it has accumulated toward the stage's next step (``Progress``, 
 record: ``protocol.progress``). Every
 peer reads all of them and applies the same pure rule (``decide``): when the samples of
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
-alone); a peer that sees a peer ahead of it downloads the state instead. No clock, no
-network here: ``node.averaging`` does the I/O.
+alone); a peer that sees a peer ahead of it downloads the state instead. ``OuterRound``
+counts a DiLoCo copy's samples around its rounds and says what it may do while one is in
+flight. No clock, no network here: ``node.averaging`` does the I/O.
 """
 
 from __future__ import annotations
@@ -88,6 +89,69 @@ def decide(
     if not same and patient and any(p.epoch < epoch for p in others):
         return Decision(Action.WAIT, total, 0)
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
+
+
+@dataclass
+class OuterRound:
+    """DiLoCo's count of a copy's inner samples around its outer rounds, and what the copy
+    may do while a round is in flight (events in: ``begin``, ``stepped``, ``finished``,
+    ``given_back``, ``loaded``; no tensors, no clock).
+
+    ``begin`` takes the samples stepped on since the last outer step (the round's weight)
+    and starts the round; at most one is in flight (``may_begin``). Without ``overlap`` the
+    copy takes no inner step and admits no micro-batch until the round ends; with it the
+    copy goes on stepping, and what it steps on from ``begin`` on counts toward the next
+    round. A round that ends with a step (``finished``) consumes its weight; one that fails
+    (``given_back``) returns it, so that the next round takes those samples too: no sample
+    is lost or counted twice."""
+
+    overlap: bool = False
+    inner: int = 0  # samples stepped on that no round took yet
+    in_round: int = 0  # the weight of the round in flight
+    in_flight: bool = False
+
+    @property
+    def pending(self) -> int:
+        """Samples toward our next round, the round in flight included (what the copy
+        publishes: its groupmates must see it reach the round's target until it ends)."""
+        return self.in_round + self.inner
+
+    @property
+    def may_begin(self) -> bool:
+        return not self.in_flight
+
+    def may_step(self, accumulated: int, batch: int) -> bool:
+        """Whether an inner step on ``accumulated`` samples is due now."""
+        return accumulated >= batch and (self.overlap or not self.in_flight)
+
+    def admits(self, committed: int, batch: int) -> bool:
+        """Whether a new micro-batch may enter, ``committed`` samples (accumulated and in
+        flight) toward the next inner step: not once they make up its batch (they wait for
+        the step), nor during a round without ``overlap``."""
+        return committed < batch and (self.overlap or not self.in_flight)
+
+    def stepped(self, samples: int) -> None:
+        self.inner += samples
+
+    def begin(self) -> int:
+        """Start a round; its weight. ``RuntimeError`` if one is in flight."""
+        if self.in_flight:
+            raise RuntimeError("an outer round is in flight already")
+        self.in_flight, self.in_round, self.inner = True, self.inner, 0
+        return self.in_round
+
+    def finished(self) -> None:
+        """The round's step was applied."""
+        self.in_flight, self.in_round = False, 0
+
+    def given_back(self, weight: int) -> None:
+        """The round failed; ``weight`` of its samples go back (0: its contribution was
+        dropped, as unfit to send)."""
+        self.in_flight, self.in_round, self.inner = False, 0, self.inner + weight
+
+    def loaded(self) -> None:
+        """A downloaded state replaced the copy's: its inner steps are gone."""
+        self.inner = 0
 
 
 # Averaged entries are per-sample mean gradients or DiLoCo parameter deltas: training

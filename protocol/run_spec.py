@@ -133,6 +133,11 @@ class AveragingSpec(BaseModel):
     inner_steps: Annotated[int, Field(ge=1, le=100_000)] = 50  # diloco: H
     outer_lr: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.7
     outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.9
+    # diloco only: a copy goes on taking inner steps while its outer round runs, and applies
+    # the round's outer step with the progress it made since the round took its delta
+    # (``protocol.averaging.OuterRound``); false: it holds its micro-batches until the
+    # round ends.
+    overlap: bool = False
 
     def model_post_init(self, _context) -> None:
         if self.mode != "diloco" and (self.density < 1.0 or self.compression == "uint8"):
@@ -140,6 +145,12 @@ class AveragingSpec(BaseModel):
                 f"averaging.density ({self.density}) below 1 and averaging.compression "
                 f"uint8 need averaging.mode diloco, got {self.mode!r}: they keep what a round "
                 "does not send in a residual of parameter deltas"
+            )
+        if self.overlap and self.mode != "diloco":
+            raise ValueError(
+                f"averaging.overlap needs averaging.mode diloco, got {self.mode!r}: in gradient "
+                "mode a step computed during its round would take gradients one step stale "
+                "(optimizer max_staleness 1 does that)"
             )
         if self.round_timeout_s < 2 * self.matchmaking_s:
             raise ValueError(
@@ -240,7 +251,7 @@ def check_vocabulary(tokens: int, embedding: int) -> None:
 _OPTIONAL_FIELDS = ("pretrained", "dataset")
 # ``AveragingSpec`` fields added after specs were first signed, with the value that means
 # what a spec without them meant: left out of the signed bytes at that value.
-_AVERAGING_ADDED = {"density": 1.0}
+_AVERAGING_ADDED = {"density": 1.0, "overlap": False}
 
 
 def make_run_spec(

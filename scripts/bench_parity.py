@@ -13,9 +13,18 @@ evaluates through the swarm. Configurations (``--configs``), by name:
     PxF-MODE-sS  P peers per stage, F micro-batches in flight, averaging MODE (gradient,
                  diloco), ``OptimizerConfig.max_staleness`` S (0: stages hold micro-batches
                  while a step is pending; 1: they never hold, as before)
+    ...-overlap  (diloco) ``AveragingSpec.overlap``: peers keep taking inner steps while
+                 an outer round runs
 
+DiLoCo configurations take ``--inner-steps`` (H) inner steps per peer between outer steps.
 It prints one line per run (JSON with ``--json``) and a table of medians [min-max] over
-``--runs`` runs, each loss also as a ratio to the baseline's at the same samples.
+``--runs`` runs, each loss also as a ratio to the baseline's at the same samples, with the
+pipeline's idle time in rounds: per round whose step landed while the trainer trained, the
+seconds in which the stage server's compute thread served nothing (``idle_s`` of
+``averaging.round``), as a median per round, as a share of the rounds' seconds (the
+compute thread of a stage that holds its micro-batches during a round is idle for most of
+it), and as a share of the training time, summed over the stage's peers and averaged over
+the stages (1: every peer idle all the time).
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
 
 DEFAULT_CONFIGS = ("2x4-gradient-s0", "2x4-gradient-s1", "2x1-gradient-s0", "1x4-gradient-s0")
-CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])$")
+CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])(-overlap)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +69,20 @@ class SwarmConfig:
     max_staleness: int = 0
     stages: int = 2
     inner_steps: int = 10  # diloco
+    overlap: bool = False  # diloco
 
     @classmethod
-    def parse(cls, name: str) -> SwarmConfig:
+    def parse(cls, name: str, inner_steps: int = 10) -> SwarmConfig:
         m = CONFIG.match(name)
         if m is None:
             raise ValueError(f"configuration {name!r}: write e.g. 2x4-gradient-s0")
-        return cls(int(m[1]), int(m[2]), m[3], int(m[4]))
+        return cls(int(m[1]), int(m[2]), m[3], int(m[4]), inner_steps=inner_steps,
+                   overlap=m[5] is not None)  # fmt: skip
 
     @property
     def name(self) -> str:
-        return f"{self.peers}x{self.in_flight}-{self.mode}-s{self.max_staleness}"
+        overlap = "-overlap" if self.overlap else ""
+        return f"{self.peers}x{self.in_flight}-{self.mode}-s{self.max_staleness}{overlap}"
 
 
 def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[str, Path]:
@@ -81,7 +93,12 @@ def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[
         "tiny",
         config.stages,
         owner=peer_id_of(key.public_key()),
-        averaging=AveragingSpec(mode=config.mode, inner_steps=config.inner_steps),
+        averaging=AveragingSpec(
+            mode=config.mode,
+            inner_steps=config.inner_steps,
+            # Named only when on, so that this runs on code without it.
+            **({"overlap": True} if config.overlap else {}),
+        ),
         # Named only when it is not the default, so that this runs on code without it.
         **({"max_staleness": config.max_staleness} if config.max_staleness else {}),
         **optim,
@@ -146,9 +163,9 @@ def run_swarm(
             n.wait_serving()
         dht = SwarmDHT.start(run, initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
                              client_mode=True)  # fmt: skip
-        return asyncio.run(asyncio.wait_for(_train(dht, config, checkpoints), timeout_s)) | {
-            "logs": [str(n.log) for n in nodes]
-        }
+        result = asyncio.run(asyncio.wait_for(_train(dht, config, checkpoints), timeout_s))
+        idle = idle_in_rounds(nodes, result.pop("windows"))
+        return result | idle | {"logs": [str(n.log) for n in nodes]}
     finally:
         if dht is not None:
             dht.shutdown()
@@ -170,11 +187,12 @@ async def _train(dht: SwarmDHT, config: SwarmConfig, checkpoints: list[int]) -> 
                 raise TimeoutError("the trainer did not see every peer within 60 s")
             await asyncio.sleep(0.3)
         micro = trainer.spec.optim.micro_batch_size
-        val, epochs, busy_s = {}, {}, 0.0
+        val, epochs, busy_s, windows = {}, {}, 0.0, []
         for samples in checkpoints:
-            started = time.perf_counter()
+            started, wall = time.perf_counter(), time.time()
             await trainer.train((samples - trainer.stats.samples) // micro)
             busy_s += time.perf_counter() - started
+            windows.append((wall, time.time()))
             epochs[samples] = await settled(dht, trainer)
             val[samples] = await trainer.evaluate()
         return {
@@ -183,9 +201,36 @@ async def _train(dht: SwarmDHT, config: SwarmConfig, checkpoints: list[int]) -> 
             "epochs": epochs,
             "samples_per_s": trainer.stats.samples / busy_s,
             "rerouted": sum(trainer.stats.rerouted.values()),
+            "windows": windows,
         }
     finally:
         await trainer.p2p.shutdown()
+
+
+def idle_in_rounds(nodes: list, windows: list[tuple[float, float]]) -> dict:
+    """The pipeline's idle time in the rounds whose step landed within ``windows`` (wall
+    clock, the trainer training): ``idle_per_round`` (median seconds over every peer's
+    rounds), ``idle_in_rounds`` (their idle seconds over their seconds), ``idle_share`` (a
+    stage's peers' idle seconds over the training time, mean over the stages) and
+    ``rounds`` (per stage, its peers' rounds summed)."""
+    trained = sum(end - start for start, end in windows)
+    idle, seconds_in_rounds, per_stage = [], 0.0, {}
+    for node in nodes:
+        stage = node.stage()
+        rounds = [
+            e for e in node.events("averaging.round")
+            if e.get("idle_s") is not None and any(a <= e["t"] <= b for a, b in windows)
+        ]  # fmt: skip
+        idle.extend(e["idle_s"] for e in rounds)
+        seconds_in_rounds += sum(e["seconds"] for e in rounds)
+        seconds, count = per_stage.get(stage, (0.0, 0))
+        per_stage[stage] = (seconds + sum(e["idle_s"] for e in rounds), count + len(rounds))
+    return {
+        "idle_per_round": statistics.median(idle) if idle else math.nan,
+        "idle_in_rounds": sum(idle) / seconds_in_rounds if seconds_in_rounds else math.nan,
+        "idle_share": statistics.mean(s / trained for s, _ in per_stage.values()),
+        "rounds": [per_stage[s][1] for s in sorted(per_stage)],
+    }
 
 
 def baseline(checkpoints: list[int], optim: dict | None = None, n_stages: int = 1) -> dict:
@@ -251,6 +296,7 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--checkpoints", type=int, nargs="+", default=[1600, 3200, 6400])
+    p.add_argument("--inner-steps", type=int, default=10, help="diloco: H, per peer")
     p.add_argument("--workdir", type=Path, help="node logs (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     p.add_argument(
@@ -259,7 +305,7 @@ def main() -> int:
         help="instead: the swarm's arithmetic in one process (step batch x gradient delay)",
     )
     args = p.parse_args()
-    configs = [SwarmConfig.parse(c) for c in args.configs]
+    configs = [SwarmConfig.parse(c, args.inner_steps) for c in args.configs]
     checkpoints = sorted(args.checkpoints)
     if args.emulate:
         print("| stages | batch per step | gradient delay (steps) | "
@@ -283,11 +329,15 @@ def main() -> int:
                 results.setdefault(c.name, []).append(r)
                 print(json.dumps(r) if args.json else
                       f"{c.name} run {i}: {r['val']} epochs {r['epochs']} "
-                      f"{r['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
+                      f"{r['samples_per_s']:.0f} samples/s, idle {r['idle_per_round']:.2f} s "
+                      f"per round ({r['idle_in_rounds']:.2f} of the rounds' time), "
+                      f"{r['idle_share']:.2f} of the training time", flush=True)  # fmt: skip
     print()
     header = ["configuration", *(f"val @ {s}" for s in checkpoints), f"ratio @ {checkpoints[-1]}",
-              "samples/s", f"s to {checkpoints[-1]}"]  # fmt: skip
-    rows = [header, ["baseline"] + [f"{base[s]:.3f}" for s in checkpoints] + ["1.000", "", ""]]
+              "samples/s", f"s to {checkpoints[-1]}", "idle s / round",
+              "idle / round time", "idle / training time"]  # fmt: skip
+    rows = [header, ["baseline"] + [f"{base[s]:.3f}" for s in checkpoints] + ["1.000"]
+            + [""] * 5]  # fmt: skip
     last = checkpoints[-1]
     for name, runs in results.items():
         rows.append(
@@ -296,6 +346,9 @@ def main() -> int:
             + [_fmt([r["val"][last] / base[last] for r in runs])]
             + [_fmt([r["samples_per_s"] for r in runs], digits=0)]
             + [_fmt([last / r["samples_per_s"] for r in runs], digits=0)]
+            + [_fmt([r["idle_per_round"] for r in runs], digits=2)]
+            + [_fmt([r["idle_in_rounds"] for r in runs], digits=2)]
+            + [_fmt([r["idle_share"] for r in runs], digits=2)]
         )
     for i, row in enumerate(rows):
         print("| " + " | ".join(row) + " |")

@@ -28,6 +28,14 @@ takes more, so that two peers rarely take the last micro-batch at once (overshoo
 ``max_staleness`` 1, micro-batches served during a round go into the next epoch, computed
 on the parameters before the round's step, and the next round takes all of them.
 
+Overlap (DiLoCo with ``AveragingSpec.overlap``). The round takes the copy's delta from a
+snapshot of its parameters, and the copy goes on: the server keeps admitting micro-batches
+and the copy keeps taking inner steps while the all-reduce runs; the outer step, once the
+averaged delta arrives, moves the parameters by the new anchor minus the snapshot, so the
+progress made meanwhile is kept, and it counts toward the next round
+(``protocol.averaging.OuterRound``: at most one round in flight). A micro-batch in flight
+across that step recomputes its forward for its backward (the parameters changed).
+
 Events. After every epoch it reaches, and after a round that failed without a step, the
 averager emits ``averaging.round`` (``node.events``); with digests on
 (``digests.digests_wanted``) the event carries a digest of the tensors the copies agreed
@@ -48,6 +56,7 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -76,6 +85,16 @@ DRAIN_S = 2.0
 # How long the progress records of peers that claimed to be ahead, but handed over no newer
 # state when asked, are ignored (``ProgressBoard.distrust``).
 UNPROVEN_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Where a step's measurements start: the time, the stage server's compute seconds
+    (``StageServer.compute_seconds``; None without a server) and the inner steps taken."""
+
+    started: float
+    computed: float | None
+    inner_steps: int
 
 
 class StageAverager:
@@ -409,26 +428,44 @@ class StageAverager:
         logger.info("%s: caught up to epoch %d from %s", self._name, self.epoch, state.source)
         await self._after_epoch(how="caught_up", peers=0, ok=True)
 
+    def _window(self) -> _Window:
+        server = self.server
+        computed = None if server is None else server.compute_seconds()
+        return _Window(time.monotonic(), computed, self.stats.inner_steps)
+
+    def _measured(self, window: _Window) -> dict[str, float | int]:
+        """The ``averaging.round`` fields of a step taken since ``window`` opened: its
+        ``seconds``, and with a server its ``idle_s`` (seconds in which the stage's
+        compute thread served nothing), in DiLoCo its ``inner_steps`` meanwhile."""
+        seconds = time.monotonic() - window.started
+        fields: dict[str, float | int] = {"seconds": round(seconds, 3)}
+        if self.server is not None and window.computed is not None:
+            busy = self.server.compute_seconds() - window.computed
+            fields["idle_s"] = round(max(0.0, seconds - busy), 3)
+        if self.mode == "diloco":
+            fields["inner_steps"] = self.stats.inner_steps - window.inner_steps
+        return fields
+
     async def _step_alone(self) -> None:
-        started = time.monotonic()
+        window = self._window()
         await self._drain()
         if not await asyncio.to_thread(self.strategy.step_alone):
             return
-        self.stats.last_round_s = time.monotonic() - started
+        self.stats.last_round_s = time.monotonic() - window.started
         logger.debug(
             "%s: stepped alone to epoch %d (others: %s)",
             self._name,
             self.epoch,
             ", ".join(f"{p.peer_id[-6:]} at {p.epoch}" for p in self.board.view()) or "none",
         )
-        await self._after_epoch(how="alone", peers=1, ok=True, seconds=self.stats.last_round_s)
+        await self._after_epoch(how="alone", peers=1, ok=True, measured=self._measured(window))
 
     async def _average(self, group_size: int) -> None:
         """One round: take our contribution, average it until the round's deadline, apply
         the result (or our own contribution alone, or catch up). ``group_size``: the peers
         at our epoch, us included; a group of that size starts at once."""
-        started = time.monotonic()
-        deadline = started + self.settings.round_timeout_s
+        window = self._window()
+        deadline = window.started + self.settings.round_timeout_s
         await self._drain()
         contribution = await asyncio.to_thread(self.strategy.begin)
         if not within_bounds(contribution.tensors):
@@ -438,13 +475,14 @@ class StageAverager:
             contribution.settled = True
             contribution = contribution.emptied()
         try:
-            await self._average_until(contribution, started, deadline, group_size)
+            await self._average_until(contribution, window, deadline, group_size)
         finally:
             await asyncio.shield(asyncio.to_thread(self.strategy.give_back, contribution))
 
     async def _average_until(
-        self, contribution: Contribution, started: float, deadline: float, group_size: int
+        self, contribution: Contribution, window: _Window, deadline: float, group_size: int
     ) -> None:
+        started = window.started
         epoch = self.epoch
         averaged, mates = None, {}
         # Attempts of a few matchmaking times each, so that a peer that fell behind (its
@@ -480,7 +518,7 @@ class StageAverager:
             )
             self.stats.last_round_s = time.monotonic() - started
             await self._after_epoch(
-                how="averaged", peers=len(mates) + 1, ok=True, seconds=self.stats.last_round_s
+                how="averaged", peers=len(mates) + 1, ok=True, measured=self._measured(window)
             )
             return
         await self.board.refresh()
@@ -498,15 +536,20 @@ class StageAverager:
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
         self.stats.last_round_s = time.monotonic() - started
-        await self._after_epoch(how="fallback", peers=1, ok=False, seconds=self.stats.last_round_s)
+        await self._after_epoch(how="fallback", peers=1, ok=False, measured=self._measured(window))
 
     async def _after_epoch(
-        self, *, how: str, peers: int, ok: bool, seconds: float | None = None
+        self,
+        *,
+        how: str,
+        peers: int,
+        ok: bool,
+        measured: dict[str, float | int] | None = None,
     ) -> None:
         self._patience_until = time.monotonic() + self.settings.round_timeout_s
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()
-        await self._announce(how=how, peers=peers, ok=ok, seconds=seconds)
+        await self._announce(how=how, peers=peers, ok=ok, measured=measured)
 
     async def _announce(
         self,
@@ -515,13 +558,11 @@ class StageAverager:
         peers: int,
         ok: bool,
         digest: bool = True,
-        seconds: float | None = None,
+        measured: dict[str, float | int] | None = None,
     ) -> None:
         """Emit ``averaging.round`` for the epoch we are at (see ``node.events``);
-        ``seconds``: from the round's trigger to the applied step, where there was one."""
-        fields: dict[str, object] = {}
-        if seconds is not None:
-            fields["seconds"] = round(seconds, 3)
+        ``measured``: of a timed step (``_measured``), from its trigger to the step."""
+        fields: dict[str, object] = dict(measured or {})
         if digest and self.digests:
             # No lock: only this task changes the tensors the copies agree on.
             tensors = self.strategy.digest_tensors()

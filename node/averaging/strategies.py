@@ -12,7 +12,12 @@
   residual (its own, never shipped): after the outer step the copy goes on from the new
   anchor plus that residual, so its inner steps build on its unsent progress and its next
   delta from the anchor carries the residual. The copies agree on the anchor
-  (``digest_tensors``, the state joiners download), not on their parameters.
+  (``digest_tensors``, the state joiners download), not on their parameters. With
+  ``overlap`` a copy keeps taking inner steps while its round runs: the contribution
+  holds a snapshot of the parameters its delta was taken from, and the outer step adds
+  the new anchor (minus the residual) less that snapshot to the parameters, so the inner
+  steps taken meanwhile carry over into the next round's delta
+  (``protocol.averaging.OuterRound`` counts their samples).
 
 A strategy holds the copy's state: parameters and inner optimizer (the stage's), its
 epoch (rounds behind the parameters) and, for DiLoCo, the anchor and outer optimizer. The
@@ -40,7 +45,7 @@ from node.averaging import state as stage_state
 from node.averaging.state import StageState
 from node.pipeline.server import Admission
 from protocol import sparsify
-from protocol.averaging import Progress
+from protocol.averaging import OuterRound, Progress
 from protocol.run_spec import AveragingSpec
 
 
@@ -71,6 +76,9 @@ class Contribution:
     # (``sparsify.choose_indices``; None: all of them, in order)
     pending: torch.Tensor | None = None
     indices: torch.Tensor | None = None
+    # overlapped diloco: the parameters the delta was taken from (the copy steps on from
+    # them during the round, and keeps that progress when the round's step is applied)
+    snapshot: list[torch.Tensor] | None = None
 
     def emptied(self) -> Contribution:
         """Weight 0 and zeros (to stay in step with the others without contributing); its
@@ -78,7 +86,12 @@ class Contribution:
         zeros = [torch.zeros_like(t) for t in self.tensors]
         pending = None if self.pending is None else torch.zeros_like(self.pending)
         return Contribution(
-            0, zeros, [None] * len(self.sums), pending=pending, indices=self.indices
+            0,
+            zeros,
+            [None] * len(self.sums),
+            pending=pending,
+            indices=self.indices,
+            snapshot=self.snapshot,
         )
 
 
@@ -296,8 +309,8 @@ class DiLoCoStrategy(Strategy):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         s = self.settings
-        self._inner_samples = 0  # samples stepped on since the last outer step
-        self._outer_busy = False  # an outer round is in flight: inner steps wait
+        # inner samples and the round in flight; without overlap, inner steps wait for it
+        self._rounds = OuterRound(overlap=s.overlap)
         self._anchor = [p.detach().clone() for p in self.params]  # at the last outer step
         self._outer = torch.optim.SGD(
             self._anchor, lr=s.outer_lr, momentum=s.outer_momentum, nesterov=True
@@ -323,43 +336,52 @@ class DiLoCoStrategy(Strategy):
         return self.batch * self.settings.inner_steps
 
     def pending(self) -> int:
-        return self._inner_samples
+        return self._rounds.pending
+
+    @property
+    def in_flight(self) -> bool:
+        """An outer round took its contribution and has not ended."""
+        return self._rounds.in_flight
 
     def admission(self, mine: int, same: Sequence[Progress], busy: bool) -> Admission:
         """Inner steps are this copy's own batches: FULL while one is complete and not yet
-        stepped on, or an outer round is in flight."""
-        full = self._outer_busy or mine - self._inner_samples >= self.batch
-        return Admission.FULL if full else Admission.OPEN
+        stepped on, or (without overlap) an outer round is in flight."""
+        admits = self._rounds.admits(mine - self.pending(), self.batch)
+        return Admission.OPEN if admits else Admission.FULL
 
     def on_accumulated_locked(self, alone: bool) -> bool:
-        if not self._outer_busy and self.optimizer.samples >= self.batch:
+        if self._rounds.may_step(self.optimizer.samples, self.batch):
             self._inner_step_locked()
         return False
 
     def begin(self) -> Contribution:
         """Our delta from the anchor (compressed: the coordinates of it this epoch sends);
-        inner steps wait until the round ends."""
+        without overlap, inner steps wait until the round ends."""
         return self._begin(sparse=True)
 
     def _begin(self, sparse: bool) -> Contribution:
         with self.lock:
-            self._outer_busy = True
+            weight = self._rounds.begin()
             deltas = [
                 (a - p.detach()).float().cpu()
                 for a, p in zip(self._anchor, self.params, strict=True)
             ]
-            weight = self._inner_samples
+            snapshot = [p.detach().clone() for p in self.params] if self.settings.overlap else None
             if not self.compressed:
-                return Contribution(weight=weight, tensors=deltas, sums=[])
+                return Contribution(weight=weight, tensors=deltas, sums=[], snapshot=snapshot)
             pending = torch.cat([d.reshape(-1) for d in deltas])  # the residual included
         if not sparse:  # stepping alone: everything we hold, unrounded
-            return Contribution(weight, [pending], [], pending=pending, indices=None)
+            return Contribution(
+                weight, [pending], [], pending=pending, indices=None, snapshot=snapshot
+            )
         seed = sparsify.round_seed(self.salt, self.epoch)
         indices = sparsify.choose_indices(self._size, self.settings.density, seed)
         values = sparsify.gather(pending, indices)
         if self.settings.compression == "uint8":
             values = sparsify.round_to_grid(values)
-        return Contribution(weight, [values], [], pending=pending, indices=indices)
+        return Contribution(
+            weight, [values], [], pending=pending, indices=indices, snapshot=snapshot
+        )
 
     def step_alone(self) -> bool:
         """Alone, nothing travels: the whole delta (and residual) steps."""
@@ -377,7 +399,7 @@ class DiLoCoStrategy(Strategy):
         return [self._outer.state[a]["momentum_buffer"] for a in self._anchor]
 
     def _inner_step_locked(self) -> None:
-        self._inner_samples += self.optimizer.samples
+        self._rounds.stepped(self.optimizer.samples)
         self.optimizer.step()
         self.stats.inner_steps += 1
 
@@ -385,23 +407,25 @@ class DiLoCoStrategy(Strategy):
     def _apply_locked(self, result: Sequence[torch.Tensor], contribution: Contribution) -> None:
         """One outer Nesterov step on the anchor with the averaged delta (compressed: zero
         where nothing was sent); the parameters become the new anchor (compressed: minus
-        our residual, what we held and did not send)."""
+        our residual, what we held and did not send), plus, with overlap, the progress of
+        the inner steps taken since the contribution's snapshot."""
         if self.compressed:
             result = self._expand(result, contribution)
         for a, d in zip(self._anchor, result, strict=True):
             a.grad = d.to(a.device, a.dtype)
         self._outer.step()
         self._outer.zero_grad(set_to_none=True)
-        if self.compressed:  # each copy goes on from the new anchor plus its unsent progress
-            kept = self._residual.split(self._numels())
-            for p, a, r in zip(self.params, self._anchor, kept, strict=True):
-                p.copy_(a - r.reshape(a.shape).to(a.device, a.dtype))
-        else:
-            for p, a in zip(self.params, self._anchor, strict=True):
-                p.copy_(a)
-        self._inner_samples = 0
-        self._outer_busy = False
-        if self.optimizer.samples >= self.batch:  # what waited during the round
+        # Each copy goes on from the new anchor, plus (compressed) its unsent progress, plus
+        # (overlap) what it stepped on since the round took its delta.
+        kept = self._residual.split(self._numels()) if self.compressed else None
+        for i, (p, a) in enumerate(zip(self.params, self._anchor, strict=True)):
+            target = a if kept is None else a - kept[i].reshape(a.shape).to(a.device, a.dtype)
+            if contribution.snapshot is None:
+                p.copy_(target)
+            else:
+                p.add_(target - contribution.snapshot[i])
+        self._rounds.finished()
+        if self._rounds.may_step(self.optimizer.samples, self.batch):  # what waited meanwhile
             self._inner_step_locked()
 
     def _expand(self, result: Sequence[torch.Tensor], contribution: Contribution) -> list:
@@ -424,7 +448,9 @@ class DiLoCoStrategy(Strategy):
         return [a.numel() for a in self._anchor]
 
     def _give_back_locked(self, contribution: Contribution) -> None:
-        self._outer_busy = False  # the residual is unchanged: the next delta holds it all
+        # The anchor and residual are unchanged: the next delta holds all of this one, and
+        # (overlap) the progress since its snapshot.
+        self._rounds.given_back(contribution.weight)
 
     def _shipped_params(self) -> list[torch.Tensor] | None:
         return self._anchor  # the parameters all copies agreed on, not our inner progress
@@ -437,7 +463,7 @@ class DiLoCoStrategy(Strategy):
         if state.momentum is not None:
             for a, m in zip(self._anchor, state.momentum, strict=True):
                 self._outer.state[a] = {"momentum_buffer": m.to(a.device, a.dtype).clone()}
-        self._inner_samples = 0
+        self._rounds.loaded()
         self._residual.zero_()  # deltas from an anchor we left: the state holds our rounds
 
 

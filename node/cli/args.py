@@ -602,6 +602,12 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         "fewer bytes a round (BENCHMARKS.md, 'Compressed DiLoCo')",
     )
     create.add_argument(
+        "--averaging-overlap",
+        action="store_true",
+        help="diloco: peers keep training while an outer round runs, and apply its step "
+        "with the progress made meanwhile (BENCHMARKS.md, 'Overlapped outer rounds')",
+    )
+    create.add_argument(
         "--max-staleness",
         type=int,
         choices=[0, 1],

@@ -113,6 +113,7 @@ def _create(args: argparse.Namespace) -> int:
         inner_steps=args.inner_steps,
         compression=args.averaging_compression,
         density=args.averaging_density,
+        overlap=args.averaging_overlap,
     )
     spec = make_run_spec(
         args.name,

@@ -245,6 +245,11 @@ class StageServer(NodeServicer):
             keep_s=keep_s,
         )  # fmt: skip
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        # Seconds the compute thread spent on requests, and since when it runs one (None:
+        # idle), under ``_busy_lock``: ``compute_seconds``.
+        self._busy_lock = threading.Lock()
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
         self._load = 0
         self._rejected = 0
         # Admission (see the module docstring): open micro-batches, (caller, micro-batch)
@@ -339,6 +344,14 @@ class StageServer(NodeServicer):
         averaging among the stage's peers replaces this."""
         if self.optimizer.samples >= self.optimizer.config.target_batch_size:
             self.optimizer.step()
+
+    def compute_seconds(self) -> float:
+        """Seconds the compute thread has spent on requests since the server started, the
+        one it runs now included (any thread): what an averaging round subtracts from its
+        duration to tell how long the stage stood idle during it."""
+        with self._busy_lock:
+            running = 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
+            return self._busy_s + running
 
     # -- admission ------------------------------------------------------------------------
 
@@ -744,6 +757,18 @@ class StageServer(NodeServicer):
         """On the compute thread: decode, check, and only then run the stage. A loss (or
         the logits) travels exact; activations and gradients with the server's
         compression."""
+        with self._busy_lock:
+            self._busy_since = time.monotonic()
+        try:
+            return self._compute_timed(meta, serialized, caller)
+        finally:
+            with self._busy_lock:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+
+    def _compute_timed(
+        self, meta: StageMeta, serialized: list[runtime_pb2.Tensor], caller: str
+    ) -> list[runtime_pb2.Tensor]:
         request = parse_request(self.contract, meta, [deserialize(s) for s in serialized])
         outputs = self.executor.run(request, caller)
         return [

@@ -32,6 +32,7 @@ from models.stages import Stage
 from models.training import StageOptimizer, evaluate
 from node import events, limits
 from node.averaging.averager import AveragedStageServer
+from node.averaging.digests import EQUAL_DISTANCE, ParamDigest
 from node.averaging.process import StageAveragerProcess
 from node.events import read_events
 from node.pipeline import client as stage_client
@@ -770,3 +771,78 @@ def test_compressed_diloco_copies_are_equal_and_send_a_fraction_of_the_bytes(dht
             await _shutdown(a, b)
 
     _run(body())
+
+
+def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_anchor(dhts):
+    """DiLoCo with ``overlap``: two ``AveragedStageServer``s fed train calls without pause
+    never hold a micro-batch for the outer round (``held`` 0), and take inner steps while
+    it runs (``inner_steps`` of the ``averaging.round`` events); after it, the anchors the
+    copies agreed on have equal digests."""
+    spec = make_spec("avg-overlap", mode="diloco", inner_steps=2, overlap=True)
+    peers = [Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2]]
+    contract = StageContract.for_stage(CFG, spec.stage_range(STAGE), STAGE)
+    servers: list[AveragedStageServer] = []
+    rounds: list[dict] = []
+    stop_listening = events.listen(
+        lambda e: rounds.append(e) if e["event"] == "averaging.round" else None
+    )
+    client = None
+
+    async def body():
+        nonlocal client
+        stop = asyncio.Event()
+
+        async def feed(k: int, server: AveragedStageServer) -> None:
+            seed = 1000 * k
+            while not stop.is_set():
+                seed += 1
+                x, y = batch(seed)
+                await stage_client.loss(client, server.peer_id, x, y, run_id=spec.run,
+                                        stage=STAGE, train=True, micro_batch=seed)  # fmt: skip
+
+        try:
+            for peer in peers:
+                await peer.start()
+                await peer.averager.load_state()
+                p2p = await peer.dht.replicate_p2p()
+                servers.append(
+                    await AveragedStageServer.create(
+                        p2p, peer.stage, peer.optimizer, contract, spec.run, averager=peer.averager
+                    )
+                )
+            await _until(
+                lambda: all(p.averager.peers == 1 for p in peers), 10, "they see each other"
+            )
+            maddrs = [m for peer in peers for m in peer.dht.visible_maddrs()]
+            client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+            async with asyncio.TaskGroup() as feeders:
+                for k, server in enumerate(servers):
+                    feeders.create_task(feed(k, server))
+                try:
+                    await _until(
+                        lambda: all(p.averager.stats.rounds >= 1 for p in peers), 60, "a round"
+                    )
+                finally:
+                    stop.set()
+            await _until(
+                lambda: _at_epoch(peers[0].averager.epoch, *peers), 30, "both at one epoch, idle"
+            )
+
+            averaged = [e for e in rounds if e["how"] == "averaged"]
+            assert len(averaged) >= 2, rounds  # each peer's round, at least
+            for e in averaged:
+                assert e["inner_steps"] >= 1, e  # stepped while the round ran
+                assert 0 <= e["idle_s"] <= e["seconds"], e
+            for server in servers:
+                assert server.counters.held == 0  # nothing waited for a round
+            digests = [ParamDigest.of(p.averager.strategy.digest_tensors()) for p in peers]
+            assert digests[0].distance(digests[1]) < EQUAL_DISTANCE, digests
+        finally:
+            stop_listening()
+            for server in servers:
+                await server.shutdown()
+            if client is not None:
+                await client.shutdown()
+            await _shutdown(*peers)
+
+    _run(body(), timeout=150)

@@ -34,8 +34,8 @@ def _stage(spec) -> Stage:
     return Stage(CFG, spec.stage_range(STAGE))
 
 
-def _strategy(mode: str) -> Strategy:
-    spec = make_spec(f"strategy-{mode}", mode=mode, inner_steps=INNER_STEPS)
+def _strategy(mode: str, **averaging) -> Strategy:
+    spec = make_spec(f"strategy-{mode}", mode=mode, inner_steps=INNER_STEPS, **averaging)
     module = _stage(spec)
     optimizer = StageOptimizer(module, spec.optim)
     return make_strategy(module, optimizer, threading.Lock(), spec.averaging, AveragingStats())
@@ -204,3 +204,63 @@ def test_step_with_mean_is_step_on_the_mean_and_keeps_what_accumulated():
     with pytest.raises(ValueError, match="mean gradients"):
         explicit.step_with_mean(sums[:-1])  # one mean per trainable parameter
     assert explicit.step_count == 1 and explicit.samples == MICRO + n
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_overlapped_round_keeps_the_inner_steps_taken_meanwhile(compressed):
+    """With overlap a copy takes inner steps while its round runs; the outer step lands on
+    the same anchor as without overlap (what the copies agree on), and the parameters are
+    that anchor (minus the residual, compressed) plus the progress since the snapshot."""
+    settings = {"density": 0.5, "compression": "uint8"} if compressed else {}
+    s, plain = _strategy("diloco", overlap=True, **settings), _strategy("diloco", **settings)
+    seeds = range(s.target // MICRO)
+    _feed(s, seeds)
+    _feed(plain, seeds)
+    contribution, plain_contribution = s.begin(), plain.begin()
+    snapshot = _params(s)
+    assert s.admission(s.pending() + s.optimizer.samples, [], busy=True) is Admission.OPEN
+    _feed(s, range(100, 100 + TARGET // MICRO))  # one more inner batch, during the round
+    assert s.stats.inner_steps == INNER_STEPS + 1 and s.pending() == s.target + TARGET
+    progress = [p - q for p, q in zip(_params(s), snapshot, strict=True)]
+    assert float(_flat(progress).abs().sum()) > 0
+
+    assert s.finish(contribution.tensors, contribution)
+    plain.finish(plain_contribution.tensors, plain_contribution)
+    assert s.epoch == 1 and s.stats.samples == s.target and s.pending() == TARGET
+    assert _equal(s.digest_tensors(), plain.digest_tensors())  # the agreed anchor
+    kept = s.residual if compressed else torch.zeros(0)
+    expected = _flat(s.digest_tensors()) - (kept if compressed else 0) + _flat(progress)
+    assert torch.allclose(_flat(s.params), expected, rtol=0, atol=1e-6)
+    assert _equal(plain.residual, s.residual)
+
+
+def test_a_failed_overlapped_round_gives_back_its_samples_and_keeps_the_progress():
+    s = _strategy("diloco", overlap=True)
+    anchor = [t.clone() for t in s.digest_tensors()]
+    _feed(s, range(s.target // MICRO))
+    contribution = s.begin()
+    _feed(s, range(100, 100 + TARGET // MICRO))
+    current = _params(s)
+    s.give_back(contribution)
+    assert contribution.settled and s.epoch == 0 and s.stats.samples == 0
+    assert _equal(_params(s), current) and _equal(s.digest_tensors(), anchor)
+    assert s.pending() == s.target + TARGET  # no sample lost
+    again = s.begin()  # the next round's delta holds both rounds' inner steps
+    assert again.weight == s.target + TARGET
+    delta = [a - p for a, p in zip(anchor, current, strict=True)]
+    assert _equal(again.tensors, delta, atol=1e-7)
+    s.give_back(again)
+
+
+def test_an_overlapped_copy_that_loads_a_state_drops_its_inner_progress():
+    donor, s = _strategy("diloco", overlap=True), _strategy("diloco", overlap=True)
+    _feed(s, range(TARGET // MICRO))
+    assert s.pending() == TARGET
+    metadata, tensors = donor.capture("donor")
+    s.apply_state(stage_state.parse(metadata, tensors, s.module, mode="diloco"))
+    assert s.pending() == 0 and _equal(_params(s), donor.digest_tensors())
+    assert not s.in_flight and s.begin().weight == 0
