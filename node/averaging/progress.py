@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from node.rpc.dht import SwarmDHT
+from protocol.averaging import Action, decide
 from protocol.progress import Progress, decode_progress, encode_progress, progress_key
 from protocol.records import MAX_RECORD_AGE_S, RecordError
 from protocol.run_spec import RunSpec
@@ -34,6 +35,45 @@ MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
 # at most this often, and at least this often (a peer whose record expired drops out).
 PEERS_REFRESH_S = 2.0
 PEERS_MAX_AGE_S = 15.0
+# While only the others' last samples keep a round from being due, the first read comes
+# this soon (then ever later: ``ReadCadence``).
+FAST_READ_S = 0.05
+
+
+def waiting_on_others(
+    me: str, epoch: int, mine: int, others: Sequence[Progress], target: int, *, per_peer: bool
+) -> bool:
+    """Whether a round is about to be due and only the other peers' samples hold it: by
+    ``decide``'s rule we wait, other peers share our epoch, and our own ``mine`` samples
+    make up our share of the target (the target over the peers at our epoch)."""
+    decision = decide(me, epoch, mine, others, target, per_peer=per_peer)
+    if decision.action is not Action.WAIT or decision.peers == 0:
+        return False
+    n = 1 + decision.peers
+    return mine * n >= (target * n if per_peer else target)
+
+
+class ReadCadence:
+    """How long until the next read of the stage's progress (pure: no clock). ``period``
+    while nothing is imminent; while we wait on the others' last samples
+    (``waiting_on_others``), ``fast`` at first, then twice as long after each read, up to
+    ``period``: the last samples are seen within a read or two of their record, and
+    peers that stay slow cost a few more reads, not one every ``fast`` seconds."""
+
+    def __init__(self, fast: float = FAST_READ_S) -> None:
+        if not fast > 0:
+            raise ValueError(f"fast must be > 0, got {fast}")
+        self.fast = fast
+        self._next: float | None = None  # while waiting: the delay after the next read
+
+    def delay(self, waiting: bool, period: float) -> float:
+        """Seconds until the next read, given whether we wait on the others now."""
+        if not waiting:
+            self._next = None
+            return period
+        delay = min(self.fast if self._next is None else self._next, period)
+        self._next = min(2 * delay, period)
+        return delay
 
 
 class ProgressBoard:
@@ -72,6 +112,7 @@ class ProgressBoard:
         self._unproven: dict[str, float] = {}  # peer -> until when its claims are ignored
         self._in_run: set[str] = set()  # peers with a valid peer record, as last read
         self._in_run_read = -math.inf  # when (clock)
+        self._cadence = ReadCadence()
 
     @property
     def can_publish(self) -> bool:
@@ -180,6 +221,17 @@ class ProgressBoard:
             self._known[peer] = max(self._known.get(peer, 0), epoch)
             record, seen_at = self._seen.get(peer, (Progress(peer, epoch, 0), now))
             self._seen[peer] = (record, max(seen_at, now))
+
+    def next_read(
+        self, epoch: int, mine: int, target: int, *, per_peer: bool, period: float
+    ) -> float:
+        """Seconds until the stage's progress is worth reading again (``ReadCadence``):
+        ``period``, or sooner while a round at ``epoch`` waits only on the others' samples
+        (``mine``: ours; ``target`` and ``per_peer``: as ``decide`` takes them)."""
+        waiting = waiting_on_others(
+            self.peer_id, epoch, mine, self.view(), target, per_peer=per_peer
+        )
+        return self._cadence.delay(waiting, period)
 
     def ahead(self, epoch: int) -> list[str]:
         """The peers in the view that are past ``epoch``."""
