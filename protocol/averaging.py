@@ -96,14 +96,16 @@ def decide(
 MAX_ABS_CONTRIBUTION = 1e4
 
 
+def max_abs(t: torch.Tensor) -> float:
+    """The largest absolute value in ``t`` (0 if empty): NaN if any value is NaN, inf if
+    any is infinite, so one pass tells both finiteness and range."""
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 def within_bounds(tensors: Sequence[torch.Tensor]) -> bool:
     """Finite, and within what training produces (``MAX_ABS_CONTRIBUTION``): a
     contribution fit to send, or a result fit to apply (an average of such values is)."""
-    return all(
-        bool(torch.isfinite(t).all())
-        and (t.numel() == 0 or float(t.abs().max()) <= MAX_ABS_CONTRIBUTION)
-        for t in tensors
-    )
+    return all(max_abs(t) <= MAX_ABS_CONTRIBUTION for t in tensors)  # False for NaN
 
 
 def check_weight(weight: float) -> bool:
@@ -173,13 +175,15 @@ class ReturnedShare:
     finite: bool = True
 
     def add(self, mine: torch.Tensor, averaged: torch.Tensor) -> None:
-        x, r = mine.double().reshape(-1), averaged.double().reshape(-1)
-        if not bool(torch.isfinite(r).all()):
+        # float32 products, summed in Python floats: the checks compare norms, not bits.
+        x, r = mine.float().reshape(-1), averaged.float().reshape(-1)
+        if not math.isfinite(max_abs(r)):
             self.finite = False
             return
+        d = r - x
         self.mine_sq += float(x @ x)
         self.returned_sq += float(r @ r)
-        self.distance_sq += float((r - x) @ (r - x))
+        self.distance_sq += float(d @ d)
         self.dot += float(r @ x)
 
     @property
