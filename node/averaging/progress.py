@@ -7,6 +7,10 @@ what it reads with what this peer knows better (``view``, ``learn``). A peer tha
 to be ahead and does not hand over its state when asked is ignored for a while
 (``distrust``).
 
+How often the records are read (``next_read``): every report period, and sooner while a
+round waits only on the other peers' last samples (``waiting_on_others``, ``ReadCadence``):
+a DHT read is the only way a peer learns that its groupmates filled the batch.
+
 Records are signed by the peer they name (``protocol.progress``), and the view holds
 only peers with a valid peer record in the run (``SwarmDHT.peers``, which in a private run
 also checks invites): a key made up for the occasion cannot shape our rounds.
