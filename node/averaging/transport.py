@@ -288,9 +288,9 @@ class HivemindTransport:
             raise TimeoutError("the averager still holds its tensors")
         try:
             for buffer, t in zip(self._buffers, tensors, strict=True):
-                if buffer.dtype == torch.float16:
-                    t = t.clamp(-F16_MAX, F16_MAX)  # not inf: the others would drop us
                 buffer.copy_(t)
+                if buffer.dtype == torch.float16:  # in place, no float32 copy
+                    buffer.clamp_(-F16_MAX, F16_MAX)  # not inf: the others would drop us
         finally:
             self.process.lock_averaged_tensors.release()
 
