@@ -132,15 +132,22 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
     within the radius and get their weighted mean."""
     if len(parts) != len(weights) or not parts:
         raise ValueError(f"{len(parts)} parts with {len(weights)} weights")
-    x = torch.stack([p.float().reshape(-1) for p in parts])
+    shape = parts[0].shape
+    if any(p.shape != shape for p in parts):
+        raise ValueError(f"parts of shapes {[tuple(p.shape) for p in parts]}: one expected")
     w = torch.tensor([float(v) for v in weights])
     if not (w.ge(0).all() and w.sum() > 0):
         raise ValueError(f"weights must be >= 0 and not all 0, got {list(weights)}")
-    shape = parts[0].shape
     counted = w > 0
-    if int(counted.sum()) <= 2:
-        return (w @ x / w.sum()).reshape(shape)
-    x, w = x[counted], w[counted]
+    if int(counted.sum()) <= 2:  # the plain weighted mean, without stacking the parts
+        total = float(w.sum())
+        kept = [(p, float(v) / total) for p, v in zip(parts, w.tolist(), strict=True) if v > 0]
+        mean = kept[0][0].float() * kept[0][1]
+        for p, share in kept[1:]:
+            mean.add_(p.float(), alpha=share)
+        return mean
+    x = torch.stack([p.float().reshape(-1) for p in parts])[counted]
+    w = w[counted]
     w = w.clamp(max=CLIP_WEIGHT * float(w.median()))
     center = x.median(dim=0).values
     radius = CLIP_RADIUS * float((x - center).norm(dim=1).median())
