@@ -3,12 +3,17 @@
     python -m scripts.bench_averaging [--preset tiny] [--rounds 20] [--compression none]
         [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
         [--compressed 0.1:uint8 ...] [--matchmaking-s S] [--round-timeout-s S]
+        [--stagger-s 0.2] [--allreduce-timeout-s S]
+    python -m scripts.bench_averaging --profile [--part-kib 512 2048] [--profile-repeats 5]
+        [--small-kb 482] [--rounds 20] [--allreduce-mb 100] [--allreduce-peers 2 4]
 
 Three measurements in one run (a count of 0 skips one). Every peer is its own hivemind DHT
 and averager process, on 127.0.0.1.
 
 1. Rounds (``--rounds``): two peers hold stage 0 of the preset cut in two and are fed
-   ``target_batch_size / 2`` samples each per round. Printed side by side: a local
+   ``target_batch_size / 2`` samples each per round, peer 1 ``--stagger-s`` after peer 0
+   (as the last micro-batch of a batch lands on one peer), each publishing its progress
+   once fed (as a server does when it admits one). Printed side by side: a local
    ``StageOptimizer.step`` on the same stage; a round from its start to the applied step
    (``AveragingStats.round_s``: matchmaking, all-reduce, apply); and the time from the
    last micro-batch fed to both copies stepped, which adds the progress report period
@@ -20,6 +25,12 @@ and averager process, on 127.0.0.1.
    the same bytes over loopback between two threads, measured in the same run. All-reduce
    MB/s is the tensor's size over the round time (all peers call ``step`` -> all hold the
    average); in that time each peer sends and receives 2(n-1)/n of the tensor.
+With ``--profile``, the rounds measurement, then, in place of 2 and 3: (P1) the CPU
+seconds of a ``--allreduce-mb`` round by kind of process (``_Cpu``: the averagers, the
+p2pd daemons, the DHTs, this process) for each part size of ``--part-kib``, alternating
+round by round; (P2) a small round of 2 peers (``--small-kb``) split into matchmaking
+(``step`` -> the all-reduce seen running) and all-reduce, with its CPU per round.
+
 3. Gradient vs DiLoCo (``--micro-batches``): the demo's training setup in this process:
    the tiny preset, 2 stages x 2 peers, one trainer's data stream, micro-batch i served by
    peer i % 2 of stage 0 and peer (i // 2) % 2 of stage 1 (as a stage server serves it:
@@ -151,7 +162,7 @@ def _feed(stage: Stage, optimizer: StageOptimizer, averager: StageAverager, seed
     averager.progress_changed()
 
 
-async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
+async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int, stagger_s: float) -> None:
     stages = [Stage(spec.model, spec.stage_range(0)) for _ in dhts]
     optimizers = [StageOptimizer(s, spec.optim) for s in stages]
     averagers: list[StageAverager] = []
@@ -175,6 +186,8 @@ async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
         fed_to_step = []
         for r in range(rounds):
             for k, (s, o, a) in enumerate(zip(stages, optimizers, averagers, strict=True)):
+                if k:  # the last micro-batch lands on peer 1 a while after peer 0's
+                    await asyncio.sleep(stagger_s)
                 for j in range(per_peer):
                     _feed(s, o, a, 1000 * r + 100 * k + j)
             fed = time.perf_counter()
@@ -189,7 +202,8 @@ async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
             for p, q in zip(stages[0].parameters(), stages[1].parameters(), strict=True)
         )
         print(f"1. rounds: stage 0 of {spec.model.n_layer}-layer preset: {n_params:,} parameters, "
-              f"compression {spec.averaging.compression}, {rounds} rounds")  # fmt: skip
+              f"compression {spec.averaging.compression}, {rounds} rounds, peer 1 fed "
+              f"{stagger_s * 1e3:.0f} ms after peer 0")  # fmt: skip
         print(f"  local optimizer step        median {statistics.median(local_s) * 1e3:7.1f} ms")
         print(f"  round (start -> applied)    median {statistics.median(round_s) * 1e3:7.1f} ms"
               f"  (max {max(round_s) * 1e3:.1f})")  # fmt: skip
@@ -586,6 +600,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="for the rounds measurement")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--stagger-s", type=float, default=0.2,
+                        help="rounds: peer 1 is fed this long after peer 0")  # fmt: skip
     parser.add_argument("--compression", default="none", choices=["none", "float16"])
     parser.add_argument("--allreduce-mb", type=int, default=100)
     parser.add_argument("--allreduce-peers", type=int, nargs="+", default=[2, 4])
@@ -620,7 +636,7 @@ def main() -> None:
 
         if args.rounds:
             spec = _spec(f"bench-{args.preset}", args.preset, compression=args.compression)
-            uvloop.run(_rounds(spec, dhts[:PEERS], args.rounds))
+            uvloop.run(_rounds(spec, dhts[:PEERS], args.rounds, args.stagger_s))
         if args.profile:
             _profile(_spec("bench-profile", "tiny"), dhts, args.allreduce_mb, args.allreduce_peers,
                      args.part_kib, args.profile_repeats, args.small_kb)  # fmt: skip
