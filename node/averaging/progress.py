@@ -39,9 +39,11 @@ MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
 # at most this often, and at least this often (a peer whose record expired drops out).
 PEERS_REFRESH_S = 2.0
 PEERS_MAX_AGE_S = 15.0
-# While only the others' last samples keep a round from being due, the first read comes
-# this soon (then ever later: ``ReadCadence``).
-FAST_READ_S = 0.05
+# While only the others' last samples keep a round from being due, the records are read
+# this often (as a server waiting to admit a micro-batch reads them), at most this many
+# times in a row (then every report period: ``ReadCadence``).
+FAST_READ_S = 0.1
+FAST_READS = 10
 
 
 def waiting_on_others(
@@ -60,24 +62,26 @@ def waiting_on_others(
 class ReadCadence:
     """How long until the next read of the stage's progress (pure: no clock). ``period``
     while nothing is imminent; while we wait on the others' last samples
-    (``waiting_on_others``), ``fast`` at first, then twice as long after each read, up to
-    ``period``: the last samples are seen within a read or two of their record, and
-    peers that stay slow cost a few more reads, not one every ``fast`` seconds."""
+    (``waiting_on_others``), every ``fast`` seconds, at most ``reads`` times in a row
+    (then ``period`` until the wait ends): the last samples are seen within ``fast`` of
+    their record, and peers that stay slow cost a bounded number of extra reads."""
 
-    def __init__(self, fast: float = FAST_READ_S) -> None:
-        if not fast > 0:
-            raise ValueError(f"fast must be > 0, got {fast}")
+    def __init__(self, fast: float = FAST_READ_S, reads: int = FAST_READS) -> None:
+        if not fast > 0 or reads < 0:
+            raise ValueError(f"fast must be > 0 and reads >= 0, got {fast} and {reads}")
         self.fast = fast
-        self._next: float | None = None  # while waiting: the delay after the next read
+        self.reads = reads
+        self._left = reads  # fast reads left in this wait
 
     def delay(self, waiting: bool, period: float) -> float:
         """Seconds until the next read, given whether we wait on the others now."""
         if not waiting:
-            self._next = None
+            self._left = self.reads
             return period
-        delay = min(self.fast if self._next is None else self._next, period)
-        self._next = min(2 * delay, period)
-        return delay
+        if self._left == 0:
+            return period
+        self._left -= 1
+        return min(self.fast, period)
 
 
 class ProgressBoard:
