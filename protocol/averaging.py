@@ -160,14 +160,16 @@ class OuterRound:
 MAX_ABS_CONTRIBUTION = 1e4
 
 
+def max_abs(t: torch.Tensor) -> float:
+    """The largest absolute value in ``t`` (0 if empty): NaN if any value is NaN, inf if
+    any is infinite, so one pass tells both finiteness and range."""
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 def within_bounds(tensors: Sequence[torch.Tensor]) -> bool:
     """Finite, and within what training produces (``MAX_ABS_CONTRIBUTION``): a
     contribution fit to send, or a result fit to apply (an average of such values is)."""
-    return all(
-        bool(torch.isfinite(t).all())
-        and (t.numel() == 0 or float(t.abs().max()) <= MAX_ABS_CONTRIBUTION)
-        for t in tensors
-    )
+    return all(max_abs(t) <= MAX_ABS_CONTRIBUTION for t in tensors)  # False for NaN
 
 
 def check_weight(weight: float) -> bool:
@@ -194,15 +196,22 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
     within the radius and get their weighted mean."""
     if len(parts) != len(weights) or not parts:
         raise ValueError(f"{len(parts)} parts with {len(weights)} weights")
-    x = torch.stack([p.float().reshape(-1) for p in parts])
+    shape = parts[0].shape
+    if any(p.shape != shape for p in parts):
+        raise ValueError(f"parts of shapes {[tuple(p.shape) for p in parts]}: one expected")
     w = torch.tensor([float(v) for v in weights])
     if not (w.ge(0).all() and w.sum() > 0):
         raise ValueError(f"weights must be >= 0 and not all 0, got {list(weights)}")
-    shape = parts[0].shape
     counted = w > 0
-    if int(counted.sum()) <= 2:
-        return (w @ x / w.sum()).reshape(shape)
-    x, w = x[counted], w[counted]
+    if int(counted.sum()) <= 2:  # the plain weighted mean, without stacking the parts
+        total = float(w.sum())
+        kept = [(p, float(v) / total) for p, v in zip(parts, w.tolist(), strict=True) if v > 0]
+        mean = kept[0][0].float() * kept[0][1]
+        for p, share in kept[1:]:
+            mean.add_(p.float(), alpha=share)
+        return mean
+    x = torch.stack([p.float().reshape(-1) for p in parts])[counted]
+    w = w[counted]
     w = w.clamp(max=CLIP_WEIGHT * float(w.median()))
     center = x.median(dim=0).values
     radius = CLIP_RADIUS * float((x - center).norm(dim=1).median())
@@ -237,13 +246,15 @@ class ReturnedShare:
     finite: bool = True
 
     def add(self, mine: torch.Tensor, averaged: torch.Tensor) -> None:
-        x, r = mine.double().reshape(-1), averaged.double().reshape(-1)
-        if not bool(torch.isfinite(r).all()):
+        # float32 products, summed in Python floats: the checks compare norms, not bits.
+        x, r = mine.float().reshape(-1), averaged.float().reshape(-1)
+        if not math.isfinite(max_abs(r)):
             self.finite = False
             return
+        d = r - x
         self.mine_sq += float(x @ x)
         self.returned_sq += float(r @ r)
-        self.distance_sq += float((r - x) @ (r - x))
+        self.distance_sq += float(d @ d)
         self.dot += float(r @ x)
 
     @property

@@ -3,12 +3,17 @@
     python -m scripts.bench_averaging [--preset tiny] [--rounds 20] [--compression none]
         [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
         [--compressed 0.1:uint8 ...] [--matchmaking-s S] [--round-timeout-s S]
+        [--stagger-s 0.2] [--allreduce-timeout-s S]
+    python -m scripts.bench_averaging --profile [--part-kib 512 2048] [--profile-repeats 5]
+        [--small-kb 482] [--rounds 20] [--allreduce-mb 100] [--allreduce-peers 2 4]
 
 Three measurements in one run (a count of 0 skips one). Every peer is its own hivemind DHT
 and averager process, on 127.0.0.1.
 
 1. Rounds (``--rounds``): two peers hold stage 0 of the preset cut in two and are fed
-   ``target_batch_size / 2`` samples each per round. Printed side by side: a local
+   ``target_batch_size / 2`` samples each per round, peer 1 ``--stagger-s`` after peer 0
+   (as the last micro-batch of a batch lands on one peer), each publishing its progress
+   once fed (as a server does when it admits one). Printed side by side: a local
    ``StageOptimizer.step`` on the same stage; a round from its start to the applied step
    (``AveragingStats.round_s``: matchmaking, all-reduce, apply); and the time from the
    last micro-batch fed to both copies stepped, which adds the progress report period
@@ -20,6 +25,12 @@ and averager process, on 127.0.0.1.
    the same bytes over loopback between two threads, measured in the same run. All-reduce
    MB/s is the tensor's size over the round time (all peers call ``step`` -> all hold the
    average); in that time each peer sends and receives 2(n-1)/n of the tensor.
+With ``--profile``, the rounds measurement, then, in place of 2 and 3: (P1) the CPU
+seconds of a ``--allreduce-mb`` round by kind of process (``_Cpu``: the averagers, the
+p2pd daemons, the DHTs, this process) for each part size of ``--part-kib``, alternating
+round by round; (P2) a small round of 2 peers (``--small-kb``) split into matchmaking
+(``step`` -> the all-reduce seen running) and all-reduce, with its CPU per round.
+
 3. Gradient vs DiLoCo (``--micro-batches``): the demo's training setup in this process:
    the tiny preset, 2 stages x 2 peers, one trainer's data stream, micro-batch i served by
    peer i % 2 of stage 0 and peer (i // 2) % 2 of stage 1 (as a stage server serves it:
@@ -38,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import socket
 import statistics
@@ -60,7 +72,7 @@ from node import limits
 from node.averaging.averager import StageAverager
 from node.averaging.digests import ParamDigest
 from node.averaging.process import StageAveragerProcess
-from node.averaging.transport import process_settings
+from node.averaging.transport import PART_BYTES, process_settings
 from node.files import load_or_create_key
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import averaging_prefix
@@ -73,6 +85,8 @@ MB = 10**6
 PEERS = 2  # per stage, in the rounds and training measurements
 OWNER = peer_id_of(Ed25519PrivateKey.generate().public_key())  # the benchmark's runs
 
+
+PART_KIB = PART_BYTES // 1024  # a stage's averager's part size
 
 ROUND_SETTINGS: dict[str, float] = {}  # --matchmaking-s, --round-timeout-s, where given
 
@@ -140,13 +154,15 @@ def _backward(stage: Stage, optimizer: StageOptimizer, seed: int) -> None:
 
 
 def _feed(stage: Stage, optimizer: StageOptimizer, averager: StageAverager, seed: int) -> None:
-    """One micro-batch, as a stage server serves it."""
+    """One micro-batch, as a stage server serves it (which publishes our progress as it
+    admits one: here, once it is in)."""
     with averager.lock:
         _backward(stage, optimizer, seed)
         averager.on_accumulated()
+    averager.progress_changed()
 
 
-async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
+async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int, stagger_s: float) -> None:
     stages = [Stage(spec.model, spec.stage_range(0)) for _ in dhts]
     optimizers = [StageOptimizer(s, spec.optim) for s in stages]
     averagers: list[StageAverager] = []
@@ -170,6 +186,8 @@ async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
         fed_to_step = []
         for r in range(rounds):
             for k, (s, o, a) in enumerate(zip(stages, optimizers, averagers, strict=True)):
+                if k:  # the last micro-batch lands on peer 1 a while after peer 0's
+                    await asyncio.sleep(stagger_s)
                 for j in range(per_peer):
                     _feed(s, o, a, 1000 * r + 100 * k + j)
             fed = time.perf_counter()
@@ -184,12 +202,14 @@ async def _rounds(spec: RunSpec, dhts: list[SwarmDHT], rounds: int) -> None:
             for p, q in zip(stages[0].parameters(), stages[1].parameters(), strict=True)
         )
         print(f"1. rounds: stage 0 of {spec.model.n_layer}-layer preset: {n_params:,} parameters, "
-              f"compression {spec.averaging.compression}, {rounds} rounds")  # fmt: skip
+              f"compression {spec.averaging.compression}, {rounds} rounds, peer 1 fed "
+              f"{stagger_s * 1e3:.0f} ms after peer 0")  # fmt: skip
         print(f"  local optimizer step        median {statistics.median(local_s) * 1e3:7.1f} ms")
         print(f"  round (start -> applied)    median {statistics.median(round_s) * 1e3:7.1f} ms"
               f"  (max {max(round_s) * 1e3:.1f})")  # fmt: skip
         print(f"  last sample fed -> stepped  median {statistics.median(fed_to_step) * 1e3:7.1f} ms"
-              f"  (report period {spec.averaging.report_period_s * 1e3:.0f} ms)")  # fmt: skip
+              f"  (range {min(fed_to_step) * 1e3:.0f}-{max(fed_to_step) * 1e3:.0f}; report "
+              f"period {spec.averaging.report_period_s * 1e3:.0f} ms)")  # fmt: skip
         print(f"  rounds averaged / alone / caught up: {averagers[0].stats.rounds} / "
               f"{averagers[0].stats.alone} / {averagers[0].stats.catch_ups}")  # fmt: skip
         print(f"  largest difference between the copies: {diff:.2e}")
@@ -245,14 +265,67 @@ def _wait_allreduce(controls: list[StepControl], timeout: float) -> float:
     return began if began is not None else time.perf_counter()
 
 
+_EPOCHS = itertools.count()  # the all-reduce rounds' epochs, one per round of the bench
+
+
+@dataclass
+class _Round:
+    """One all-reduce round of the throughput measurement."""
+
+    seconds: float  # all peers call ``step`` -> all hold the average
+    allreduce: float  # from the first peer seen running the all-reduce to the end
+    cpu: dict[str, float]  # CPU seconds spent in the round, by kind of process (``_Cpu``)
+
+
+class _Cpu:
+    """CPU seconds (user + system) of the processes taking part in the bench's rounds, by
+    kind: ``averager`` (the peers' averager processes), ``p2pd`` (the daemons, which carry
+    the averagers' streams and the DHTs'), ``dht`` (every DHT process of the bench) and
+    ``bench`` (this process: it calls ``step`` and waits)."""
+
+    def __init__(self, averagers: list[StageAveragerProcess], dhts: list[SwarmDHT]) -> None:
+        dht_processes = [psutil.Process(d.dht.pid) for d in dhts]
+        self.kinds: dict[str, list[psutil.Process]] = {
+            "averager": [psutil.Process(p.pid) for p in averagers],
+            "p2pd": [
+                c for d in dht_processes for c in d.children(recursive=True) if "p2pd" in c.name()
+            ],
+            "dht": dht_processes,
+            "bench": [psutil.Process()],
+        }
+
+    def seconds(self) -> dict[str, float]:
+        """Each kind's CPU seconds so far (a process that is gone counts 0)."""
+        result = {}
+        for kind, processes in self.kinds.items():
+            total = 0.0
+            for process in processes:
+                try:
+                    times = process.cpu_times()
+                except psutil.Error:
+                    continue
+                total += times.user + times.system
+            result[kind] = total
+        return result
+
+
 def _allreduce_s(
-    spec: RunSpec, dhts: list[SwarmDHT], n: int, nbytes: int, repeats: int
-) -> tuple[list[float], list[float]]:
-    """Round and all-reduce seconds of ``n`` peers averaging ``nbytes`` of float32."""
+    spec: RunSpec,
+    dhts: list[SwarmDHT],
+    n: int,
+    nbytes: int,
+    repeats: int,
+    part_bytes: int | None = None,
+) -> list[_Round]:
+    """``repeats`` rounds (after a warm-up) of ``n`` peers averaging ``nbytes`` of float32,
+    with the round settings a stage uses (``part_bytes``: hivemind's part size instead of
+    theirs)."""
     settings = process_settings(spec.averaging)
+    if part_bytes is not None:
+        settings["part_size_bytes"] = part_bytes
     g = torch.Generator().manual_seed(n)
     processes: list[StageAveragerProcess] = []
-    rounds, allreduces = [], []
+    rounds = []
     try:
         for d in dhts[:n]:
             processes.append(
@@ -269,20 +342,34 @@ def _allreduce_s(
             processes[-1].start()
         for p in processes:
             p.wait_until_ready(60)
+        cpu = _Cpu(processes, dhts)
         for r in range(repeats + 1):  # the first round is a warm-up
+            epoch = next(_EPOCHS)  # never one a group of earlier processes declared
             for p in processes:
-                p.set_round(r, n)
+                p.set_round(epoch, n)
+            before = cpu.seconds()
             started = time.perf_counter()
             controls = [p.step(weight=1.0, allow_retries=False, wait=False) for p in processes]
-            began = _wait_allreduce(controls, 120.0)
+            try:
+                began = _wait_allreduce(controls, 120.0)
+            except Exception as e:  # a loaded machine can time a round out: the next one
+                print(f"  a round of {n} peers failed: {e!r:.120}")
+                continue
+            ended = time.perf_counter()
+            after = cpu.seconds()
             if r:
-                rounds.append(time.perf_counter() - started)
-                allreduces.append(time.perf_counter() - began)
+                spent = {k: after[k] - before[k] for k in after}
+                rounds.append(_Round(ended - started, ended - began, spent))
     finally:
         for p in processes:
             p.shutdown()
             p.join(10)
-    return rounds, allreduces
+    return rounds
+
+
+def _median(values: list[float]) -> str:
+    """A median with its range: ``m [lo-hi]``."""
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def _throughput(spec: RunSpec, dhts: list[SwarmDHT], mb: int, peers: list[int]) -> None:
@@ -291,14 +378,65 @@ def _throughput(spec: RunSpec, dhts: list[SwarmDHT], mb: int, peers: list[int]) 
     print(f"2. all-reduce of {mb} MB of float32, compression none, median of {repeats} rounds")
     print(f"  raw TCP over loopback (thread to thread): {nbytes / raw / MB:7.1f} MB/s")
     for n in peers:
-        rounds, allreduces = _allreduce_s(spec, dhts, n, nbytes, repeats)
-        mb_s = nbytes / statistics.median(rounds) / MB
-        print(f"  {n} peers: round {statistics.median(rounds):6.2f} s ({mb_s:6.1f} MB/s, "
+        rounds = _allreduce_s(spec, dhts, n, nbytes, repeats)
+        round_s = statistics.median(r.seconds for r in rounds)
+        mb_s = nbytes / round_s / MB
+        print(f"  {n} peers: round {round_s:6.2f} s ({mb_s:6.1f} MB/s, "
               f"{mb_s * MB / (nbytes / raw):.3f} of raw TCP), of which all-reduce "
-              f"{statistics.median(allreduces):6.2f} s; each peer sends and receives "
-              f"{2 * (n - 1) / n * mb:.0f} MB")  # fmt: skip
+              f"{statistics.median(r.allreduce for r in rounds):6.2f} s; each peer sends and "
+              f"receives {2 * (n - 1) / n * mb:.0f} MB")  # fmt: skip
     print("  MB/s of all-reduce: MB of the averaged tensor per second of round time "
           "(all peers call step -> all hold the average)")  # fmt: skip
+
+
+def _profile(
+    spec: RunSpec, dhts: list[SwarmDHT], mb: int, peers: list[int], parts_kib: list[int],
+    repeats: int, small_kb: int,
+) -> None:  # fmt: skip
+    """Where a round's time and CPU go (``--profile``)."""
+    nbytes = mb * MB
+    raw = statistics.median(_raw_tcp_s(nbytes, 3))
+    kinds = ("averager", "p2pd", "dht", "bench")
+    print(f"P1. CPU of a {mb} MB round (float32, compression none), {repeats} rounds per "
+          f"setting after a warm-up, settings alternating; median [range]; raw loopback TCP "
+          f"{nbytes / raw / MB:,.0f} MB/s")  # fmt: skip
+    print(f"  {'peers':>5} {'part KiB':>8} {'round s':>17} {'MB/s':>7} {'of TCP':>6} "
+          f"{'CPU s/round':>18} " + " ".join(f"{k:>17}" for k in kinds))  # fmt: skip
+    for n in peers:
+        results: dict[int, list[_Round]] = {kib: [] for kib in parts_kib}
+        for _ in range(repeats):  # alternate the settings round by round (load drifts)
+            for kib in parts_kib:
+                results[kib] += _allreduce_s(spec, dhts, n, nbytes, 1, part_bytes=kib * 1024)
+        for kib, rounds in results.items():
+            seconds = [r.seconds for r in rounds]
+            total = [sum(r.cpu.values()) for r in rounds]
+            mb_s = nbytes / statistics.median(seconds) / MB
+            by_kind = " ".join(f"{_median([r.cpu[k] for r in rounds]):>17}" for k in kinds)
+            if not rounds:
+                print(f"  {n:>5} {kib:>8} every round failed")
+                continue
+            print(f"  {n:>5} {kib:>8} {_median(seconds):>17} {mb_s:>7.1f} "
+                  f"{mb_s * MB / (nbytes / raw):>6.3f} {_median(total):>18} {by_kind}")  # fmt: skip
+    print(
+        "  CPU s/round: all processes of the bench together (every peer's); by kind: the "
+        "averager processes, the p2pd daemons\n  (averaging streams and DHT traffic), the "
+        "DHT processes, this process; CPU seconds are load-independent, wall time is not"
+    )
+    small = small_kb * 1000
+    rounds = _allreduce_s(spec, dhts, 2, small, max(repeats, 5) * 4)
+    seconds = [r.seconds * 1e3 for r in rounds]
+    allreduce = [r.allreduce * 1e3 for r in rounds]
+    matchmaking = [s - a for s, a in zip(seconds, allreduce, strict=True)]
+    print(f"P2. a {small_kb} kB round of 2 peers (the tiny preset's stage 0 is 482 kB), "
+          f"{len(rounds)} rounds, ms, median [range]:")  # fmt: skip
+    print(f"  step -> all averaged {_median(seconds)}; matchmaking (step -> all-reduce "
+          f"seen) {_median(matchmaking)}; all-reduce {_median(allreduce)}")  # fmt: skip
+    # CPU times tick every 10 ms: a small round's CPU is the mean over all of them
+    mean = {k: sum(r.cpu[k] for r in rounds) / len(rounds) * 1e3 for k in kinds}
+    print(
+        f"  CPU ms per round (mean over the rounds), all processes: {sum(mean.values()):.0f}; "
+        + ", ".join(f"{k} {v:.0f}" for k, v in mean.items())
+    )
 
 
 # -- 3. gradient vs DiLoCo on the demo's setup -----------------------------------------
@@ -462,6 +600,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="for the rounds measurement")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--stagger-s", type=float, default=0.2,
+                        help="rounds: peer 1 is fed this long after peer 0")  # fmt: skip
     parser.add_argument("--compression", default="none", choices=["none", "float16"])
     parser.add_argument("--allreduce-mb", type=int, default=100)
     parser.add_argument("--allreduce-peers", type=int, nargs="+", default=[2, 4])
@@ -472,8 +612,16 @@ def main() -> None:
                         "e.g. 0.1:uint8")  # fmt: skip
     parser.add_argument("--matchmaking-s", type=float, help="averaging.matchmaking_s of every run")
     parser.add_argument("--round-timeout-s", type=float, help="averaging.round_timeout_s")
+    parser.add_argument("--allreduce-timeout-s", type=float, help="averaging.allreduce_timeout_s")
+    parser.add_argument("--profile", action="store_true",
+                        help="where a round's time and CPU go (with the rounds measurement, "
+                        "in place of the throughput and gradient vs DiLoCo ones)")  # fmt: skip
+    parser.add_argument("--part-kib", type=int, nargs="+", default=[PART_KIB],
+                        help="--profile: hivemind part sizes to compare")  # fmt: skip
+    parser.add_argument("--profile-repeats", type=int, default=5, help="--profile: rounds each")
+    parser.add_argument("--small-kb", type=int, default=482, help="--profile: a small round")
     args = parser.parse_args()
-    for key in ("matchmaking_s", "round_timeout_s"):
+    for key in ("matchmaking_s", "round_timeout_s", "allreduce_timeout_s"):
         if getattr(args, key) is not None:
             ROUND_SETTINGS[key] = getattr(args, key)
     limits.install()  # count the averaging frames of the processes forked from here on
@@ -488,7 +636,11 @@ def main() -> None:
 
         if args.rounds:
             spec = _spec(f"bench-{args.preset}", args.preset, compression=args.compression)
-            uvloop.run(_rounds(spec, dhts[:PEERS], args.rounds))
+            uvloop.run(_rounds(spec, dhts[:PEERS], args.rounds, args.stagger_s))
+        if args.profile:
+            _profile(_spec("bench-profile", "tiny"), dhts, args.allreduce_mb, args.allreduce_peers,
+                     args.part_kib, args.profile_repeats, args.small_kb)  # fmt: skip
+            return
         if args.allreduce_mb:
             _throughput(_spec("bench-allreduce", "tiny"), dhts, args.allreduce_mb,
                         args.allreduce_peers)  # fmt: skip

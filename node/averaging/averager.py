@@ -252,6 +252,7 @@ class StageAverager:
         what they admitted since the last read may fill the epoch."""
         if self.strategy.shares_batch and self.board.view():  # alone: ours decides
             await self.board.refresh()
+            self._wake.set()  # what we read may make the round due
 
     def progress_changed(self) -> None:
         """The server admitted a micro-batch: publish our progress now (on the event loop),
@@ -367,8 +368,15 @@ class StageAverager:
             self.board.view()  # refreshes what .peers counts
             self._wake.set()
             self._gate_changed()  # our peers' progress decides whether the server admits
+            period = self.board.next_read(
+                self.epoch,
+                self._samples(),
+                self.strategy.target,
+                per_peer=self.strategy.per_peer,
+                period=self.settings.report_period_s,
+            )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._publish_now.wait(), self.settings.report_period_s)
+                await asyncio.wait_for(self._publish_now.wait(), period)
 
     async def _round_loop(self) -> None:
         while True:

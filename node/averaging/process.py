@@ -53,6 +53,7 @@ from protocol.averaging import (
     ReturnedShare,
     check_returned,
     check_weight,
+    max_abs,
     reducer_shares,
     robust_mean,
 )
@@ -131,11 +132,7 @@ class StageAveragerProcess(AveragerCompat):
     def check_part(self, part: torch.Tensor, weight: float) -> str | None:
         """Refuses a part that is not finite or out of range, or a bad weight: hivemind's
         ``rpc_aggregate_part`` then bans that sender from the rest of the round's parts."""
-        if (
-            not check_weight(weight)
-            or not bool(torch.isfinite(part).all())
-            or (part.numel() and float(part.abs().max()) > MAX_ABS_CONTRIBUTION)
-        ):
+        if not check_weight(weight) or not max_abs(part) <= MAX_ABS_CONTRIBUTION:  # NaN: refused
             return (
                 f"a non-finite or out-of-range (> {MAX_ABS_CONTRIBUTION:g}) value, or a bad weight"
             )

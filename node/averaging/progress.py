@@ -7,6 +7,10 @@ what it reads with what this peer knows better (``view``, ``learn``). A peer tha
 to be ahead and does not hand over its state when asked is ignored for a while
 (``distrust``).
 
+How often the records are read (``next_read``): every report period, and sooner while a
+round waits only on the other peers' last samples (``waiting_on_others``, ``ReadCadence``):
+a DHT read is the only way a peer learns that its groupmates filled the batch.
+
 Records are signed by the peer they name (``protocol.progress``), and the view holds
 only peers with a valid peer record in the run (``SwarmDHT.peers``, which in a private run
 also checks invites): a key made up for the occasion cannot shape our rounds.
@@ -17,12 +21,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from node.rpc.dht import SwarmDHT
+from protocol.averaging import Action, decide
 from protocol.progress import Progress, decode_progress, encode_progress, progress_key
 from protocol.records import MAX_RECORD_AGE_S, RecordError
 from protocol.run_spec import RunSpec
@@ -34,6 +39,49 @@ MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
 # at most this often, and at least this often (a peer whose record expired drops out).
 PEERS_REFRESH_S = 2.0
 PEERS_MAX_AGE_S = 15.0
+# While only the others' last samples keep a round from being due, the records are read
+# this often (as a server waiting to admit a micro-batch reads them), at most this many
+# times in a row (then every report period: ``ReadCadence``).
+FAST_READ_S = 0.1
+FAST_READS = 10
+
+
+def waiting_on_others(
+    me: str, epoch: int, mine: int, others: Sequence[Progress], target: int, *, per_peer: bool
+) -> bool:
+    """Whether a round is about to be due and only the other peers' samples hold it: by
+    ``decide``'s rule we wait, other peers share our epoch, and our own ``mine`` samples
+    make up our share of the target (the target over the peers at our epoch)."""
+    decision = decide(me, epoch, mine, others, target, per_peer=per_peer)
+    if decision.action is not Action.WAIT or decision.peers == 0:
+        return False
+    n = 1 + decision.peers
+    return mine * n >= (target * n if per_peer else target)
+
+
+class ReadCadence:
+    """How long until the next read of the stage's progress (pure: no clock). ``period``
+    while nothing is imminent; while we wait on the others' last samples
+    (``waiting_on_others``), every ``fast`` seconds, at most ``reads`` times in a row
+    (then ``period`` until the wait ends): the last samples are seen within ``fast`` of
+    their record, and peers that stay slow cost a bounded number of extra reads."""
+
+    def __init__(self, fast: float = FAST_READ_S, reads: int = FAST_READS) -> None:
+        if not fast > 0 or reads < 0:
+            raise ValueError(f"fast must be > 0 and reads >= 0, got {fast} and {reads}")
+        self.fast = fast
+        self.reads = reads
+        self._left = reads  # fast reads left in this wait
+
+    def delay(self, waiting: bool, period: float) -> float:
+        """Seconds until the next read, given whether we wait on the others now."""
+        if not waiting:
+            self._left = self.reads
+            return period
+        if self._left == 0:
+            return period
+        self._left -= 1
+        return min(self.fast, period)
 
 
 class ProgressBoard:
@@ -72,6 +120,7 @@ class ProgressBoard:
         self._unproven: dict[str, float] = {}  # peer -> until when its claims are ignored
         self._in_run: set[str] = set()  # peers with a valid peer record, as last read
         self._in_run_read = -math.inf  # when (clock)
+        self._cadence = ReadCadence()
 
     @property
     def can_publish(self) -> bool:
@@ -180,6 +229,17 @@ class ProgressBoard:
             self._known[peer] = max(self._known.get(peer, 0), epoch)
             record, seen_at = self._seen.get(peer, (Progress(peer, epoch, 0), now))
             self._seen[peer] = (record, max(seen_at, now))
+
+    def next_read(
+        self, epoch: int, mine: int, target: int, *, per_peer: bool, period: float
+    ) -> float:
+        """Seconds until the stage's progress is worth reading again (``ReadCadence``):
+        ``period``, or sooner while a round at ``epoch`` waits only on the others' samples
+        (``mine``: ours; ``target`` and ``per_peer``: as ``decide`` takes them)."""
+        waiting = waiting_on_others(
+            self.peer_id, epoch, mine, self.view(), target, per_peer=per_peer
+        )
+        return self._cadence.delay(waiting, period)
 
     def ahead(self, epoch: int) -> list[str]:
         """The peers in the view that are past ``epoch``."""

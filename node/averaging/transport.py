@@ -37,6 +37,10 @@ from protocol.run_spec import AveragingSpec, RunSpec
 logger = logging.getLogger(__name__)
 
 DECLARE_STATE_PERIOD_S = 10.0  # a dead donor stays listed this long for joiners
+# hivemind's part size (its default): each part is one message each way, below the frame
+# cap (``hivemind_compat.MAX_FRAME_BYTES``), and must cross a slow link within
+# ``chunk_timeout_s``.
+PART_BYTES = 2**19
 F16_MAX = float(torch.finfo(torch.float16).max)
 
 Tensors = list[torch.Tensor]
@@ -90,6 +94,7 @@ def process_settings(settings: AveragingSpec) -> dict[str, object]:
         "allreduce_timeout": settings.allreduce_timeout_s,
         "next_chunk_timeout": settings.chunk_timeout_s,
         "compression": compression,
+        "part_size_bytes": PART_BYTES,
     }
 
 
@@ -283,9 +288,9 @@ class HivemindTransport:
             raise TimeoutError("the averager still holds its tensors")
         try:
             for buffer, t in zip(self._buffers, tensors, strict=True):
-                if buffer.dtype == torch.float16:
-                    t = t.clamp(-F16_MAX, F16_MAX)  # not inf: the others would drop us
                 buffer.copy_(t)
+                if buffer.dtype == torch.float16:  # in place, no float32 copy
+                    buffer.clamp_(-F16_MAX, F16_MAX)  # not inf: the others would drop us
         finally:
             self.process.lock_averaged_tensors.release()
 

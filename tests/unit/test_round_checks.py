@@ -1,0 +1,59 @@
+"""The per-part checks of an averaging round take one pass over a part (``max_abs``) and
+float32 products (``ReturnedShare``), and still catch what they caught."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from protocol.averaging import (
+    MAX_ABS_CONTRIBUTION,
+    ReturnedShare,
+    check_returned,
+    max_abs,
+    within_bounds,
+)
+
+
+def test_max_abs_tells_finiteness_and_range_in_one_pass():
+    assert max_abs(torch.tensor([1.0, -3.0, 2.0])) == 3.0
+    assert max_abs(torch.tensor([])) == 0.0
+    assert math.isnan(max_abs(torch.tensor([1.0, float("nan"), 5.0])))
+    assert max_abs(torch.tensor([1.0, float("-inf")], dtype=torch.float16)) == math.inf
+    assert within_bounds([torch.zeros(3), torch.tensor([MAX_ABS_CONTRIBUTION])])
+    assert not within_bounds([torch.tensor([float("nan")])])
+    assert not within_bounds([torch.tensor([2 * MAX_ABS_CONTRIBUTION])])
+
+
+def _reference(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
+    mine = torch.cat([m for m, _ in parts]).double()
+    back = torch.cat([r for _, r in parts]).double()
+    return float(mine @ mine), float((back - mine) @ (back - mine)), float(back @ mine)
+
+
+def test_returned_share_sums_match_double_precision():
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    share = ReturnedShare()
+    for _ in range(4):
+        mine = torch.randn(100_000, generator=g)
+        back = mine + 0.3 * torch.randn(100_000, generator=g)
+        parts.append((mine, back))
+        share.add(mine, back)
+    mine_sq, distance_sq, dot = _reference(parts)
+    assert math.isclose(share.mine_sq, mine_sq, rel_tol=1e-5)
+    assert math.isclose(share.distance_sq, distance_sq, rel_tol=1e-5)
+    assert math.isclose(share.dot, dot, rel_tol=1e-5)
+    assert check_returned(share) is None
+
+
+def test_returned_share_still_refuses_bad_means():
+    mine = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    negated, scaled, broken = ReturnedShare(), ReturnedShare(), ReturnedShare()
+    negated.add(mine, -mine)
+    scaled.add(mine, 100 * mine)
+    broken.add(mine, torch.full_like(mine, float("nan")))
+    assert "against" in check_returned(negated)
+    assert "norms" in check_returned(scaled)
+    assert "non-finite" in check_returned(broken)
