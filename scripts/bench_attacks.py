@@ -45,7 +45,7 @@ from node.harness.attackers import (
 )
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
-from protocol.records import MAX_RECORD_AGE_S
+from protocol.records import MAX_RECORD_AGE_S, PeerBounds
 
 ROWS = ("none", "sybil", "claims", "progress", "replay", "requests")
 _TRAINED = re.compile(
@@ -91,7 +91,8 @@ def _attack(name: str, nodes: list[NodeProcess]) -> Iterator[None]:
     attacker = attacker_dht(maddr)
     try:
         if name == "sybil":
-            sybil_flood(attacker, run, 1000, throughput=(1e9, 1e9), device="x" * 64)
+            largest = PeerBounds(2, private=False).max_bytes
+            sybil_flood(attacker, run, 1000, max_bytes=largest, throughput=(1e9, 1e9))
         elif name == "claims":
             sybil_flood(attacker, run, 20, stage=0, throughput=(1e9, 0.0))
         elif name == "progress":

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 import hivemind
 import torch
@@ -66,12 +67,44 @@ def peer_info(run: str, peer_id: str, **changes) -> PeerInfo:
     return PeerInfo(**{**fields, **changes})
 
 
-def sybil_flood(attacker: hivemind.DHT, run: str, n: int, timeout: float = 120.0, **changes) -> int:
+def padded_record(info: PeerInfo, secret: Ed25519PrivateKey, max_bytes: int) -> bytes:
+    """``info`` signed, padded to the largest record of at most ``max_bytes`` (within a
+    byte of it, if the fields allow): its device name is 64 characters, as many as fit of
+    them control characters (6 bytes each in the record's JSON), and ``samples_served``
+    takes up what is left. ``ValueError`` if even the shortest padding takes more."""
+
+    def padded(escaped: int, digits: int = 0) -> bytes:
+        fields = {"device": "\x01" * escaped + "x" * (64 - escaped), "samples_served": 10**digits}
+        return encode_peer_info(info.model_copy(update=fields), secret)
+
+    def most(fits: Callable[[int], bool], hi: int) -> int:
+        lo = 0  # the largest n in [0, hi] that fits, by bisection (fits(0) holds)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    if len(padded(0)) > max_bytes:
+        raise ValueError(f"the record takes {len(padded(0))} bytes, more than {max_bytes}")
+    escaped = most(lambda k: len(padded(k)) <= max_bytes, 64)
+    digits = most(lambda d: len(padded(escaped, d)) <= max_bytes, 18)
+    return padded(escaped, digits)
+
+
+def sybil_flood(
+    attacker: hivemind.DHT,
+    run: str,
+    n: int,
+    timeout: float = 120.0,
+    max_bytes: int | None = None,
+    **changes,
+) -> int:
     """Store ``n`` sybil records (each from a new key, serving stage ``i % 2``, dated now,
     living as long as a record may) with ``changes``, ``IN_FLIGHT`` stores at a time (a
     thousand at once can overrun the pipe to hivemind's DHT process on a loaded machine);
-    returns the size of one in bytes. ``TimeoutError`` if they are not all stored within
-    ``timeout``."""
+    with ``max_bytes`` (a run's ``PeerBounds.max_bytes``), each padded to the largest size
+    that bound lets through (``padded_record``). Returns the size of one in bytes.
+    ``TimeoutError`` if they are not all stored within ``timeout``."""
     key, pending, size = peers_key(run), [], 0
     deadline = time.monotonic() + timeout
     for i in range(n + IN_FLIGHT):
@@ -87,7 +120,12 @@ def sybil_flood(attacker: hivemind.DHT, run: str, n: int, timeout: float = 120.0
         secret, peer_id = fresh_key()
         now = get_dht_time()
         fields = {"stage": i % 2, "timestamp": now, "ttl_s": MAX_RECORD_AGE_S, **changes}
-        raw = encode_peer_info(peer_info(run, peer_id, **fields), secret)
+        info = peer_info(run, peer_id, **fields)
+        raw = (
+            encode_peer_info(info, secret)
+            if max_bytes is None
+            else padded_record(info, secret, max_bytes)
+        )
         size = len(raw)
         expiration = now + MAX_RECORD_AGE_S
         pending.append(attacker.store(key, raw, expiration, subkey=peer_id, return_future=True))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from node.harness.attackers import attacker_dht, sybil_flood
-from protocol.records import MAX_MEMBERSHIP_CHARS, MAX_STAGES
+from protocol.records import MAX_MEMBERSHIP_CHARS, MAX_STAGES, PeerBounds
 from tests.swarm import LOCAL, launch_node, status, stop_all, swarmtrain, wait_until
 
 SYBILS = 1000
@@ -65,7 +65,8 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
             attacker, run, SYBILS,
             throughput=(123456789.12345679,) * MAX_STAGES, membership="A" * MAX_MEMBERSHIP_CHARS,
         )  # fmt: skip
-        lean = sybil_flood(attacker, run, SYBILS, throughput=(1e9, 1e9), device="x" * 64)
+        largest = PeerBounds(2, private=False).max_bytes
+        lean = sybil_flood(attacker, run, SYBILS, max_bytes=largest, throughput=(1e9, 1e9))
         reads: list[set[str]] = []
 
         def honest_listed() -> set[str] | None:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from models.config import ModelConfig, OptimizerConfig
+from node.harness.attackers import padded_record
 from node.rpc.dht import RunRecordValidator, spec_subkey
 from protocol.identity import (
     IdentityError,
@@ -744,6 +745,18 @@ def test_a_record_sized_past_its_run_is_refused():
     PeerBounds(2, private=True).check(_info(membership="A" * 100), 500)
     with pytest.raises(ValueError, match="n_stages"):
         PeerBounds(0, private=False)
+
+
+def test_a_sybil_record_is_padded_to_the_largest_size_its_run_lets_through():
+    bounds = PeerBounds(2, private=False)
+    info = _info(throughput=[1e9, 1e9], timestamp=NOW + 0.123456789)
+    raw = padded_record(info, KEY, bounds.max_bytes)
+    assert bounds.max_bytes - 1 <= len(raw) <= bounds.max_bytes
+    read = _decode(raw)
+    bounds.check(read, len(raw))
+    assert len(read.device) == 64 and read.throughput == (1e9, 1e9)
+    with pytest.raises(ValueError, match="more than 100"):
+        padded_record(info, KEY, 100)
 
 
 def test_the_dht_validator_bounds_peer_records_once_it_has_seen_the_spec():
