@@ -3,7 +3,10 @@ and ``scripts/bench_attacks.py``.
 
 Each writes into a live run's DHT through a raw ``hivemind.DHT`` that checks nothing
 (``attacker_dht``: it stores and serves whatever it is given), or calls a node's stage
-handlers from its own ``P2P`` (``RequestFlood``). Nothing here runs in a node; every
+handlers from its own ``P2P`` (``RequestFlood``), or averages with a stage's peers and
+returns -100 x the mean of the share it reduces (``ReversingReducer``; as a script,
+``python -m node.harness.attackers --run RUN --initial-peer MADDR --stage S``, a
+groupmate of stage S that does so until killed). Nothing here runs in a node; every
 attack targets 127.0.0.1 only, as the swarm it attacks is local."""
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import hivemind
 import torch
@@ -20,7 +24,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from models.stages import Stage
+from models.training import StageOptimizer
+from node.averaging.averager import StageAverager
+from node.averaging.process import StageAveragerProcess
+from node.files import load_or_create_key
 from node.harness.local_swarm import LOCAL, wait_until
+from node.rpc.dht import SwarmDHT
 from protocol.identity import peer_id_of
 from protocol.keys import peers_key
 from protocol.progress import Progress, encode_progress, progress_key
@@ -235,3 +245,70 @@ def max_forward(run: str, stage: int, block_size: int, n_embd: int, vocab_size: 
     hidden = torch.randn(32, block_size, n_embd)
     targets = torch.randint(0, vocab_size, (32, block_size))
     return StageMeta(run, stage, FORWARD, 0).encode(), [serialize(hidden), serialize(targets)]
+
+
+class ReversingReducer(StageAveragerProcess):
+    """Fault: returns -100 x the mean of the parts it reduces (its groupmates' shares)."""
+
+    def reduce_parts(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        return -100 * super().reduce_parts(parts, weights)
+
+
+async def _reverse_averages(dht: SwarmDHT, key: Ed25519PrivateKey, stage_index: int) -> None:
+    """Join ``stage_index`` of the run as a groupmate that feeds nothing (it averages with
+    weight 0) and reverses what it reduces; print ``READY`` once it holds the stage's
+    state, then keep its record in the run fresh (peers average only with peers of the
+    run) until cancelled."""
+    signed = await dht.wait_for_spec(60)
+    if signed is None:
+        raise RuntimeError(f"no spec of run {dht.run} came within 60 s")
+    spec = signed.spec
+    dht.use_spec(spec)
+
+    async def publish() -> None:
+        info = peer_info(spec.run, dht.peer_id, throughput=(1.0,) * spec.n_stages, stage=None)
+        if not await dht.publish_peer(info, key, ttl_s=MAX_RECORD_AGE_S):
+            raise RuntimeError("the DHT did not store the reducer's record")
+
+    await publish()
+    stage = Stage(spec.model, spec.stage_range(stage_index))
+    optimizer = StageOptimizer(stage, spec.optim)
+    averager = await StageAverager.create(
+        dht, spec, stage_index, stage, optimizer, key=key, process_class=ReversingReducer
+    )
+    try:
+        await averager.load_state()
+        print("READY", flush=True)
+        while True:
+            await asyncio.sleep(MAX_RECORD_AGE_S / 4)
+            await publish()
+    finally:
+        await averager.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A hostile reducer of one stage of a local run (see the module's docstring)."""
+    import argparse
+    import tempfile
+
+    import uvloop
+
+    p = argparse.ArgumentParser(description="a groupmate that reverses the means it reduces")
+    p.add_argument("--run", required=True)
+    p.add_argument("--initial-peer", required=True)
+    p.add_argument("--stage", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    path = Path(tempfile.mkdtemp(prefix="reducer-")) / "reducer.key"
+    key = load_or_create_key(path)
+    dht = SwarmDHT.start(
+        args.run, host_maddrs=[LOCAL], initial_peers=[args.initial_peer], identity_path=path
+    )
+    try:
+        uvloop.run(_reverse_averages(dht, key, args.stage))
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()
