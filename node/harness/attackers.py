@@ -43,7 +43,10 @@ from protocol.records import (
     encode_peer_info,
 )
 
-IN_FLIGHT = 64  # an attacker's stores in flight at once
+# An attacker's stores in flight at once, at most, and their bytes: more overruns the pipe
+# to hivemind's DHT process on a loaded machine (its reader then drops commands: EAGAIN).
+IN_FLIGHT = 64
+IN_FLIGHT_BYTES = 32 * 2**10
 
 
 def attacker_dht(maddr: str) -> hivemind.DHT:
@@ -110,15 +113,16 @@ def sybil_flood(
     **changes,
 ) -> int:
     """Store ``n`` sybil records (each from a new key, serving stage ``i % 2``, dated now,
-    living as long as a record may) with ``changes``, ``IN_FLIGHT`` stores at a time (a
-    thousand at once can overrun the pipe to hivemind's DHT process on a loaded machine);
+    living as long as a record may) with ``changes``, ``IN_FLIGHT`` stores (or
+    ``IN_FLIGHT_BYTES`` of them) at a time;
     with ``max_bytes`` (a run's ``PeerBounds.max_bytes``), each padded to the largest size
     that bound lets through (``padded_record``). Returns the size of one in bytes.
     ``TimeoutError`` if they are not all stored within ``timeout``."""
     key, pending, size = peers_key(run), [], 0
     deadline = time.monotonic() + timeout
-    for i in range(n + IN_FLIGHT):
-        if len(pending) >= IN_FLIGHT or (i >= n and pending):
+    for i in range(n + 1):
+        most = max(1, min(IN_FLIGHT, IN_FLIGHT_BYTES // max(size, 1)))
+        while len(pending) >= most or (i >= n and pending):
             try:
                 pending.pop(0).result(timeout=max(0.1, deadline - time.monotonic()))
             except TimeoutError:
