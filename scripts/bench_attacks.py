@@ -11,12 +11,13 @@ Rows, by name (``--attacks``):
 - ``claims``: 20 sybil records claiming 1e9 samples/s on stage 0;
 - ``progress``: claims of epoch 2^50 on every stage (unsigned, stranger-signed, member-signed);
 - ``replay``: every node's own record re-stored 5 s later to outlive its fresh ones;
-- ``requests``: 200 max-size forwards kept in flight against one peer of the last stage.
+- ``requests``: 200 max-size forwards kept in flight against one peer of the last stage;
+- ``reducer``: a fifth peer averaging with stage 0 that returns -100 x the true mean of
+  the share it reduces (``attackers.ReversingReducer``, in its own process).
 
-A hostile reducer needs a seam inside an averager (``tests/live/test_averaging.py``), not
-a process of its own: it has no row here.
+Each row also counts the shares its nodes refused as a reducer's (``averaging.part_rejected``).
 
-    python -m scripts.bench_attacks [--attacks none,sybil,...] [--micro-batches 48]
+    python -m scripts.bench_attacks [--attacks none,sybil,...] [--micro-batches 48] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,11 +45,12 @@ from node.harness.attackers import (
     replay_record,
     sybil_flood,
 )
-from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
+from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
 from node.pipeline import client as stage_client
-from protocol.records import MAX_RECORD_AGE_S
+from protocol.records import MAX_RECORD_AGE_S, PeerBounds
 
-ROWS = ("none", "sybil", "claims", "progress", "replay", "requests")
+ROWS = ("none", "sybil", "claims", "progress", "replay", "requests", "reducer")
+READY_S = 120.0  # for the hostile reducer to join and hold its stage's state
 _TRAINED = re.compile(
     r"trained (\d+) micro-batches \((\d+) samples, (\d+) samples/s\); "
     r"val loss ([\d.]+) -> ([\d.]+); rerouted calls: (\d+)"
@@ -77,6 +80,10 @@ def _attack(name: str, nodes: list[NodeProcess]) -> Iterator[None]:
         yield
         return
     run, maddr = nodes[0].run_id, nodes[0].maddr
+    if name == "reducer":
+        with _reducer(run, maddr, nodes[0].log.parent / "reducer.log"):
+            yield
+        return
     if name == "requests":
         cfg = tiny()[0]
         last = nodes[-1]
@@ -91,7 +98,8 @@ def _attack(name: str, nodes: list[NodeProcess]) -> Iterator[None]:
     attacker = attacker_dht(maddr)
     try:
         if name == "sybil":
-            sybil_flood(attacker, run, 1000, throughput=(1e9, 1e9), device="x" * 64)
+            largest = PeerBounds(2, private=False).max_bytes
+            sybil_flood(attacker, run, 1000, max_bytes=largest, throughput=(1e9, 1e9))
         elif name == "claims":
             sybil_flood(attacker, run, 20, stage=0, throughput=(1e9, 0.0))
         elif name == "progress":
@@ -104,6 +112,33 @@ def _attack(name: str, nodes: list[NodeProcess]) -> Iterator[None]:
         yield
     finally:
         attacker.shutdown()
+
+
+@contextlib.contextmanager
+def _reducer(run: str, maddr: str, log: Path) -> Iterator[None]:
+    """A hostile reducer of stage 0 (``python -m node.harness.attackers``), holding the
+    stage's state inside; killed on leaving."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "node.harness.attackers", "--run", run,
+               "--initial-peer", maddr, "--stage", "0"]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the hostile reducer exited: {log.read_text()[-2000:]}")
+            return "READY" in log.read_text()
+
+        wait_until(ready, READY_S, "the hostile reducer to hold stage 0")
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _train(run: str, maddrs: list[str], micro_batches: int, timeout: float) -> dict:
@@ -130,35 +165,66 @@ def _row(name: str, workdir: Path, micro_batches: int, say: Callable[[str], None
         with _attack(name, nodes):
             started = time.monotonic()
             figures = _train(run, [n.maddr for n in nodes], micro_batches, MAX_RECORD_AGE_S)
+            refused = sum(len(n.events("averaging.part_rejected")) for n in nodes)
+            figures["refused"] = refused
             say(f"{name}: {figures} ({time.monotonic() - started:.0f} s)")
         return figures
     finally:
         stop_all(nodes)
 
 
+def _summary(runs: list[dict]) -> dict | None:
+    """The median of each figure over the runs that finished (rate: also its range)."""
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return None
+    median = {k: statistics.median(r[k] for r in done) for k in done[0] if k != "refused"}
+    rates = [r["rate"] for r in done]
+    return {**median, "low": min(rates), "high": max(rates), "n": len(done),
+            "refused": sum(r["refused"] for r in done)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attacks", default=",".join(ROWS), help="rows to run, comma-separated")
     p.add_argument("--micro-batches", type=int, default=48)
+    p.add_argument("--repeat", type=int, default=1, help="runs of every row, interleaved")
     args = p.parse_args(argv)
     names = [a for a in args.attacks.split(",") if a]
     if unknown := [a for a in names if a not in ROWS]:
         p.error(f"unknown attacks {unknown}; choose from {', '.join(ROWS)}")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     load = os.getloadavg()[0]
-    rows = {}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="bench-attacks-") as tmp:
-        for name in names:
-            rows[name] = _row(name, Path(tmp), args.micro_batches, lambda s: print(s, flush=True))
-    calm = rows.get("none", {}).get("rate")
-    print(f"\n2 x 2 tiny swarm, {args.micro_batches} micro-batches a row; load at start {load:.1f}")
-    print(f"{'attack':<10} {'samples/s':>9} {'vs none':>8} {'val loss':>15} {'rerouted':>8}")
+        for i in range(args.repeat):  # row after row, then again: load drifts across all
+            for name in names:
+                say = lambda s: print(s, flush=True)  # noqa: E731
+                runs[name].append(_row(name, Path(tmp) / str(i), args.micro_batches, say))
+    rows = {name: _summary(r) for name, r in runs.items()}
+    calm = (rows.get("none") or {}).get("rate")
+    print(
+        f"\n2 x 2 tiny swarm, {args.micro_batches} micro-batches a row, {args.repeat} runs "
+        f"(medians; samples/s range in brackets); load at start {load:.1f}, at end "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'attack':<10} {'samples/s':>15} {'vs none':>8} {'val loss':>15} {'rerouted':>8} "
+        f"{'refused':>7}"
+    )
     for name, r in rows.items():
-        if "error" in r:
-            print(f"{name:<10} failed: {r['error']}")
+        if r is None:
+            print(f"{name:<10} failed: {runs[name][-1]['error']}")
             continue
+        rate = f"{r['rate']:.0f} [{r['low']:.0f}-{r['high']:.0f}]"
         ratio = f"{r['rate'] / calm:.2f}x" if calm else "-"
         loss = f"{r['before']:.3f} -> {r['after']:.3f}"
-        print(f"{name:<10} {r['rate']:>9.0f} {ratio:>8} {loss:>15} {r['rerouted']:>8}")
+        failed = f" ({args.repeat - r['n']} failed)" if r["n"] < args.repeat else ""
+        print(
+            f"{name:<10} {rate:>15} {ratio:>8} {loss:>15} {r['rerouted']:>8.0f} "
+            f"{r['refused']:>7}{failed}"
+        )
     return 0
 
 

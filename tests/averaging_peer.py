@@ -32,6 +32,7 @@ from models.training import StageOptimizer
 from node.averaging.averager import StageAverager
 from node.averaging.process import StageAveragerProcess
 from node.files import load_or_create_key
+from node.harness.attackers import ReversingReducer  # noqa: F401  (re-exported for the tests)
 from node.rpc.dht import SwarmDHT
 from protocol.identity import peer_id_of
 from protocol.ownership import make_run_id
@@ -161,13 +162,6 @@ class _StallingProcess(StageAveragerProcess):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         print("ALLREDUCE", flush=True)
         await asyncio.sleep(3600)
-
-
-class ReversingReducer(StageAveragerProcess):
-    """Fault: returns -100 x the mean of the parts it reduces (its groupmates' shares)."""
-
-    def reduce_parts(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-        return -100 * super().reduce_parts(parts, weights)
 
 
 class Uncritical(StageAveragerProcess):

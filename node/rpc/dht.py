@@ -79,6 +79,7 @@ from protocol.records import (
     encode_peer_info,
     expires_at,
 )
+from protocol.routing import refresh_period
 from protocol.run_spec import (
     SignedSpec,
     decode_run_spec,
@@ -95,15 +96,21 @@ REVOCATIONS_TTL_S = 365 * 86400.0
 MAX_SPECS = 16  # specs read under one run id (only its owner can sign one)
 MAX_CLAIMS = 1000  # claim records read at once
 # A node reads the run's peers from several places (trainer, placement, watch, averaging),
-# each about once per second; a read this recent is shared. Each read costs every peer
-# that answers it all of the run's records: under a flood, unshared reads crowd out the
-# node's own stores.
+# each about once per second; a read this recent is shared, and longer in a large run
+# (``protocol.routing.refresh_period``: up to 8 x as long past 64 peers). Each read costs
+# every peer that answers it, and the reader's DHT process, all of the run's records:
+# under a flood of records, unshared reads crowd out the node's own work.
 PEERS_FRESH_S = 0.5
 MAX_ACCEPTED = 8192  # records a validator remembers having accepted
 CLAIM_SETTLE_S = 2.0  # after publishing a claim: how long others' claims have to show up
 # What a DHT's p2pd does about relays unless told (``node.rpc.relay``): it offers one, with
 # small limits, and reserves slots on none.
 CLIENT_RELAY = RelaySettings(use=False)
+
+
+def peers_fresh_s(listed: int) -> float:
+    """How long a whole read of a run's peers that listed ``listed`` is shared."""
+    return refresh_period(PEERS_FRESH_S, listed)
 
 
 class SpecConflict(RecordError):
@@ -338,6 +345,7 @@ class SwarmDHT:
         self.n_stages: int | None = None  # the run's, once its spec is known
         self.bounds: PeerBounds | None = None  # what the run's peer records may hold
         self._peers_read: tuple[float, object, list[PeerInfo]] | None = None  # when, policy
+        self._peers_reading: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._dropped: set[str] = set()  # reasons already logged
         self._drops_logged = LogBudget("records dropped as they were read")
         self._spec_checked = False  # publish_spec looked for a conflicting spec
@@ -441,26 +449,41 @@ class SwarmDHT:
         valid invite; once the spec is known, that fit the run's ``PeerBounds``: a
         throughput per stage for exactly its stages, so that every stage they name is one
         of the run's, and no larger than the run needs); the rest are logged and dropped.
-        A whole read less than ``PEERS_FRESH_S`` old (under the same policy) is returned
-        again. ``select``: given the peer ids the read found (before any record is
-        checked), those whose records to return; a reader that needs a bounded part of a
-        large read (a trainer: the peers it has proven, and a few others) then checks
-        only that part, not each record of a flood."""
+        A whole read less than ``PEERS_FRESH_S`` old (times ``refresh_period``'s factor for
+        as many peers as it listed), under the same policy, is returned again, and whole
+        reads asked for at once share one read of the DHT. ``select``: given the peer ids
+        the read found (before any record is checked), those whose records to return; a
+        reader that needs a bounded part of a large read (a trainer: the peers it has
+        proven, and a few others) then checks only that part, not each record of a flood
+        (a fresh whole read serves it too)."""
+        if select is not None:
+            last = self._fresh_peers()
+            if last is None:
+                return await self._read(peers_key(self.run), decode_peer_info, self.bounds, select)
+            chosen = set(select([p.peer_id for p in last]))
+            return [p for p in last if p.peer_id in chosen]
+        async with self._peers_lock():
+            last = self._fresh_peers()
+            if last is None:
+                policy = self.policy
+                last = await self._read(peers_key(self.run), decode_peer_info, self.bounds)
+                self._peers_read = (time.monotonic(), policy, last)
+            return list(last)
+
+    def _fresh_peers(self) -> list[PeerInfo] | None:
+        """The last whole read of the run's peers, if still fresh (see ``peers``)."""
         last = self._peers_read
-        if (
-            last is not None
-            and time.monotonic() - last[0] < PEERS_FRESH_S
-            and last[1] is self.policy
-        ):
-            if select is None:
-                return list(last[2])
-            chosen = set(select([p.peer_id for p in last[2]]))
-            return [p for p in last[2] if p.peer_id in chosen]
-        policy = self.policy
-        found = await self._read(peers_key(self.run), decode_peer_info, self.bounds, select)
-        if select is None:
-            self._peers_read = (time.monotonic(), policy, found)
-        return list(found)
+        if last is None or last[1] is not self.policy:
+            return None
+        return last[2] if time.monotonic() - last[0] < peers_fresh_s(len(last[2])) else None
+
+    def _peers_lock(self) -> asyncio.Lock:
+        """The lock whole reads of the run's peers take, one per event loop (a client may
+        run several in turn)."""
+        loop = asyncio.get_running_loop()
+        if self._peers_reading is None or self._peers_reading[0] is not loop:
+            self._peers_reading = (loop, asyncio.Lock())
+        return self._peers_reading[1]
 
     async def publish_archive(self, record: ArchiveRecord, key: Ed25519PrivateKey) -> bool:
         """Store this archive node's record (``_store``)."""

@@ -4,9 +4,10 @@ raw ``hivemind.DHT`` that checks nothing (as ``test_node_records`` stores forged
 Every sybil record is validly signed, but no sybil runs a node: none answers a call or a
 dial. What must hold: the honest peers stay listed in ``swarmtrain status --json``, a
 trainer keeps training at half its undisturbed rate or more (routing gives a peer
-traffic only as its calls succeed, and a trainer checks a bounded part of each read of
-the run's peers), and claims of 1e9 samples/s on a stage move no peer
-off it (placement counts only peers it has reached)."""
+traffic only as its calls succeed, a trainer checks a bounded part of each read of the
+run's peers, and a node shares its reads of them longer as they grow), and claims of
+1e9 samples/s on a stage move no peer off it (placement counts only peers it has
+reached)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import subprocess
 import sys
 
 from node.harness.attackers import attacker_dht, sybil_flood
-from protocol.records import MAX_MEMBERSHIP_CHARS, MAX_STAGES
+from protocol.records import MAX_MEMBERSHIP_CHARS, MAX_STAGES, PeerBounds
 from tests.swarm import LOCAL, launch_node, status, stop_all, swarmtrain, wait_until
 
 SYBILS = 1000
+MICRO_BATCHES = 64  # a measured window of several seconds: validations do not set the rate
 _RATE = re.compile(r"trained (\d+) micro-batches \((\d+) samples, (\d+) samples/s\)")
 
 
@@ -46,7 +48,9 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
     """1,000 records as large as today's bounds allowed (a throughput tuple of 256
     entries, a full membership field: refused now, as sized past what a 2-stage public run
     needs) and 1,000 of the largest size the run allows, each claiming to serve at 1e9
-    samples/s: the honest peers stay listed and the trainer keeps a fifth of its rate."""
+    samples/s: the honest peers stay listed and the trainer keeps half its rate (over
+    ``MICRO_BATCHES``, validations before and after included, as ``swarmtrain train``
+    prints it)."""
     period = 5.0  # the default: records live 15 s
     a = launch_node(tmp_path, "a", "sybil", extra=["--stage", "0"], update_period=period)
     run = a.run_id
@@ -58,14 +62,15 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
         for n in nodes:
             n.wait_serving()
         maddrs = [n.maddr for n in nodes]
-        calm, _ = _train(run, maddrs, 24, timeout=120)
+        calm, _ = _train(run, maddrs, MICRO_BATCHES, timeout=240)
 
         attacker = attacker_dht(a.maddr)
         fat = sybil_flood(
             attacker, run, SYBILS,
             throughput=(123456789.12345679,) * MAX_STAGES, membership="A" * MAX_MEMBERSHIP_CHARS,
         )  # fmt: skip
-        lean = sybil_flood(attacker, run, SYBILS, throughput=(1e9, 1e9), device="x" * 64)
+        largest = PeerBounds(2, private=False).max_bytes
+        lean = sybil_flood(attacker, run, SYBILS, max_bytes=largest, throughput=(1e9, 1e9))
         reads: list[set[str]] = []
 
         def honest_listed() -> set[str] | None:
@@ -75,14 +80,12 @@ def test_a_sybil_flood_neither_blinds_readers_nor_slows_the_trainer(tmp_path):
         listed = wait_until(honest_listed, 60, "status to list the honest peers", every=0)
         print(f"status reads: {[len(r) for r in reads]} peers listed")
 
-        attacked, out = _train(run, maddrs, 24, timeout=120)
+        attacked, out = _train(run, maddrs, MICRO_BATCHES, timeout=240)
         print(
             f"records of {fat} and {lean} bytes; status listed {len(listed)} peers; trainer "
             f"{calm:.0f} samples/s undisturbed, {attacked:.0f} under the flood"
         )
-        # The issue's target is 2x; on an idle machine this measures about 3x (124 vs 42
-        # samples/s), so the bound holds it to a fifth until the rest is found.
-        assert attacked >= calm / 5, f"{attacked} samples/s under the flood, {calm} without"
+        assert attacked >= calm / 2, f"{attacked} samples/s under the flood, {calm} without"
     finally:
         if attacker is not None:
             attacker.shutdown()

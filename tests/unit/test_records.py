@@ -4,6 +4,7 @@ with a ``RecordError`` that says what is wrong, and no input raises anything els
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -17,12 +18,14 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
+from hivemind.utils import ValueWithExpiration
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from models.config import ModelConfig, OptimizerConfig
-from node.rpc.dht import RunRecordValidator, spec_subkey
+from node.harness.attackers import padded_record
+from node.rpc.dht import PEERS_FRESH_S, RunRecordValidator, SwarmDHT, peers_fresh_s, spec_subkey
 from protocol.identity import (
     IdentityError,
     decode_private_key,
@@ -746,6 +749,18 @@ def test_a_record_sized_past_its_run_is_refused():
         PeerBounds(0, private=False)
 
 
+def test_a_sybil_record_is_padded_to_the_largest_size_its_run_lets_through():
+    bounds = PeerBounds(2, private=False)
+    info = _info(throughput=[1e9, 1e9], timestamp=NOW + 0.123456789)
+    raw = padded_record(info, KEY, bounds.max_bytes)
+    assert bounds.max_bytes - 1 <= len(raw) <= bounds.max_bytes
+    read = _decode(raw)
+    bounds.check(read, len(raw))
+    assert len(read.device) == 64 and read.throughput == (1e9, 1e9)
+    with pytest.raises(ValueError, match="more than 100"):
+        padded_record(info, KEY, 100)
+
+
 def test_the_dht_validator_bounds_peer_records_once_it_has_seen_the_spec():
     signed = sign_run_spec(make_run_spec(RUN, "tiny", 2, owner=OWNER), OWNER_KEY)
     run = signed.spec.run
@@ -775,3 +790,38 @@ def test_a_verified_record_is_read_again_without_verifying_but_still_checked(mon
         _decode(raw, run="another")
     with pytest.raises(RecordError, match="must be bytes"):
         _decode([raw])
+
+
+class _CountingDHT:
+    """A hivemind DHT holding ``records`` (peer id -> signed bytes) under every key, that
+    counts reads."""
+
+    def __init__(self, records: dict[str, bytes]) -> None:
+        self.records, self.reads = records, 0
+
+    async def get(self, key: str, latest: bool, return_future: bool) -> ValueWithExpiration:
+        self.reads += 1
+        await asyncio.sleep(0.01)  # a read takes a while: readers asked at once overlap
+        items = {k: ValueWithExpiration(v, NOW + 60) for k, v in self.records.items()}
+        return ValueWithExpiration(items, NOW + 60)
+
+
+def test_whole_reads_of_the_peers_asked_at_once_share_one_read_of_the_dht(monkeypatch):
+    monkeypatch.setattr("node.rpc.dht.get_dht_time", lambda: NOW)
+    keys = [_key(10 + i) for i in range(3)]
+    records = {peer_id_of(k.public_key()): encode_peer_info(_info(k), k) for k in keys}
+    fake = _CountingDHT(records)
+    swarm = SwarmDHT(fake, RUN)  # type: ignore[arg-type]
+
+    async def body() -> list[list[PeerInfo]]:
+        return await asyncio.gather(*(swarm.peers() for _ in range(4)))
+
+    reads = asyncio.run(body())
+    assert fake.reads == 1 and all(len(r) == 3 for r in reads)
+    chosen = asyncio.run(swarm.peers(select=lambda ids: ids[:1]))  # fresh: no new read
+    assert fake.reads == 1 and len(chosen) == 1
+
+
+def test_a_large_runs_read_of_its_peers_is_shared_longer():
+    assert peers_fresh_s(3) == PEERS_FRESH_S
+    assert peers_fresh_s(2000) == 8 * PEERS_FRESH_S  # a flood's records cost a read in 8
