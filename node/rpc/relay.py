@@ -58,10 +58,21 @@ class RelaySettings:
         for name in ("max_reservations", "max_circuits", "data_limit_bytes", "time_limit_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"relay {name} must be >= 1, got {getattr(self, name)}")
+        if self.use and not self.serve:
+            raise ValueError(
+                "a node that reserves relay slots (use) runs p2pd's relay code, which also "
+                "serves go-libp2p's default relay to others: serve=False needs use=False"
+            )
 
     def flags(self, trusted_relays: Sequence[str] = ()) -> tuple[str, ...]:
         """``p2pd`` flags (they come after hivemind's on its command line, so they win).
-        Autorelay runs only where there are ``trusted_relays`` to reserve on."""
+        Autorelay runs only where there are ``trusted_relays`` to reserve on.
+
+        Not serving is ``-relay=false``: ``-relayService=false`` alone leaves the relay
+        that ``p2pd`` starts for every ``-relay`` daemon (go-libp2p's defaults), so
+        peers still reserved slots on it. Without ``-relay`` the daemon also opens no
+        stream over a relayed connection: such a node cannot call peers that serve
+        through a relay (docs/nat.md)."""
         serve = (
             (
                 "-relayService=true",
@@ -71,7 +82,7 @@ class RelaySettings:
                 f"-relayTimeLimit={self.time_limit_s}s",
             )
             if self.serve
-            else ("-relayService=false",)
+            else ("-relay=false", "-relayService=false")
         )
         use = (
             (

@@ -272,8 +272,11 @@ def test_relay_flags_offer_a_limited_relay_and_use_only_the_trusted_ones():
     assert f"-trustedRelays={RELAY},{OTHER}" in flags
     assert "-autoRelay=true" in flags and "-relayDiscovery=false" in flags
     assert "-autoRelay=true" not in RelaySettings().flags([])  # no relay to reserve on
+    # -relayService=false alone leaves the relay p2pd starts for every -relay daemon
     off = RelaySettings(serve=False, use=False).flags([RELAY])
-    assert off == ("-relayService=false",)
+    assert off == ("-relay=false", "-relayService=false")
+    with pytest.raises(ValueError, match="serve=False needs use=False"):
+        RelaySettings(serve=False, use=True)
     with pytest.raises(ValueError, match="max_circuits"):
         RelaySettings(max_circuits=0)
 
