@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 PORT = 4001
 
@@ -74,12 +75,71 @@ async def peer(args: argparse.Namespace) -> None:
                 return
             await asyncio.sleep(2)
     connected = time.monotonic()
+    # The home's own addresses as the swarm confirmed them: its router's address with its
+    # listening port if the router kept the source port (a predictable mapping).
+    visible = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
+    print(json.dumps({"visible": visible}), flush=True)
     while time.monotonic() - connected < args.watch:
         addrs = [str(a) for p in await p2p.list_peers() if p.peer_id == target for a in p.addrs]
         direct = any("p2p-circuit" not in a for a in addrs)
         print(json.dumps({"t": round(time.monotonic() - connected, 1), "addrs": addrs,
                           "direct": direct}), flush=True)  # fmt: skip
         await asyncio.sleep(1)
+
+
+@dataclass
+class Outcome:
+    """What ``punch`` saw: whether A connected to B through the relay at all, A's visible
+    addresses then, and seconds from the relayed connection to a direct one (None: it
+    stayed relayed for the whole watch)."""
+
+    relayed: bool = False
+    visible: list[str] = field(default_factory=list)
+    first_direct: float | None = None
+    error: str | None = None
+
+
+def punch(publics: int = 4, watch: float = 60.0, reserve_wait: float = 120.0) -> Outcome:
+    """Build the network, start the peers, watch home A's connection to home B (every
+    line A prints is echoed); ``NetemUnavailable`` if the network cannot be built."""
+    from scripts.netem.network import ROOT, Network
+    from scripts.netem.profiles import profile
+
+    procs: list[subprocess.Popen] = []
+
+    def start(where, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+        command = [sys.executable, "-m", "scripts.netem.holepunch", "--peer", "--name", name,
+                   *extra]  # fmt: skip
+        proc = subprocess.Popen(where.exec(command), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        procs.append(proc)
+        return proc, json.loads(proc.stdout.readline())["peer_id"]
+
+    dc, home = profile("datacenter"), profile("home")
+    outcome = Outcome()
+    with Network([dc] * publics, [home, home], subnet="44.77.0") as net:
+        try:
+            relays = []
+            for i, host in enumerate(net.hosts):
+                _, pid = start(host, f"public{i}", "--initial", *relays[:1])
+                relays.append(f"/ip4/{host.address}/tcp/{PORT}/p2p/{pid}")
+            common = ["--initial", *relays, "--trusted", relays[0]]
+            _, b = start(net.homes[1], "homeB", *common)
+            a, _ = start(net.homes[0], "homeA", *common, "--relay", relays[0], "--target", b,
+                         "--watch", str(watch), "--reserve-wait", str(reserve_wait))  # fmt: skip
+            for line in a.stdout:
+                print(line.rstrip(), flush=True)
+                got = json.loads(line)
+                outcome.relayed = outcome.relayed or "t" in got
+                outcome.visible = got.get("visible", outcome.visible)
+                outcome.error = got.get("error", outcome.error)
+                if got.get("direct") and outcome.first_direct is None:
+                    outcome.first_direct = got["t"]
+            a.wait()
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    return outcome
 
 
 def main() -> int:
@@ -98,54 +158,20 @@ def main() -> int:
         asyncio.run(peer(args))
         return 0
 
-    from scripts.netem.network import ROOT, NetemUnavailable, Network
-    from scripts.netem.profiles import profile
+    from scripts.netem.network import NetemUnavailable
 
-    procs: list[subprocess.Popen] = []
-
-    def start(where, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
-        command = [sys.executable, "-m", "scripts.netem.holepunch", "--peer", "--name", name,
-                   *extra]  # fmt: skip
-        proc = subprocess.Popen(where.exec(command), stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        procs.append(proc)
-        return proc, json.loads(proc.stdout.readline())["peer_id"]
-
-    dc, home = profile("datacenter"), profile("home")
     try:
-        with Network([dc] * args.publics, [home, home], subnet="44.77.0") as net:
-            try:
-                publics = []
-                for i, host in enumerate(net.hosts):
-                    _, pid = start(host, f"public{i}", "--initial", *publics[:1])
-                    publics.append(f"/ip4/{host.address}/tcp/{PORT}/p2p/{pid}")
-                common = ["--initial", *publics, "--trusted", publics[0]]
-                _, b = start(net.homes[1], "homeB", *common)
-                a, _ = start(net.homes[0], "homeA", *common, "--relay", publics[0], "--target", b,
-                             "--watch", str(args.watch),
-                             "--reserve-wait", str(args.reserve_wait))  # fmt: skip
-                first_direct = None
-                seen = False
-                for line in a.stdout:
-                    print(line.rstrip(), flush=True)
-                    got = json.loads(line)
-                    seen = seen or "t" in got
-                    if got.get("direct") and first_direct is None:
-                        first_direct = got["t"]
-                a.wait()
-            finally:
-                for proc in procs:
-                    proc.kill()
-                    proc.wait()
+        outcome = punch(args.publics, args.watch, args.reserve_wait)
     except NetemUnavailable as e:
         print(f"SKIPPED: {e}")
         return 2
-    if not seen:
-        print("verdict: home A never connected to home B through the relay")
-    elif first_direct is None:
+    if not outcome.relayed:
+        print(f"verdict: home A never connected to home B through the relay ({outcome.error})")
+    elif outcome.first_direct is None:
         print(f"verdict: the relayed connection stayed relayed for {args.watch:.0f} s")
     else:
-        print(f"verdict: a direct connection to home B appeared {first_direct} s after the "
-              "relayed one")  # fmt: skip
+        print(f"verdict: a direct connection to home B appeared {outcome.first_direct} s after "
+              "the relayed one")  # fmt: skip
     return 0
 
 
