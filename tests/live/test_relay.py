@@ -208,7 +208,7 @@ def test_public_nodes_with_no_relay_leave_a_home_without_one(one_home, tmp_path)
 
         # the home looks for a reservation for up to 90 s (CHOOSE_WAIT_S) before giving up
         event = wait_until(said, 300, "the home to say whether it serves")
-        assert event["reachable"] is False and not event["serves"], event
+        assert event["reachable"] is False and not event["serves"], f"{event}"
         assert event["relay"] is None, event
         assert set(event["relays_tried"]) == {first.peer_id, second.peer_id}, event
 
