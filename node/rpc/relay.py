@@ -28,6 +28,7 @@ import logging
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -71,10 +72,11 @@ class RelaySettings:
         """``p2pd`` flags (they come after hivemind's on its command line, so they win).
         Autorelay runs only where there are ``trusted_relays`` to reserve on.
 
-        Not serving is ``-relay=false``: ``-relayService=false`` alone leaves the relay
-        that ``p2pd`` starts for every ``-relay`` daemon (go-libp2p's defaults), so
-        peers still reserved slots on it. Without ``-relay`` the daemon also opens no
-        stream over a relayed connection: such a node cannot call peers that serve
+        Not serving takes a config file besides the flags (``no_relay_config``): ``p2pd``
+        starts go-libp2p's relay (its default limits) whenever its config says relaying
+        is enabled, whatever ``-relayService`` says, and its default config says so;
+        ``-relay=false`` only leaves the config as it is. Without it the daemon also opens
+        no stream over a relayed connection: such a node cannot call peers that serve
         through a relay (docs/nat.md)."""
         serve = (
             (
@@ -85,7 +87,7 @@ class RelaySettings:
                 f"-relayTimeLimit={self.time_limit_s}s",
             )
             if self.serve
-            else ("-relay=false", "-relayService=false")
+            else (f"-f={no_relay_config()}", "-relay=false", "-relayService=false")
         )
         use = (
             (
@@ -97,6 +99,20 @@ class RelaySettings:
             else ()
         )
         return serve + use
+
+
+NO_RELAY_CONFIG = b'{"Relay": {"Enabled": false}}'  # the rest: p2pd's defaults and flags
+
+
+def no_relay_config() -> Path:
+    """A ``p2pd`` config file (``-f``) that turns its relay code off: written once, in the
+    system's temporary directory (atomically; the same bytes for every node)."""
+    from node.files import write_atomic
+
+    path = Path(tempfile.gettempdir()) / "swarmtrain-p2pd-no-relay.json"
+    if not path.exists() or path.read_bytes() != NO_RELAY_CONFIG:
+        write_atomic(path, NO_RELAY_CONFIG)
+    return path
 
 
 async def connect_relayed(p2p: P2P, records: Iterable[PeerInfo]) -> dict[str, str]:
