@@ -192,7 +192,7 @@ def test_public_nodes_with_no_relay_leave_a_home_without_one(one_home, tmp_path)
 
         run = "norelay"
         first = start("p0", net.hosts[0], [], ["--stages", "1", "--no-relay"])
-        wait_until(lambda: first.events("node.started"), 60, "the first node to start")
+        wait_until(lambda: first.maddrs_file.exists(), 90, "the first node's addresses")
         run = first.run_id
         second = start("p1", net.hosts[1], [_maddr_at(first, net.hosts[0].address)],
                        ["--no-relay"])  # fmt: skip
