@@ -18,11 +18,13 @@ like on this machine:
   calls again.
 - ``nat`` (network namespaces only; not run unless named): the swarm with every peer of
   stage 1 behind NAT (a home each, serving through a circuit relay on the first node)
-  against the same swarm all public, one after the other on one emulated network (the
-  bridge on a public-looking subnet, the ``--netem`` profile's rates, ``home`` by default,
-  for every host, without the latency relay: it hides where connections come from, which
-  AutoNAT needs); samples/s of each, and the seconds from a stage-1 node's start to
-  serving.
+  against the same swarm all public, both at once, each on an emulated network of its
+  own (the bridge on a public-looking subnet, the ``--netem`` profile's rates, ``home``
+  by default, for every host, without the latency relay: it hides where connections come
+  from, which AutoNAT needs). Their trainers take turns in ``--phase`` windows, ABBA
+  (``--repeat`` blocks), the other idle, so that the other jobs' load weighs on both
+  alike; samples/s of each, the ratio of each adjacent pair of windows, and the seconds
+  from a stage-1 node's start to serving in each swarm (both started together).
 - ``links``: what users get on their links: the same swarm once on loopback (the
   compute-bound rate on this machine) and once with every host behind ``--link`` (the
   ``home`` profile by default), each trained from its start for ``--micro-batches``;
@@ -57,6 +59,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,30 +139,62 @@ class Bench:
     ) -> Record:
         """Run the trainer through ``phases``, calling ``tick(record, phase, seconds into
         it)`` about ten times a second; return what it reported."""
-        rec, lines = Record(), queue.Queue()
-        log = (swarm.workdir / "worker.log").open("w")
-        cmd = swarm.worker_command(phases, self.args.in_flight, trace_picks, validate)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
-        reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
-        reader.start()
+        return self.run_workers([(swarm, phases)], tick, trace_picks, validate)[0]
+
+    def run_workers(
+        self,
+        runs: list[tuple[BenchSwarm, list[str]]],
+        tick: Callable[[Record, str, float], None] = lambda *_: None,
+        trace_picks: bool = False,
+        validate: bool = False,
+    ) -> list[Record]:
+        """One trainer per ``(swarm, phases)``, all at once; with several, each waits,
+        once open, until all are (``--gate``), so that their phases start together and
+        keep in step. ``tick`` as in ``run_worker`` (for the first trainer's phases)."""
+        gate, lines = len(runs) > 1, queue.Queue()
+        recs, procs, logs, readers = [Record() for _ in runs], [], [], []
         try:
-            while reader.is_alive() or not lines.empty():
+            for k, (swarm, phases) in enumerate(runs):
+                logs.append((swarm.workdir / "worker.log").open("w"))
+                cmd = swarm.worker_command(
+                    phases, self.args.in_flight, trace_picks, validate, gate=gate
+                )
+                pipes = {"stdout": subprocess.PIPE, "stdin": subprocess.PIPE}
+                procs.append(subprocess.Popen(cmd, stderr=logs[-1], text=True, cwd=ROOT, **pipes))
+                out = procs[-1].stdout
+                readers.append(threading.Thread(
+                    target=lambda k=k, out=out: [lines.put((k, x)) for x in out], daemon=True
+                ))  # fmt: skip
+                readers[-1].start()
+            ready: set[int] = set()
+            while any(r.is_alive() for r in readers) or not lines.empty():
                 try:
-                    event = json.loads(lines.get(timeout=0.1))
+                    k, line = lines.get(timeout=0.1)
+                    event = json.loads(line)
                 except queue.Empty:
                     event = None
-                if event is not None:
-                    self._record(rec, event)
+                if event is not None and event["event"] == "ready":
+                    ready.add(k)
+                    if len(ready) == len(runs):
+                        for proc in procs:
+                            proc.stdin.write("go\n")
+                            proc.stdin.flush()
+                elif event is not None:
+                    self._record(recs[k], event)
+                rec = recs[0]
                 if rec.phases and not rec.end:
                     name, start = rec.phases[-1]
                     tick(rec, name, time.time() - start)
         finally:
-            proc.kill()
-            proc.wait()
-            log.close()
-        if proc.returncode not in (0, -9) or not rec.end:
-            raise RuntimeError(f"the trainer failed; see {swarm.workdir / 'worker.log'}")
-        return rec
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            for log in logs:
+                log.close()
+        for (swarm, _), proc, rec in zip(runs, procs, recs, strict=True):
+            if proc.returncode not in (0, -9) or not rec.end:
+                raise RuntimeError(f"the trainer failed; see {swarm.workdir / 'worker.log'}")
+        return recs
 
     def _record(self, rec: Record, event: dict) -> None:
         kind = event.pop("event")
@@ -450,34 +485,68 @@ class Bench:
         self._plot(name, rec, markers, title, {label: [(t - t0, 100 * f) for t, f in share]})
 
     def nat(self, workdir: Path) -> dict[str, float]:
+        """Two swarms at once, each on its own emulated network: one all public, one with
+        stage 1's peers behind NAT. Their trainers take turns in windows of ``--phase``
+        seconds (the other one idle), in ABBA order, so that the load of other jobs on
+        the machine falls on both alike; each adjacent pair of windows gives one ratio."""
         a = self.args
         n = a.stages * a.peers
         behind = [i for i in range(n) if i % a.stages == 1]  # stage 1's peers
         link = profile(a.netem or "home")
-        phases = [f"warmup:stochastic:{a.warmup}", f"run:stochastic:{a.repeat * a.phase}"]
-        figures: dict[str, float] = {}
-        with Network([link] * (n + 1), [link] * len(behind), subnet=NAT_SUBNET) as net:
-            for variant in ("public", "nat"):
-                homes = dict(zip(behind, net.homes, strict=True)) if variant == "nat" else {}
-                swarm = BenchSwarm(workdir / variant, a.stages, a.peers, a.preset, net, homes,
-                                   direct=True)  # fmt: skip
-                try:
-                    swarm.start()
-                    rec = self.run_worker(swarm, phases, lambda *_: None)
-                    serving = {n.name: n.events("stage.held")[0]["t"] - swarm.launched[n.name]
-                               for n in swarm.nodes}  # fmt: skip
-                finally:
+        turns = nat_turns(a.repeat)
+        phases = {
+            v: [
+                f"warmup-{w}:{'stochastic' if w == v else 'idle'}:{a.warmup}"
+                for w in VARIANTS
+            ] + [
+                f"w{k}:{'stochastic' if w == v else 'idle'}:{a.phase}"
+                for k, w in enumerate(turns)
+            ]
+            for v in VARIANTS
+        }  # fmt: skip
+        nets = {
+            "public": Network([link] * (n + 1), subnet=NAT_SUBNET),
+            "nat": Network([link] * (n + 1), [link] * len(behind), subnet=NAT_SUBNET),
+        }
+        swarms: dict[str, BenchSwarm] = {}
+        with nets["public"], nets["nat"]:
+            try:
+                for v in VARIANTS:
+                    homes = dict(zip(behind, nets[v].homes, strict=True))
+                    swarms[v] = BenchSwarm(workdir / v, a.stages, a.peers, a.preset, nets[v],
+                                           homes, direct=True)  # fmt: skip
+                with ThreadPoolExecutor(len(VARIANTS)) as pool:  # both start under one load
+                    for started in [pool.submit(s.start) for s in swarms.values()]:
+                        started.result()
+                recs = dict(zip(VARIANTS, self.run_workers(
+                    [(swarms[v], phases[v]) for v in VARIANTS]), strict=True))  # fmt: skip
+                serving = {
+                    v: [node.events("stage.held")[0]["t"] - swarms[v].launched[node.name]
+                        for node in swarms[v].nodes if int(node.name[1:]) in behind]
+                    for v in VARIANTS
+                }  # fmt: skip
+            finally:
+                for swarm in swarms.values():
                     swarm.close()
-                figures[f"{variant}_samples_per_s"] = rec.phase_rate("run")
-                figures[f"{variant}_stage1_start_to_serving_s"] = max(
-                    serving[f"p{i}"] for i in behind
-                )
-        figures["nat_over_public"] = figures["nat_samples_per_s"] / figures["public_samples_per_s"]
-        print(f"nat, stage 1's {len(behind)} peers behind NAT (via a relay) vs public "
-              f"({link.name} links):")  # fmt: skip
-        for key, value in figures.items():
-            print(f"  {key:<36} {value:.2f}")
-        return figures
+        rates = {v: [recs[v].phase_rate(f"w{k}") for k, w in enumerate(turns) if w == v]
+                 for v in VARIANTS}  # fmt: skip
+        ratios = paired_ratios(turns, [recs[w].phase_rate(f"w{k}") for k, w in enumerate(turns)])
+        print(f"nat, stage 1's {len(behind)} peers behind NAT (via a relay) vs public, "
+              f"{len(turns)} windows of {a.phase:.0f} s in turns ({link.name} links):")  # fmt: skip
+        print(f"  public samples/s:              {_spread(rates['public'])}")
+        print(f"  behind NAT samples/s:          {_spread(rates['nat'])}")
+        print(f"  ratio NAT / public, per pair:  {_spread(ratios, 2)}")
+        for v in VARIANTS:
+            print(f"  s from start to serving, stage 1, {v}: {_spread(serving[v])}")
+        return {
+            "public samples/s": statistics.median(rates["public"]),
+            "nat samples/s": statistics.median(rates["nat"]),
+            "nat / public (paired)": statistics.median(ratios),
+            "nat / public, lowest pair": min(ratios),
+            "nat / public, highest pair": max(ratios),
+            "public s to serving (stage 1)": statistics.median(serving["public"]),
+            "nat s to serving (stage 1)": statistics.median(serving["nat"]),
+        }
 
     def _plot(self, name, rec, markers, title, extra=None) -> None:
         if not self.plot:
@@ -492,6 +561,28 @@ class Bench:
             print(f"  no plot: {e}")
             return
         print(f"  plot: {path}")
+
+
+VARIANTS = ("public", "nat")
+
+
+def nat_turns(blocks: int) -> list[str]:
+    """Which swarm trains in each window: ``blocks`` ABBA blocks (public, nat, nat,
+    public, ...), so that a load that drifts linearly over a block weighs on both alike."""
+    a, b = VARIANTS
+    return [v for _ in range(blocks) for v in (a, b, b, a)]
+
+
+def paired_ratios(turns: list[str], rates: list[float]) -> list[float]:
+    """nat / public for each adjacent pair of windows (``turns[2i]``, ``turns[2i + 1]``,
+    one of each variant), given each window's samples/s."""
+    out = []
+    for i in range(0, len(turns) - 1, 2):
+        by = dict(zip(turns[i : i + 2], rates[i : i + 2], strict=True))
+        if set(by) != set(VARIANTS):
+            raise ValueError(f"windows {i} and {i + 1} are not one of each: {turns[i : i + 2]}")
+        out.append(by["nat"] / by["public"] if by["public"] > 0 else math.nan)
+    return out
 
 
 def _stalls(rec: Record, lo: float, hi: float, gap: float = 2.0) -> list[tuple[float, float]]:

@@ -12,7 +12,9 @@ of them in its record (``PeerInfo.relay``), and peers dial it at
 
 Whether a relay holds this node's reservation is told by no ``p2pd`` call:
 ``reservation_holds`` dials the node through the relay from a short-lived ``p2pd`` of its
-own (a fresh identity, with no connection to the node that a dial could reuse).
+own (a fresh identity, with no connection to the node that a dial could reuse, and no
+libp2p DHT through which a failed relayed dial could find the node's direct addresses),
+and counts only a relayed connection.
 
 Light to import (hivemind only inside ``connect_relayed``): the CLI's parser reads
 ``RelaySettings``' defaults.
@@ -26,6 +28,7 @@ import logging
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # one dial through a relay
 PROBE_TIMEOUT_S = 30.0  # a reservation check: a daemon's start, a dial, its shutdown
+NO_ROUTING_FLAGS = ("-dhtClient=false",)  # after hivemind's -dhtClient=1: no libp2p DHT
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,22 @@ class RelaySettings:
         for name in ("max_reservations", "max_circuits", "data_limit_bytes", "time_limit_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"relay {name} must be >= 1, got {getattr(self, name)}")
+        if self.use and not self.serve:
+            raise ValueError(
+                "a node that reserves relay slots (use) runs p2pd's relay code, which also "
+                "serves go-libp2p's default relay to others: serve=False needs use=False"
+            )
 
     def flags(self, trusted_relays: Sequence[str] = ()) -> tuple[str, ...]:
         """``p2pd`` flags (they come after hivemind's on its command line, so they win).
-        Autorelay runs only where there are ``trusted_relays`` to reserve on."""
+        Autorelay runs only where there are ``trusted_relays`` to reserve on.
+
+        Not serving takes a config file besides the flags (``no_relay_config``): ``p2pd``
+        starts go-libp2p's relay (its default limits) whenever its config says relaying
+        is enabled, whatever ``-relayService`` says, and its default config says so;
+        ``-relay=false`` only leaves the config as it is. Without it the daemon also opens
+        no stream over a relayed connection: such a node cannot call peers that serve
+        through a relay (docs/nat.md)."""
         serve = (
             (
                 "-relayService=true",
@@ -71,7 +87,7 @@ class RelaySettings:
                 f"-relayTimeLimit={self.time_limit_s}s",
             )
             if self.serve
-            else ("-relayService=false",)
+            else (f"-f={no_relay_config()}", "-relay=false", "-relayService=false")
         )
         use = (
             (
@@ -83,6 +99,20 @@ class RelaySettings:
             else ()
         )
         return serve + use
+
+
+NO_RELAY_CONFIG = b'{"Relay": {"Enabled": false}}'  # the rest: p2pd's defaults and flags
+
+
+def no_relay_config() -> Path:
+    """A ``p2pd`` config file (``-f``) that turns its relay code off: written once, in the
+    system's temporary directory (atomically; the same bytes for every node)."""
+    from node.files import write_atomic
+
+    path = Path(tempfile.gettempdir()) / "swarmtrain-p2pd-no-relay.json"
+    if not path.exists() or path.read_bytes() != NO_RELAY_CONFIG:
+        write_atomic(path, NO_RELAY_CONFIG)
+    return path
 
 
 async def connect_relayed(p2p: P2P, records: Iterable[PeerInfo]) -> dict[str, str]:
@@ -132,9 +162,10 @@ async def reservation_holds(
     """None if ``relay`` (its ``/ip4/A/tcp/P/p2p/ID`` address) holds a reservation for
     ``peer_id`` (this node): a fresh ``p2pd`` (a new identity, its own sockets; started,
     used and stopped within ``timeout_s``) connects to ``peer_id`` at
-    ``RELAY/p2p-circuit/p2p/PEER``, which the relay forwards only on a reservation; else
-    why not, in one line. Run it from the node's process: the dial goes out as the node's
-    would (from its network namespace, through its NAT)."""
+    ``RELAY/p2p-circuit/p2p/PEER``, which the relay forwards only on a reservation, and
+    the connection is a relayed one; else why not, in one line. Run it from the node's
+    process: the dial goes out as the node's would (from its network namespace, through
+    its NAT)."""
     from hivemind.p2p import P2P, P2PDaemonError, PeerID
     from multiaddr import Multiaddr
 
@@ -142,11 +173,15 @@ async def reservation_holds(
     from protocol.reachability import circuit_maddr
 
     maddr = circuit_maddr(relay, peer_id)
+    target = PeerID.from_base58(peer_id)
     probe: P2P | None = None
     with tempfile.TemporaryDirectory(prefix="relay-probe-", dir="/tmp") as sockets:
         try:
             async with asyncio.timeout(timeout_s):
-                with p2pd_options(socket_dir=sockets):
+                # No libp2p DHT (-dhtClient=false): with one, a failed dial through the
+                # relay falls back to the node's addresses found there, and from the
+                # node's own network the probe reaches it directly, reservation or not.
+                with p2pd_options(socket_dir=sockets, extra_args=NO_ROUTING_FLAGS):
                     probe = await P2P.create(
                         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                         dht_mode="client",
@@ -155,7 +190,11 @@ async def reservation_holds(
                         use_relay=True,
                         startup_timeout=timeout_s,
                     )
-                await connect(probe, PeerID.from_base58(peer_id), [Multiaddr(maddr)])
+                await connect(probe, target, [Multiaddr(maddr)])
+                links = [str(a) for p in await probe.list_peers() if p.peer_id == target
+                         for a in p.addrs]  # fmt: skip
+            if not any("p2p-circuit" in a for a in links):
+                return f"reached the node, but not through the relay ({', '.join(links)})"[:200]
             return None
         except TimeoutError:
             return f"no connection through the relay within {timeout_s:.0f} s"

@@ -10,8 +10,9 @@ Home hosts sit behind NAT, as behind a home router: router ``j`` is a namespace
 ``stn<tag>r<j>`` on the bridge (an address after the public hosts', shaped by the home's
 profile, so homes behind one router share its link), and each home ``stn<tag>n<i>`` sits
 on the router's LAN ``10.78.<j>.0/24`` (the router is ``.1``, homes ``.2`` on). The router
-forwards and masquerades (nftables) what its homes send out, and drops every connection
-that starts on its public side: a home dials out to the bridge; nothing dials in.
+forwards and masquerades (nftables) what its homes send out, keeping their source ports,
+and silently drops every connection that starts on its public side (no reset): a home
+dials out to the bridge; nothing dials in.
 """
 
 from __future__ import annotations
@@ -194,8 +195,12 @@ class Network:
         return f"{LAN_SUBNET}.{self.routers.index(router)}"
 
     def _build_router(self, router: Host) -> None:
-        """Forwarding on, and NAT: masquerade what leaves by the bridge, and drop what
-        arrives there unless it belongs to a connection a home started."""
+        """Forwarding on, and NAT as most home routers do it: masquerade what leaves by the
+        bridge, keeping the home's source port where it is free (Linux NAT changes it only
+        on a clash, so a home's mapping is the same whoever it dials: endpoint-independent),
+        and silently drop what arrives there unless it belongs to a connection a home
+        started, whether bound for a home or for the router itself (no reset: a reset
+        would end a hole punch whose other side's SYN arrives first)."""
         lan, wan = f"{self._lan(router)}.0/24", router.veth_host
         r = subprocess.run(router.exec(["sysctl", "-qw", "net.ipv4.ip_forward=1"]),
                            capture_output=True, text=True)  # fmt: skip
@@ -212,6 +217,10 @@ class Network:
                     ct state established,related accept
                     iifname != "{wan}" oifname "{wan}" accept
                     ip saddr {lan} ip daddr {lan} accept
+                }}
+                chain input {{
+                    type filter hook input priority filter; policy accept;
+                    iifname "{wan}" ct state != established,related drop
                 }}
             }}
         """

@@ -150,14 +150,14 @@ class BenchSwarm:
         in_flight: int,
         trace_picks: bool = False,
         validate: bool = False,
+        gate: bool = False,
     ) -> list[str]:
+        """The trainer's command (``scripts.swarm_bench.worker``: its flags)."""
         cmd = [sys.executable, "-m", "scripts.swarm_bench.worker", "--run", self.run,
                "--initial-peers", self.serving()[0].maddr, "--in-flight", str(in_flight),
                "--peers-per-stage", str(self.peers), "--phases", *phases]  # fmt: skip
-        if trace_picks:
-            cmd.append("--trace-picks")
-        if validate:
-            cmd.append("--validate")
+        flags = {"--trace-picks": trace_picks, "--validate": validate, "--gate": gate}
+        cmd += [flag for flag, on in flags.items() if on]
         if self.net is None:
             return [*cmd, "--host-maddrs", LOCAL]
         return self.net.hosts[-1].exec(cmd)

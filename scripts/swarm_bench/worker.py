@@ -1,8 +1,13 @@
 """The benchmark's trainer: trains through a swarm in timed phases, reporting as it goes.
 
 Each phase runs ``wiring`` for ``seconds`` (micro-batches still in flight when it ends
-are dropped), or, written ``Nmb``, until N micro-batches completed. Stdout carries one
-JSON object a line: ``spec`` (what the run moves per sample), ``phase`` (a phase starts),
+are dropped), or, written ``Nmb``, until N micro-batches completed; wiring ``idle``
+trains nothing for its seconds (another trainer has the machine: paired phases). Timed
+phases in a row end on one schedule (each ``seconds`` after the previous one's planned
+end), so two trainers started together stay in step. With ``--gate`` the trainer, once
+open, says ``ready`` and waits for a line on stdin before its first phase. Stdout
+carries one JSON object a line: ``spec`` (what the run moves per sample), ``ready``
+(with ``--gate``), ``phase`` (a phase starts),
 ``mb`` (a micro-batch completed: time, route, samples, loss), ``val`` (with
 ``--validate``: the validation loss after the last phase), ``end``; with
 ``--trace-picks`` also ``pick`` (routing chose a peer for a call). Times are
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 
 from node.cli.train import open_trainer
@@ -34,8 +40,12 @@ def _emit(**event) -> None:
 def _phase(text: str) -> tuple[str, str, float | int]:
     """``NAME:WIRING:SECONDS`` (a float) or ``NAME:WIRING:Nmb`` (an int: micro-batches)."""
     name, wiring, length = text.split(":")
-    if wiring not in ("stochastic", "fixed"):
-        raise argparse.ArgumentTypeError(f"wiring must be stochastic or fixed, got {wiring!r}")
+    if wiring not in ("stochastic", "fixed", "idle"):
+        raise argparse.ArgumentTypeError(
+            f"wiring must be stochastic, fixed or idle, got {wiring!r}"
+        )
+    if wiring == "idle" and length.endswith("mb"):
+        raise argparse.ArgumentTypeError("an idle phase lasts seconds, not micro-batches")
     return name, wiring, int(length[:-2]) if length.endswith("mb") else float(length)
 
 
@@ -65,14 +75,25 @@ async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
         def on_result(r: MicroBatchResult) -> None:
             _emit(event="mb", t=time.time(), route=r.route, samples=r.samples, loss=r.loss)
 
+        loop = asyncio.get_running_loop()
+        if args.gate:
+            _emit(event="ready", t=time.time())
+            await loop.run_in_executor(None, sys.stdin.readline)
+        end: float | None = None  # the planned end of the previous timed phase
         for name, wiring, length in args.phases:
-            trainer.settings = dataclasses.replace(settings, wiring=wiring)
             _emit(event="phase", name=name, wiring=wiring, t=time.time())
             if isinstance(length, int):
+                trainer.settings = dataclasses.replace(settings, wiring=wiring)
                 await trainer.train(length, on_result)
+                end = None
                 continue
+            end = (loop.time() if end is None else end) + length
+            if wiring == "idle":
+                await asyncio.sleep(max(0.0, end - loop.time()))
+                continue
+            trainer.settings = dataclasses.replace(settings, wiring=wiring)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(length):
+                async with asyncio.timeout_at(end):
                     await trainer.train(10**9, on_result)
         _emit(event="end", t=time.time())
         if args.validate:
@@ -93,6 +114,7 @@ def main() -> None:
     p.add_argument("--trace-picks", action="store_true", help="report each routing pick")
     p.add_argument("--phases", type=_phase, nargs="+", required=True, metavar="NAME:WIRING:S")
     p.add_argument("--validate", action="store_true", help="report the validation loss at the end")
+    p.add_argument("--gate", action="store_true", help="say ready, wait for a stdin line")
     args = p.parse_args()
     dht = SwarmDHT.start(args.run, initial_peers=args.initial_peers,
                          host_maddrs=[args.host_maddrs], client_mode=True)  # fmt: skip

@@ -175,3 +175,56 @@ def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
                                for r in rerouted), (node.name, failed)  # fmt: skip
     finally:
         stop_all(nodes)
+
+
+def test_public_nodes_with_no_relay_leave_a_home_without_one(one_home, tmp_path) -> None:
+    """2 public nodes started with ``--no-relay`` (tiny, 1 stage, both training) and 1 home
+    behind NAT that would serve through a relay: neither public node's ``p2pd`` offers one
+    (not even go-libp2p's default relay, which ``-relayService=false`` alone left on), so
+    the home finds no reservation on either, says it runs as a trainer only
+    (``node.reachability``: ``serves`` false, why for each relay tried), holds no stage,
+    trains through the public nodes, and no call is routed to it."""
+    net, nodes = one_home, []
+    try:
+
+        def start(name: str, where: Host | Home, peers: list[str], extra=()) -> NodeProcess:
+            return _start(nodes, tmp_path, run, name, where, peers, extra)
+
+        run = "norelay"
+        first = start("p0", net.hosts[0], [], ["--stages", "1", "--no-relay"])
+        wait_until(lambda: first.maddrs_file.exists(), 90, "the first node's addresses")
+        run = first.run_id
+        second = start("p1", net.hosts[1], [_maddr_at(first, net.hosts[0].address)],
+                       ["--no-relay"])  # fmt: skip
+        wait_until(lambda: second.maddrs_file.exists(), 90, "the second node's addresses")
+        seeds = [_maddr_at(first, net.hosts[0].address), _maddr_at(second, net.hosts[1].address)]
+        home = start("h0", net.homes[0], seeds)
+
+        def said() -> dict | None:
+            if not home.alive():
+                raise RuntimeError(f"the home exited:\n{home.output()[-2000:]}")
+            found = [e for e in home.events("node.reachability") if e["reachable"] is not None]
+            return found[-1] if found else None
+
+        # the home looks for a reservation for up to 90 s (CHOOSE_WAIT_S) before giving up
+        event = wait_until(said, 300, "the home to say whether it serves")
+        assert event["reachable"] is False and not event["serves"], f"{event}"
+        assert event["relay"] is None, event
+        assert set(event["relays_tried"]) == {first.peer_id, second.peer_id}, event
+
+        def trained(node: NodeProcess) -> bool:
+            return any(e["micro_batches"] >= 20 for e in node.events("train.progress"))
+
+        for node in nodes:  # the home trains through the public nodes
+            wait_until(lambda n=node: trained(n), 150, f"node {node.name} to train")
+        view = status(run, seeds[0], host_maddr=ANY, wrap=net.hosts[0].exec)
+        record = next(p for p in view["peers"] if p["peer_id"] == home.peer_id)
+        assert record["reachable"] is False and record["relay"] is None, record
+        assert record["stage"] is None, record
+        assert not home.events("stage.held"), "a home with no relay holds no stage"
+        assert _served(home) == 0
+        failed_on_home = [e for n in nodes for e in n.events("call.failed")
+                          if e["peer"] == home.peer_id]  # fmt: skip
+        assert failed_on_home == []
+    finally:
+        stop_all(nodes)

@@ -7,13 +7,14 @@ daemon's flags."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
 from node.daemon.relay_keeper import RelayKeeper
-from node.rpc.relay import RelaySettings
+from node.rpc.relay import RelaySettings, no_relay_config
 from protocol.reachability import (
     MAX_MADDRS,
     MAX_MESSAGE_BYTES,
@@ -272,8 +273,13 @@ def test_relay_flags_offer_a_limited_relay_and_use_only_the_trusted_ones():
     assert f"-trustedRelays={RELAY},{OTHER}" in flags
     assert "-autoRelay=true" in flags and "-relayDiscovery=false" in flags
     assert "-autoRelay=true" not in RelaySettings().flags([])  # no relay to reserve on
+    # p2pd's default config enables its relay code whatever -relay* say: a config file
     off = RelaySettings(serve=False, use=False).flags([RELAY])
-    assert off == ("-relayService=false",)
+    config = no_relay_config()
+    assert off == (f"-f={config}", "-relay=false", "-relayService=false")
+    assert json.loads(config.read_bytes()) == {"Relay": {"Enabled": False}}
+    with pytest.raises(ValueError, match="serve=False needs use=False"):
+        RelaySettings(serve=False, use=True)
     with pytest.raises(ValueError, match="max_circuits"):
         RelaySettings(max_circuits=0)
 
