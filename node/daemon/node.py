@@ -273,29 +273,34 @@ def examine_machine(settings: NodeSettings, spec: RunSpec) -> MachineFacts:
     return MachineFacts(pretrained, device, throughput, corpus, time.monotonic() - started)
 
 
-class StartSteps:
-    """How long each step of a node's start took, for one log line: the first step is
-    everything since the process started (imports, the identity, the DHT and its
-    ``p2pd``); the next end one after another (``done``), or ran beside them
-    (``done(name, seconds)``)."""
+class Steps:
+    """How long each step of a sequence took (a node's start, the loading of a stage), for
+    one log line. Steps end one after another (``done``), or ran beside the others
+    (``done(name, seconds)``: shown, not added to the total)."""
 
-    def __init__(self) -> None:
+    def __init__(self, before: tuple[str, float] | None = None) -> None:
+        """``before``: a first step, (name, seconds), that ended just now."""
         self._last = time.monotonic()
-        since_start = max(0.0, time.time() - psutil.Process().create_time())
-        self._steps: list[tuple[str, float]] = [("process and DHT", since_start)]
-        self._total = since_start
+        self._steps: list[tuple[str, float]] = [before] if before else []
+        self.total = before[1] if before else 0.0
 
     def done(self, name: str, seconds: float | None = None) -> None:
         """Step ``name`` ended now (or, with ``seconds``, took that long beside others)."""
         if seconds is None:
             now = time.monotonic()
             seconds, self._last = now - self._last, now
-            self._total += seconds
+            self.total += seconds
         self._steps.append((name, seconds))
 
     def line(self) -> str:
+        """``"T s (STEP S s, ...)"``."""
         steps = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._steps)
-        return f"ready to serve {self._total:.1f} s after the process started ({steps})"
+        return f"{self.total:.1f} s ({steps})"
+
+
+def since_process_start() -> float:
+    """Seconds since this process started (its imports included)."""
+    return max(0.0, time.time() - psutil.Process().create_time())
 
 
 def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str | None]:
@@ -431,7 +436,7 @@ class Node:
         on a thread while peers check whether they can dial this node. Logs how long each
         step of the start took."""
         s = self.settings
-        steps = StartSteps()
+        steps = Steps(("process and DHT", since_process_start()))
         await self._open_dashboard()
         if self._brought_spec is not None:
             spec = self._brought_spec.spec
@@ -472,7 +477,7 @@ class Node:
             logger.info("throughput per stage (samples/s): %s", self.throughput)
             self._fit_bandwidth()
             self._fit_memory()
-        logger.info("%s", steps.line())
+        logger.info("ready to serve %s after the process started", steps.line())
 
     async def _open_dashboard(self) -> None:
         """Serve the dashboard (``--dashboard``) until the node closes."""
@@ -966,6 +971,7 @@ class Node:
             self._refuse_stage(*refusal)
         if role == "first":
             logger.info("took stage %d of %d", stage, self.spec.n_stages)
+        steps = Steps()
         model = self.spec.model
         module = Stage(model, self.spec.stage_range(stage))
         if self.pretrained is not None:  # the initial state; a peer's or a checkpoint's wins
@@ -976,15 +982,18 @@ class Node:
             load_into(module, state, str(self.pretrained.directory))
         module = module.to(self.device.torch)
         optimizer = StageOptimizer(module, self.spec.optim)
+        steps.done("built")
         averager = await StageAverager.create(
             self.dht, self.spec, stage, module, optimizer, key=self.key
         )
+        steps.done("averager started")
         try:
             kept = await asyncio.to_thread(checkpoint.newest, self.checkpoints, self.spec, stage)
             saved = None if kept is None else (kept.metadata, kept.tensors, str(kept.path))
             loaded = await averager.load_state(
                 saved=saved, archived=functools.partial(self._archived, stage)
             )
+            steps.done("state loaded")
             logger.info("stage %d state: %s", stage, loaded)
             server = await AveragedStageServer.create(
                 self.p2p,
@@ -1002,7 +1011,9 @@ class Node:
         except BaseException:
             await averager.shutdown()
             raise
+        steps.done("serving")
         self.held[stage] = HeldStage(stage, role, averager, server)
+        logger.info("stage %d held in %s", stage, steps.line())
         if role == "second":
             logger.info("serving stage %d as well (a second stage)", stage)
         events.emit(
