@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+import psutil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
@@ -242,6 +243,66 @@ def pretrained_copy(spec: RunSpec, directory: Path | None) -> Checkpoint | None:
     return Checkpoint(directory, pinned.architecture, spec.model, pinned.tied, dict(pinned.files))
 
 
+@dataclass(frozen=True)
+class MachineFacts:
+    """What a node finds out about its machine at start, without asking any peer."""
+
+    pretrained: Checkpoint | None  # this machine's copy of the run's checkpoint, checked
+    device: Device
+    throughput: tuple[float, ...]  # samples/s per stage: declared, cached or measured
+    corpus: Corpus | None  # the training data (None: the node does not train)
+    seconds: float  # how long finding all this out took
+
+
+def examine_machine(settings: NodeSettings, spec: RunSpec) -> MachineFacts:
+    """Check this machine's copy of the run's checkpoint (``pretrained_copy``), pick the
+    device, take its throughput per stage (``--throughput``, else the cache or a
+    measurement: ``stage_throughputs``) and read the training data (with ``train``).
+    Blocking, and one step after another: a measurement beside the data being read would
+    measure the reading too. ``NodeError`` or ``ValueError`` naming what to fix."""
+    started = time.monotonic()
+    pretrained = pretrained_copy(spec, settings.pretrained)
+    device = pick_device(settings.device)
+    if settings.throughput is not None:
+        throughput = (float(settings.throughput),) * spec.n_stages
+    else:
+        throughput = tuple(
+            stage_throughputs(spec, device, settings.cache_dir, remeasure=settings.remeasure)
+        )
+    corpus = training_data(spec, settings.data) if settings.train else None
+    return MachineFacts(pretrained, device, throughput, corpus, time.monotonic() - started)
+
+
+class Steps:
+    """How long each step of a sequence took (a node's start, the loading of a stage), for
+    one log line. Steps end one after another (``done``), or ran beside the others
+    (``done(name, seconds)``: shown, not added to the total)."""
+
+    def __init__(self, before: tuple[str, float] | None = None) -> None:
+        """``before``: a first step, (name, seconds), that ended just now."""
+        self._last = time.monotonic()
+        self._steps: list[tuple[str, float]] = [before] if before else []
+        self.total = before[1] if before else 0.0
+
+    def done(self, name: str, seconds: float | None = None) -> None:
+        """Step ``name`` ended now (or, with ``seconds``, took that long beside others)."""
+        if seconds is None:
+            now = time.monotonic()
+            seconds, self._last = now - self._last, now
+            self.total += seconds
+        self._steps.append((name, seconds))
+
+    def line(self) -> str:
+        """``"T s (STEP S s, ...)"``."""
+        steps = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._steps)
+        return f"{self.total:.1f} s ({steps})"
+
+
+def since_process_start() -> float:
+    """Seconds since this process started (its imports included)."""
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
 def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str | None]:
     """The invite a node shows to join a run: ``--invite``, or in a private run one its
     owner's node makes for itself when it finds the run's owner key (``--owner-key``, by
@@ -370,8 +431,12 @@ class Node:
 
     async def prepare(self) -> None:
         """Serve the dashboard, join the run (publishing the spec this node brings), and
-        measure this machine."""
+        find out what this machine can do. What needs no peer (``examine_machine``: the
+        checkpoint's files checked, the throughput measured, the training data read) runs
+        on a thread while peers check whether they can dial this node. Logs how long each
+        step of the start took."""
         s = self.settings
+        steps = Steps(("process and DHT", since_process_start()))
         await self._open_dashboard()
         if self._brought_spec is not None:
             spec = self._brought_spec.spec
@@ -385,23 +450,34 @@ class Node:
             signed=self._brought_spec,
             spec_timeout_s=s.spec_timeout_s,
         )
+        steps.done("run joined")
         spec = self.joined.spec
         for flag, stage in (("--stage", s.stage), ("--second-stage", s.second_stage)):
             if stage is not None and not 0 <= stage < spec.n_stages:
                 raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
         if s.second_stage is not None and s.second_stage == s.stage:
             raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
-        await self._find_reachability()
         self.checkpoints = s.archive or s.checkpoint_root(self.peer_id)
-        await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.joined.signed)
-        if s.archive is not None:
-            return  # an archive serves no stage: nothing to measure, no data to read
-        self.pretrained = await asyncio.to_thread(pretrained_copy, spec, s.pretrained)
-        self._measure()
-        self._fit_bandwidth()
-        self._fit_memory()
-        if s.train:
-            self.corpus = await asyncio.to_thread(training_data, spec, s.data)
+        examined: asyncio.Task[MachineFacts] | None = None
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                if s.archive is None:  # an archive serves no stage: nothing to measure or read
+                    examined = tasks.create_task(asyncio.to_thread(examine_machine, s, spec))
+                await self._find_reachability()
+                steps.done("reachability")
+                await asyncio.to_thread(checkpoint.write_spec, self.checkpoints, self.joined.signed)
+        except* Exception as group:  # the first failure, in the one line the person sees
+            raise group.exceptions[0] from None
+        if examined is not None:
+            machine = examined.result()
+            steps.done("waited for the machine")  # what its examination took past the rest
+            steps.done("machine examined on a thread", machine.seconds)
+            self.pretrained, self.device = machine.pretrained, machine.device
+            self.throughput, self.corpus = machine.throughput, machine.corpus
+            logger.info("throughput per stage (samples/s): %s", self.throughput)
+            self._fit_bandwidth()
+            self._fit_memory()
+        logger.info("ready to serve %s after the process started", steps.line())
 
     async def _open_dashboard(self) -> None:
         """Serve the dashboard (``--dashboard``) until the node closes."""
@@ -570,18 +646,6 @@ class Node:
             f"and pass --announce-maddrs /ip4/{public}/tcp/{port} (with --host-maddrs "
             f"/ip4/0.0.0.0/tcp/{port})"
         )
-
-    def _measure(self) -> None:
-        assert self.spec is not None
-        self.device = pick_device(self.settings.device)
-        if self.settings.throughput is not None:
-            self.throughput = (float(self.settings.throughput),) * self.spec.n_stages
-        else:
-            cache = self.settings.cache_dir
-            self.throughput = tuple(
-                stage_throughputs(self.spec, self.device, cache, remeasure=self.settings.remeasure)
-            )
-        logger.info("throughput per stage (samples/s): %s", self.throughput)
 
     def _fit_bandwidth(self) -> None:
         """``--max-upload-mbps`` / ``--max-download-mbps``: announce no more samples/s per
@@ -907,6 +971,7 @@ class Node:
             self._refuse_stage(*refusal)
         if role == "first":
             logger.info("took stage %d of %d", stage, self.spec.n_stages)
+        steps = Steps()
         model = self.spec.model
         module = Stage(model, self.spec.stage_range(stage))
         if self.pretrained is not None:  # the initial state; a peer's or a checkpoint's wins
@@ -917,15 +982,18 @@ class Node:
             load_into(module, state, str(self.pretrained.directory))
         module = module.to(self.device.torch)
         optimizer = StageOptimizer(module, self.spec.optim)
+        steps.done("built")
         averager = await StageAverager.create(
             self.dht, self.spec, stage, module, optimizer, key=self.key
         )
+        steps.done("averager started")
         try:
             kept = await asyncio.to_thread(checkpoint.newest, self.checkpoints, self.spec, stage)
             saved = None if kept is None else (kept.metadata, kept.tensors, str(kept.path))
             loaded = await averager.load_state(
                 saved=saved, archived=functools.partial(self._archived, stage)
             )
+            steps.done("state loaded")
             logger.info("stage %d state: %s", stage, loaded)
             server = await AveragedStageServer.create(
                 self.p2p,
@@ -943,7 +1011,9 @@ class Node:
         except BaseException:
             await averager.shutdown()
             raise
+        steps.done("serving")
         self.held[stage] = HeldStage(stage, role, averager, server)
+        logger.info("stage %d held in %s", stage, steps.line())
         if role == "second":
             logger.info("serving stage %d as well (a second stage)", stage)
         events.emit(

@@ -1,10 +1,13 @@
 """What a node measures of its own machine: compute throughput per stage."""
 
+import functools
 import json
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from models.stages import Stage
+from node.measure import capacity
 from node.measure.capacity import (
     free_memory,
     pick_device,
@@ -18,7 +21,15 @@ from protocol.run_spec import make_run_spec
 OWNER = peer_id_of(Ed25519PrivateKey.from_private_bytes(bytes([3]) * 32).public_key())
 
 
-def test_stages_doing_the_same_work_get_one_measurement(tmp_path):
+@pytest.fixture
+def brief_measurements(monkeypatch):
+    """Each stage timed for a few passes, not half a second: what these tests check is which
+    stages get measured and what is cached, not the figures' precision."""
+    real = capacity.measure_stage
+    monkeypatch.setattr(capacity, "measure_stage", functools.partial(real, min_time_s=0.02))
+
+
+def test_stages_doing_the_same_work_get_one_measurement(tmp_path, brief_measurements):
     # tiny: 4 transformer blocks; cut in 4, stages 1 and 2 hold one block each.
     spec = make_run_spec("capacity", "tiny", 4, owner=OWNER)
     kinds = [stage_kind(spec, s) for s in range(4)]

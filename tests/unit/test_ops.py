@@ -146,6 +146,14 @@ def test_status_shows_samples_served_and_uptime():
 def test_a_cached_throughput_far_off_a_quick_check_is_measured_again(tmp_path, monkeypatch):
     spec = make_run_spec("capacity", "tiny", 2, owner=IDS[0])
     device = pick_device("cpu")
+    calls = []
+    real = capacity.measure_stage
+
+    def measure(*args, **kwargs) -> float:  # a few passes: which stages, not how precisely
+        calls.append(args[1])
+        return real(*args, **{"min_time_s": 0.02, **kwargs})
+
+    monkeypatch.setattr(capacity, "measure_stage", measure)
     measured = stage_throughputs(spec, device, tmp_path)
     cache = tmp_path / "throughput.json"
     key = next(iter(json.loads(cache.read_text())))
@@ -153,11 +161,7 @@ def test_a_cached_throughput_far_off_a_quick_check_is_measured_again(tmp_path, m
     def plant(figures: list[float]) -> None:
         cache.write_text(json.dumps({key: figures}))
 
-    calls = []
-    real = capacity.measure_stage
-    monkeypatch.setattr(
-        capacity, "measure_stage", lambda *a, **k: calls.append(a[1]) or real(*a, **k)
-    )
+    calls.clear()
     monkeypatch.setattr(capacity, "quick_check", lambda spec, device: measured[0])
     # Measured under load: 100x too low. A quick check tells, and every stage is measured.
     plant([measured[0] / 100, measured[1] / 100])
