@@ -136,7 +136,8 @@ class AveragingSpec(BaseModel):
     # diloco only: a copy goes on taking inner steps while its outer round runs, and applies
     # the round's outer step with the progress it made since the round took its delta
     # (``protocol.averaging.OuterRound``); false: it holds its micro-batches until the
-    # round ends.
+    # round ends. Off by default: it trades a little loss per sample for rate (BENCHMARKS.md,
+    # "Overlapped outer rounds").
     overlap: bool = False
 
     def model_post_init(self, _context) -> None:

@@ -773,13 +773,16 @@ def test_compressed_diloco_copies_are_equal_and_send_a_fraction_of_the_bytes(dht
     _run(body())
 
 
-def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_anchor(dhts):
+def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_anchor(tmp_path):
     """DiLoCo with ``overlap``: two ``AveragedStageServer``s fed train calls without pause
     never hold a micro-batch for the outer round (``held`` 0), and take inner steps while
     it runs (``inner_steps`` of the ``averaging.round`` events); after it, the anchors the
-    copies agreed on have equal digests."""
+    copies agreed on have equal digests. Its own DHTs: a stage server's handlers on the
+    module's daemons would meet those an earlier test's server left there."""
     spec = make_spec("avg-overlap", mode="diloco", inner_steps=2, overlap=True)
-    peers = [Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2]]
+    first = start_dht(str(tmp_path), "o0", [])
+    second = start_dht(str(tmp_path), "o1", first.visible_maddrs())
+    peers = [Peer(SwarmDHT(d.dht, spec.run), spec) for d in (first, second)]
     contract = StageContract.for_stage(CFG, spec.stage_range(STAGE), STAGE)
     servers: list[AveragedStageServer] = []
     rounds: list[dict] = []
@@ -824,12 +827,14 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
                     )
                 finally:
                     stop.set()
+                    stopped_at = time.time()
             await _until(
                 lambda: _at_epoch(peers[0].averager.epoch, *peers), 30, "both at one epoch, idle"
             )
 
-            averaged = [e for e in rounds if e["how"] == "averaged"]
-            assert len(averaged) >= 2, rounds  # each peer's round, at least
+            # Each peer's rounds that ended while micro-batches came (later ones may not).
+            averaged = [e for e in rounds if e["how"] == "averaged" and e["t"] <= stopped_at]
+            assert len(averaged) >= 2, rounds
             for e in averaged:
                 assert e["inner_steps"] >= 1, e  # stepped while the round ran
                 assert 0 <= e["idle_s"] <= e["seconds"], e
@@ -845,4 +850,8 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
                 await client.shutdown()
             await _shutdown(*peers)
 
-    _run(body(), timeout=150)
+    try:
+        _run(body(), timeout=150)
+    finally:
+        first.shutdown()
+        second.shutdown()
