@@ -512,7 +512,7 @@ class Bench:
         with nets["public"], nets["nat"]:
             try:
                 for v in VARIANTS:
-                    homes = dict(zip(behind, nets[v].homes, strict=True))
+                    homes = dict(zip(behind, nets[v].homes, strict=True)) if v == "nat" else {}
                     swarms[v] = BenchSwarm(workdir / v, a.stages, a.peers, a.preset, nets[v],
                                            homes, direct=True)  # fmt: skip
                 with ThreadPoolExecutor(len(VARIANTS)) as pool:  # both start under one load
