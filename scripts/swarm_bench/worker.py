@@ -4,7 +4,10 @@ Each phase runs ``wiring`` for ``seconds`` (micro-batches still in flight when i
 are dropped), or, written ``Nmb``, until N micro-batches completed. Stdout carries one
 JSON object a line: ``spec`` (what the run moves per sample), ``phase`` (a phase starts),
 ``mb`` (a micro-batch completed: time, route, samples, loss), ``val`` (with
-``--validate``: the validation loss after the last phase), ``end``; with
+``--validate``: the validation loss after the last phase), ``end``; ``phase`` and ``end``
+carry ``traffic``: the bytes this trainer's stage calls moved so far, sent and received,
+by purpose (``node.limits``: every activation and gradient of the pipeline crosses
+between the trainer and a stage, so these are all of them); with
 ``--trace-picks`` also ``pick`` (routing chose a peer for a call). Times are
 ``time.time()``, comparable with the orchestrator's.
 
@@ -21,6 +24,7 @@ import dataclasses
 import json
 import time
 
+from node import limits
 from node.cli.train import open_trainer
 from node.pipeline.trainer import MicroBatchResult, TrainerSettings
 from node.rpc.dht import SwarmDHT
@@ -53,6 +57,14 @@ def _trace_picks(trainer) -> None:
     trainer._choose = traced
 
 
+def _traffic() -> dict[str, int]:
+    """Bytes this process's calls moved so far, both directions, by purpose."""
+    moved = dict.fromkeys(limits.PURPOSES, 0)
+    for (purpose, _), n in limits.traffic.counts().bytes.items():
+        moved[purpose] += n
+    return moved
+
+
 async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
     settings = TrainerSettings(in_flight=args.in_flight, call_timeout_s=10)
     trainer = await open_trainer(dht, settings)
@@ -67,14 +79,14 @@ async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
 
         for name, wiring, length in args.phases:
             trainer.settings = dataclasses.replace(settings, wiring=wiring)
-            _emit(event="phase", name=name, wiring=wiring, t=time.time())
+            _emit(event="phase", name=name, wiring=wiring, t=time.time(), traffic=_traffic())
             if isinstance(length, int):
                 await trainer.train(length, on_result)
                 continue
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(length):
                     await trainer.train(10**9, on_result)
-        _emit(event="end", t=time.time())
+        _emit(event="end", t=time.time(), traffic=_traffic())
         if args.validate:
             _emit(event="val", loss=await trainer.evaluate(), samples=trainer.stats.samples)
     finally:
