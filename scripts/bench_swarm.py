@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import queue
 import random
 import statistics
@@ -145,8 +146,11 @@ class Bench:
         return self.net.tx_bytes() if self.net else loopback_bytes()
 
     def swarm(self, workdir: Path) -> BenchSwarm:
+        """The scenario's swarm: a run of ``--preset``, or with ``--configs`` named, the
+        first one's run (``write_spec``)."""
         a = self.args
-        return BenchSwarm(workdir, a.stages, a.peers, a.preset, self.net)
+        spec = write_spec(workdir, a.preset, a.stages, a.configs[0][1]) if a.configs else None
+        return BenchSwarm(workdir, a.stages, a.peers, a.preset, self.net, spec=spec)
 
     def run_worker(
         self,
@@ -253,6 +257,7 @@ class Bench:
             "fixed samples/s": statistics.median(fixed),
             "stochastic samples/s": statistics.median(stoch),
             "stochastic / fixed": statistics.median(ratios),
+            "load (1 min)": os.getloadavg()[0],
         }
 
     def churn(self, workdir: Path) -> dict[str, float]:
@@ -443,8 +448,9 @@ class Bench:
         a, figures = self.args, {}
         warmup = max(10, a.micro_batches // 5)  # counted, so both runs train the same samples
         phases = [f"warmup:stochastic:{warmup}mb", f"measured:stochastic:{a.micro_batches}mb"]
-        ref = a.configs[0][0]
-        for name, settings in a.configs:
+        configs = a.configs or [("default", _with(CONFIGS["default"], a))]
+        ref = configs[0][0]
+        for name, settings in configs:
             for where in ("loopback", a.link):
                 net = (
                     None
@@ -467,6 +473,7 @@ class Bench:
                 figures[f"{key} samples/s"] = rec.phase_rate("measured")
                 figures[f"{key} validation loss"] = rec.val
                 figures[f"{key} rounds per peer"] = rounds
+                figures[f"{key} load (1 min)"] = os.getloadavg()[0]
                 for purpose, b in _purpose_bytes(rec, "measured", "end").items():
                     figures[f"{key} {purpose} B/sample"] = b / rec.samples("measured")
             figures[f"{name} {a.link} / loopback"] = (
@@ -683,9 +690,10 @@ def main() -> int:
     p.add_argument("--kill-every", type=float, default=5.0)
     p.add_argument("--link", default="home", help="links: the profile to compare with loopback")
     p.add_argument("--micro-batches", type=int, default=200, help="links: measured per swarm")
-    p.add_argument("--configs", nargs="+", type=_config, default=[_config("default")],
-                   metavar="NAME[=JSON]", help=f"links: run settings side by side, the first "
-                   f"the reference of the loss ({', '.join(CONFIGS)}; or NAME=JSON, e.g. "
+    p.add_argument("--configs", nargs="+", type=_config, metavar="NAME[=JSON]",
+                   help=f"links: run settings side by side, the first the reference of the "
+                   f"loss (default: default); other scenarios: their run's settings, the "
+                   f"first of them ({', '.join(CONFIGS)}; or NAME=JSON, e.g. "
                    '\'x={"compression": "uint8"}\')')  # fmt: skip
     p.add_argument("--inner-steps", type=int, help="links: DiLoCo's H in every diloco config")
     p.add_argument("--target-batch", type=int, help="links: the target batch of every config")
@@ -699,7 +707,8 @@ def main() -> int:
         p.error("--peers must be at least 2: scenarios kill or slow one peer of a stage")
     if args.netem and "links" in args.scenarios:
         p.error("links builds its own network (--link): run it without --netem")
-    args.configs = [(name, _with(settings, args)) for name, settings in args.configs]
+    if args.configs:
+        args.configs = [(name, _with(settings, args)) for name, settings in args.configs]
 
     results: dict[str, list[dict[str, float]]] = {}
 
