@@ -184,7 +184,8 @@ class Bench:
             proc.wait()
             log.close()
         if proc.returncode not in (0, -9) or not rec.end:
-            raise RuntimeError(f"the trainer failed; see {swarm.workdir / 'worker.log'}")
+            tail = (swarm.workdir / "worker.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the trainer failed ({swarm.workdir / 'worker.log'}):\n{tail}")
         return rec
 
     def _record(self, rec: Record, event: dict, swarm: BenchSwarm) -> None:
@@ -476,6 +477,8 @@ class Bench:
                 figures[f"{key} load (1 min)"] = os.getloadavg()[0]
                 for purpose, b in _purpose_bytes(rec, "measured", "end").items():
                     figures[f"{key} {purpose} B/sample"] = b / rec.samples("measured")
+                print(f"  {key}: " + ", ".join(f"{k[len(key) + 1 :]} {v:.3f}"
+                      for k, v in figures.items() if k.startswith(key)), flush=True)  # fmt: skip
             figures[f"{name} {a.link} / loopback"] = (
                 figures[f"{name} {a.link} samples/s"] / figures[f"{name} loopback samples/s"]
             )
