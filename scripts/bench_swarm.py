@@ -25,12 +25,16 @@ like on this machine:
   (``--repeat`` blocks), the other idle, so that the other jobs' load weighs on both
   alike; samples/s of each, the ratio of each adjacent pair of windows, and the seconds
   from a stage-1 node's start to serving in each swarm (both started together).
-- ``links``: what users get on their links: the same swarm once on loopback (the
-  compute-bound rate on this machine) and once with every host behind ``--link`` (the
-  ``home`` profile by default), each trained from its start for ``--micro-batches``;
-  samples/s of each and their ratio, bytes on the wire per sample against what the run
-  needs, and the validation loss after those samples. It builds its own network: not
-  with ``--netem``.
+- ``links``: what users get on their links, per run configuration (``--configs``: run
+  settings in a signed spec that every node starts from; ``--inner-steps`` and
+  ``--target-batch`` apply to each): the same swarm once on loopback (the compute-bound
+  rate on this machine) and then with every host behind ``--link`` (the ``home`` profile
+  by default), each trained from its start for ``--micro-batches`` after a counted
+  warm-up; samples/s of each and their ratio, bytes on the wire per sample by purpose
+  (activations and gradients as the trainer counts them, averaging and state as the
+  nodes' metrics do, the rest of the wire's count as ``other``), averaging rounds per
+  peer, and the validation loss after those samples, also as a ratio to the first
+  configuration's on the same link. It builds its own network: not with ``--netem``.
 
 ``--runs N`` repeats each scenario as N whole runs (a new swarm each, seeds differing) and
 ends with the median of each figure over the runs, with its range; ``results.json`` in
@@ -42,6 +46,8 @@ go to ``--out``.
     python -m scripts.bench_swarm --scenarios wiring churn straggler partition --runs 3
     python -m scripts.bench_swarm --netem home --scenarios churn
     python -m scripts.bench_swarm --scenarios nat
+    python -m scripts.bench_swarm --scenarios links --preset small --configs default \\
+        diloco diloco-int4-zip --inner-steps 10 --target-batch 16 --micro-batches 120
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import queue
 import random
 import statistics
@@ -64,6 +71,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.cli.plot import PlotUnavailable, write_line_chart
+from node.files import load_or_create_key, write_atomic
+from node.limits import ACTIVATIONS, AVERAGING, GRADIENTS, SENT, STATE
+from protocol.identity import peer_id_of
+from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
 from scripts.netem.network import ROOT, NetemUnavailable, Network
 from scripts.netem.profiles import profile
 from scripts.swarm_bench.swarm import BenchSwarm
@@ -77,6 +88,16 @@ from scripts.swarm_bench.wire import loopback_bytes
 SLOWDOWN = 5.0
 SCENARIOS = ("wiring", "churn", "straggler", "partition")
 NAT_SUBNET = "44.77.0"  # public-looking, inside the namespaces only: AutoNAT needs one
+# Run settings ``links`` compares (``--configs``): ``write_spec``'s, over the preset's.
+CONFIGS: dict[str, dict] = {
+    "default": {},
+    "diloco": {"averaging": {"mode": "diloco"}},
+    "diloco-zip": {"averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"}},
+    "diloco-int4-zip": {
+        "compression": "int4",
+        "averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"},
+    },
+}
 
 
 @dataclass
@@ -86,6 +107,8 @@ class Record:
     spec: dict = field(default_factory=dict)
     phases: list[tuple[str, float]] = field(default_factory=list)  # (name, start)
     wire: dict[str, int] = field(default_factory=dict)  # phase -> wire bytes at its start
+    # phase (or "end") -> purpose -> bytes moved so far, when the swarm serves its metrics
+    traffic: dict[str, dict[str, int]] = field(default_factory=dict)
     end: float = 0.0
     mbs: list[dict] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
@@ -126,8 +149,11 @@ class Bench:
         return self.net.tx_bytes() if self.net else loopback_bytes()
 
     def swarm(self, workdir: Path) -> BenchSwarm:
+        """The scenario's swarm: a run of ``--preset``, or with ``--configs`` named, the
+        first one's run (``write_spec``)."""
         a = self.args
-        return BenchSwarm(workdir, a.stages, a.peers, a.preset, self.net)
+        spec = write_spec(workdir, a.preset, a.stages, a.configs[0][1]) if a.configs else None
+        return BenchSwarm(workdir, a.stages, a.peers, a.preset, self.net, spec=spec)
 
     def run_worker(
         self,
@@ -180,7 +206,7 @@ class Bench:
                             proc.stdin.write("go\n")
                             proc.stdin.flush()
                 elif event is not None:
-                    self._record(recs[k], event)
+                    self._record(recs[k], event, runs[k][0])
                 rec = recs[0]
                 if rec.phases and not rec.end:
                     name, start = rec.phases[-1]
@@ -193,11 +219,19 @@ class Bench:
                 log.close()
         for (swarm, _), proc, rec in zip(runs, procs, recs, strict=True):
             if proc.returncode not in (0, -9) or not rec.end:
-                raise RuntimeError(f"the trainer failed; see {swarm.workdir / 'worker.log'}")
+                tail = (swarm.workdir / "worker.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the trainer failed ({swarm.workdir / 'worker.log'}):\n{tail}")
         return recs
 
-    def _record(self, rec: Record, event: dict) -> None:
+    def _record(self, rec: Record, event: dict, swarm: BenchSwarm) -> None:
         kind = event.pop("event")
+        if kind in ("phase", "end") and swarm.dashboards:
+            at = event["name"] if kind == "phase" else "end"
+            nodes = swarm.traffic()
+            rec.traffic[at] = {
+                **{p: event["traffic"][p] for p in (ACTIVATIONS, GRADIENTS)},
+                **{p: nodes.get((p, SENT), 0) for p in (AVERAGING, STATE)},
+            }
         if kind == "spec":
             rec.spec = event
         elif kind == "phase":
@@ -259,6 +293,7 @@ class Bench:
             "fixed samples/s": statistics.median(fixed),
             "stochastic samples/s": statistics.median(stoch),
             "stochastic / fixed": statistics.median(ratios),
+            "load (1 min)": os.getloadavg()[0],
         }
 
     def churn(self, workdir: Path) -> dict[str, float]:
@@ -443,38 +478,56 @@ class Bench:
         }
 
     def links(self, workdir: Path) -> dict[str, float]:
-        """The same swarm on loopback, then on ``--link``: one whole run of each."""
+        """Each of ``--configs`` (run settings, in a signed spec every node starts from) as
+        the same swarm on loopback, then on ``--link``: one whole run of each, measured
+        over the same micro-batches."""
         a, figures = self.args, {}
         warmup = max(10, a.micro_batches // 5)  # counted, so both runs train the same samples
         phases = [f"warmup:stochastic:{warmup}mb", f"measured:stochastic:{a.micro_batches}mb"]
-        for where in ("loopback", a.link):
-            net = (
-                None
-                if where == "loopback"
-                else Network([profile(a.link)] * (a.stages * a.peers + 1))
+        configs = a.configs or [("default", _with(CONFIGS["default"], a))]
+        ref = configs[0][0]
+        for name, settings in configs:
+            for where in ("loopback", a.link):
+                net = (
+                    None
+                    if where == "loopback"
+                    else Network([profile(a.link)] * (a.stages * a.peers + 1))
+                )
+                here = workdir / name / where
+                spec = write_spec(here, a.preset, a.stages, settings)
+                with net if net is not None else contextlib.nullcontext():
+                    bench = Bench(a, net, seed=0, plot=False)
+                    swarm = BenchSwarm(here, a.stages, a.peers, a.preset, net, spec=spec,
+                                       dashboards=True)  # fmt: skip
+                    try:
+                        swarm.start()
+                        rec = bench.run_worker(swarm, phases, lambda *_: None, validate=True)
+                        rounds = _rounds(swarm, *rec.span("measured"))
+                    finally:
+                        swarm.close()
+                key = f"{name} {where}"
+                figures[f"{key} samples/s"] = rec.phase_rate("measured")
+                figures[f"{key} validation loss"] = rec.val
+                figures[f"{key} rounds per peer"] = rounds
+                figures[f"{key} load (1 min)"] = os.getloadavg()[0]
+                for purpose, b in _purpose_bytes(rec, "measured", "end").items():
+                    figures[f"{key} {purpose} B/sample"] = b / rec.samples("measured")
+                print(f"  {key}: " + ", ".join(f"{k[len(key) + 1 :]} {v:.3f}"
+                      for k, v in figures.items() if k.startswith(key)), flush=True)  # fmt: skip
+            figures[f"{name} {a.link} / loopback"] = (
+                figures[f"{name} {a.link} samples/s"] / figures[f"{name} loopback samples/s"]
             )
-            with net if net is not None else contextlib.nullcontext():
-                bench = Bench(a, net, seed=0, plot=False)
-                swarm = bench.swarm(workdir / where)
-                try:
-                    swarm.start()
-                    rec = bench.run_worker(swarm, phases, lambda *_: None, validate=True)
-                finally:
-                    swarm.close()
-            lo, hi = rec.span("measured")
-            wire = (rec.wire["end"] - rec.wire["measured"]) / rec.samples("measured")
-            figures[f"{where} samples/s"] = rec.rate(lo, hi)
-            figures[f"{where} wire bytes / sample"] = wire
-            figures[f"{where} validation loss"] = rec.val
-        need = rec.spec["activation_bytes"] + rec.spec["averaging_bytes"]
-        figures[f"{a.link} / loopback"] = (
-            figures[f"{a.link} samples/s"] / figures["loopback samples/s"]
-        )
-        figures["needed bytes / sample"] = need
+            for where in ("loopback", a.link):
+                figures[f"{name} {where} loss / {ref}'s"] = (
+                    figures[f"{name} {where} validation loss"]
+                    / figures[f"{ref} {where} validation loss"]
+                )
         print(f"links: {a.stages} x {a.peers} {a.preset}, {a.micro_batches} micro-batches after "
-              f"{warmup} of warm-up, loopback vs {a.link}")  # fmt: skip
+              f"{warmup} of warm-up, loopback vs {a.link}; bytes on the wire per sample by "
+              "purpose (other: the wire's count less the counted ones: DHT, gossip, "
+              "matchmaking, libp2p framing; on loopback every process's)")  # fmt: skip
         for key, value in figures.items():
-            print(f"  {key:<32} {value:12.3f}")
+            print(f"  {key:<48} {value:14.3f}")
         return figures
 
     def _plot_share(self, name, rec, share, label, title) -> None:
@@ -585,6 +638,54 @@ def paired_ratios(turns: list[str], rates: list[float]) -> list[float]:
     return out
 
 
+def write_spec(workdir: Path, preset: str, stages: int, settings: dict) -> Path:
+    """A run's signed spec file in ``workdir`` (owned by a key made there): ``preset`` cut
+    into ``stages``, with ``settings`` (``make_run_spec``'s: ``RunSpec`` and optimizer
+    fields; ``averaging`` as a dict of ``AveragingSpec`` fields) over its defaults."""
+    key = load_or_create_key(workdir / "owner.key")
+    settings = dict(settings)
+    if "averaging" in settings:
+        settings["averaging"] = AveragingSpec(**settings["averaging"])
+    spec = make_run_spec("bench", preset, stages, owner=peer_id_of(key.public_key()), **settings)
+    path = workdir / "bench.spec.json"
+    write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
+    return path
+
+
+def _purpose_bytes(rec: Record, lo: str, hi: str) -> dict[str, float]:
+    """Bytes on the wire between the snapshots ``lo`` and ``hi``, by purpose: activations
+    and gradients as the trainer counted them (every one crosses between it and a stage),
+    averaging and state as the nodes sent them, and ``other``: the wire's count less those."""
+    moved = {p: rec.traffic[hi][p] - rec.traffic[lo][p] for p in rec.traffic[lo]}
+    moved["other"] = rec.wire[hi] - rec.wire[lo] - sum(moved.values())
+    return moved
+
+
+def _rounds(swarm: BenchSwarm, lo: float, hi: float) -> float:
+    """Averaging rounds that averaged with others in [lo, hi), per node."""
+    done = [e for n in swarm.nodes for e in n.events("averaging.round")
+            if e["how"] == "averaged" and lo <= e["t"] < hi]  # fmt: skip
+    return len(done) / len(swarm.nodes)
+
+
+def _config(text: str) -> tuple[str, dict]:
+    """``NAME`` (one of ``CONFIGS``) or ``NAME=JSON`` (settings as ``write_spec`` takes)."""
+    name, sep, body = text.partition("=")
+    if not sep:
+        if name not in CONFIGS:
+            raise argparse.ArgumentTypeError(
+                f"unknown config {name!r}; known: {', '.join(CONFIGS)}, or NAME=JSON"
+            )
+        return name, CONFIGS[name]
+    try:
+        settings = json.loads(body)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"config {name}: not JSON: {e}") from None
+    if not isinstance(settings, dict):
+        raise argparse.ArgumentTypeError(f"config {name}: JSON settings must be an object")
+    return name, settings
+
+
 def _stalls(rec: Record, lo: float, hi: float, gap: float = 2.0) -> list[tuple[float, float]]:
     """(length, end) of each gap of over ``gap`` seconds between completed micro-batches
     in [lo, hi), counting from ``lo`` and to ``hi``."""
@@ -655,6 +756,17 @@ def _spread(xs: list[float], digits: int = 1) -> str:
     return f"{med}  (median of {len(xs)}; {min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
 
+def _with(settings: dict, args: argparse.Namespace) -> dict:
+    """``settings`` with ``--inner-steps`` (diloco only) and ``--target-batch`` applied."""
+    settings = dict(settings)
+    averaging = dict(settings.get("averaging", {}))
+    if args.inner_steps and averaging.get("mode") == "diloco":
+        settings["averaging"] = {**averaging, "inner_steps": args.inner_steps}
+    if args.target_batch:
+        settings["target_batch_size"] = args.target_batch
+    return settings
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     named_only = ["nat", "links"]  # network namespaces: run when named
@@ -672,6 +784,13 @@ def main() -> int:
     p.add_argument("--kill-every", type=float, default=5.0)
     p.add_argument("--link", default="home", help="links: the profile to compare with loopback")
     p.add_argument("--micro-batches", type=int, default=200, help="links: measured per swarm")
+    p.add_argument("--configs", nargs="+", type=_config, metavar="NAME[=JSON]",
+                   help=f"links: run settings side by side, the first the reference of the "
+                   f"loss (default: default); other scenarios: their run's settings, the "
+                   f"first of them ({', '.join(CONFIGS)}; or NAME=JSON, e.g. "
+                   '\'x={"compression": "uint8"}\')')  # fmt: skip
+    p.add_argument("--inner-steps", type=int, help="links: DiLoCo's H in every diloco config")
+    p.add_argument("--target-batch", type=int, help="links: the target batch of every config")
     p.add_argument("--runs", type=int, default=1, help="whole runs per scenario")
     p.add_argument("--seed", type=int, default=0, help="of run 1; run k uses seed + k - 1")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -682,6 +801,8 @@ def main() -> int:
         p.error("--peers must be at least 2: scenarios kill or slow one peer of a stage")
     if args.netem and "links" in args.scenarios:
         p.error("links builds its own network (--link): run it without --netem")
+    if args.configs:
+        args.configs = [(name, _with(settings, args)) for name, settings in args.configs]
 
     results: dict[str, list[dict[str, float]]] = {}
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import psutil
 
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all, wait_until
+from protocol.run_spec import read_spec_file
 from scripts.netem.network import NODE_PORT, Home, Host, Network, pids_in
+from scripts.swarm_bench.wire import node_traffic
 
 
 class BenchSwarm:
@@ -25,7 +27,9 @@ class BenchSwarm:
     shaped but not delayed), or in ``homes[i]`` (behind NAT: it serves through a circuit
     relay on the first node), and the trainer in the last host. Behind the latency relay,
     every connection reaches a node from 127.0.0.1, which hides from libp2p's AutoNAT where
-    peers are: swarms with homes need ``direct``."""
+    peers are: swarms with homes need ``direct``. With ``spec`` (a signed spec file),
+    every node starts from it (``--spec``) instead of a run made from ``preset``; with
+    ``dashboards``, every node serves its metrics (``traffic`` reads them)."""
 
     def __init__(
         self,
@@ -36,6 +40,8 @@ class BenchSwarm:
         net: Network | None = None,
         homes: dict[int, Home] | None = None,
         direct: bool = False,
+        spec: Path | None = None,
+        dashboards: bool = False,
     ) -> None:
         self.workdir, self.stages, self.peers, self.preset, self.net = (
             workdir, stages, peers, preset, net,
@@ -47,7 +53,8 @@ class BenchSwarm:
         self.host_of: dict[str, Host] = {}
         self.relays: dict[str, subprocess.Popen] = {}  # host namespace -> its relay
         self._stopped: dict[str, list[psutil.Process]] = {}  # loopback partitions
-        self.run = ""
+        self.spec, self.dashboards = spec, dashboards
+        self.run = "" if spec is None else read_spec_file(spec.read_text()).spec.run
 
     def start(self, extra: dict[int, list[str]] | None = None) -> None:
         """Start every node (``extra[i]``: more arguments for node ``i``), until all serve."""
@@ -55,7 +62,7 @@ class BenchSwarm:
         if self.net is not None and not self.direct:
             for h in self.net.hosts[:-1]:
                 self.relays[h.ns] = self.net.start_relay(h)
-        first_args = ["--preset", self.preset, "--stages", str(self.stages)]
+        first_args = [] if self.spec else ["--preset", self.preset, "--stages", str(self.stages)]
         first = self._launch("p0", 0, [*first_args, *extra.get(0, [])], host_index=0)
         first.wait_serving(120)
         self.run = first.run_id
@@ -67,6 +74,10 @@ class BenchSwarm:
     def _launch(self, name: str, stage: int, extra: Sequence[str], host_index: int) -> NodeProcess:
         peers = [n.maddr for n in self.serving()][:1]
         args = ["--stage", str(stage), *extra]
+        if self.spec is not None:
+            args += ["--spec", str(self.spec)]
+        if self.dashboards:  # after launch_node's own --dashboard off: the last one counts
+            args += ["--dashboard", "auto"]
         if self.net is None:
             node = launch_node(self.workdir, name, self.run or "bench", initial_peers=peers,
                                extra=args, wait=False)  # fmt: skip
@@ -98,6 +109,19 @@ class BenchSwarm:
 
     def serving(self) -> list[NodeProcess]:
         return [n for n in self.nodes if n.alive() and n.stage() is not None]
+
+    def traffic(self) -> dict[tuple[str, str], int]:
+        """Bytes every live node moved so far, by (purpose, direction), summed (with
+        ``dashboards``; else empty)."""
+        total: dict[tuple[str, str], int] = {}
+        for n in self.nodes if self.dashboards else []:
+            started = n.events("node.started")
+            if not n.alive() or not started or not started[-1].get("metrics"):
+                continue
+            host = self.host_of.get(n.name)
+            for key, b in node_traffic(started[-1]["metrics"], host and host.exec).items():
+                total[key] = total.get(key, 0) + b
+        return total
 
     def kill_random(self, rng: random.Random) -> NodeProcess | None:
         """SIGKILL a random serving peer of a stage that has another; None if none has."""

@@ -1,6 +1,11 @@
-"""What a run must move per sample, to compare with what crossed the wire."""
+"""What a run must move per sample, to compare with what crossed the wire; and what
+crossed it, by purpose."""
 
 from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable
 
 import psutil
 
@@ -14,6 +19,28 @@ def loopback_bytes() -> int:
     """Bytes sent on ``lo`` so far, by every process on the machine."""
     lo = psutil.net_io_counters(pernic=True).get("lo")
     return lo.bytes_sent if lo else 0
+
+
+_BYTES_LINE = re.compile(
+    r'^swarmtrain_network_bytes_total\{(?=[^}]*direction="(\w+)")(?=[^}]*purpose="(\w+)")'
+    r"[^}]*\}\s+(\S+)$",
+    re.M,
+)
+
+
+def node_traffic(
+    metrics_url: str, wrap: Callable[[list[str]], list[str]] | None = None
+) -> dict[tuple[str, str], int]:
+    """Bytes a node moved so far on its streams, by (purpose, direction), read from its
+    Prometheus metrics (``swarmtrain_network_bytes_total``: the node and its averager
+    processes, ``node.limits``); ``wrap`` runs the fetch elsewhere (inside the node's
+    network namespace). Empty when the node does not answer."""
+    cmd = ["curl", "-sf", "--max-time", "10", metrics_url]
+    done = subprocess.run(wrap(cmd) if wrap else cmd, capture_output=True, text=True)
+    return {
+        (purpose, direction): int(float(n))
+        for direction, purpose, n in _BYTES_LINE.findall(done.stdout)
+    }
 
 
 def required_bytes(spec: RunSpec, peers_per_stage: int) -> dict:

@@ -9,7 +9,10 @@ open, says ``ready`` and waits for a line on stdin before its first phase. Stdou
 carries one JSON object a line: ``spec`` (what the run moves per sample), ``ready``
 (with ``--gate``), ``phase`` (a phase starts),
 ``mb`` (a micro-batch completed: time, route, samples, loss), ``val`` (with
-``--validate``: the validation loss after the last phase), ``end``; with
+``--validate``: the validation loss after the last phase), ``end``; ``phase`` and ``end``
+carry ``traffic``: the bytes this trainer's stage calls moved so far, sent and received,
+by purpose (``node.limits``: every activation and gradient of the pipeline crosses
+between the trainer and a stage, so these are all of them); with
 ``--trace-picks`` also ``pick`` (routing chose a peer for a call). Times are
 ``time.time()``, comparable with the orchestrator's.
 
@@ -27,6 +30,7 @@ import json
 import sys
 import time
 
+from node import limits
 from node.cli.train import open_trainer
 from node.pipeline.trainer import MicroBatchResult, TrainerSettings
 from node.rpc.dht import SwarmDHT
@@ -63,6 +67,14 @@ def _trace_picks(trainer) -> None:
     trainer._choose = traced
 
 
+def _traffic() -> dict[str, int]:
+    """Bytes this process's calls moved so far, both directions, by purpose."""
+    moved = dict.fromkeys(limits.PURPOSES, 0)
+    for (purpose, _), n in limits.traffic.counts().bytes.items():
+        moved[purpose] += n
+    return moved
+
+
 async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
     settings = TrainerSettings(in_flight=args.in_flight, call_timeout_s=10)
     trainer = await open_trainer(dht, settings)
@@ -81,7 +93,7 @@ async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
             await loop.run_in_executor(None, sys.stdin.readline)
         end: float | None = None  # the planned end of the previous timed phase
         for name, wiring, length in args.phases:
-            _emit(event="phase", name=name, wiring=wiring, t=time.time())
+            _emit(event="phase", name=name, wiring=wiring, t=time.time(), traffic=_traffic())
             if isinstance(length, int):
                 trainer.settings = dataclasses.replace(settings, wiring=wiring)
                 await trainer.train(length, on_result)
@@ -95,7 +107,7 @@ async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(end):
                     await trainer.train(10**9, on_result)
-        _emit(event="end", t=time.time())
+        _emit(event="end", t=time.time(), traffic=_traffic())
         if args.validate:
             _emit(event="val", loss=await trainer.evaluate(), samples=trainer.stats.samples)
     finally:

@@ -1,0 +1,74 @@
+"""The links benchmark's pure parts: run configurations, specs, bytes by purpose."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from protocol.run_spec import read_spec_file
+from scripts.bench_swarm import CONFIGS, Record, _config, _purpose_bytes, _with, write_spec
+from scripts.swarm_bench import wire
+
+
+def test_configs_become_signed_specs_with_h_and_target_batch(tmp_path) -> None:
+    args = argparse.Namespace(inner_steps=10, target_batch=16)
+    runs = set()
+    for name in ("default", "diloco-int4-zip"):
+        path = write_spec(tmp_path / name, "tiny", 2, _with(CONFIGS[name], args))
+        spec = read_spec_file(path.read_text()).spec
+        runs.add(spec.run)
+        assert spec.optim.target_batch_size == 16
+        if name == "default":
+            assert (spec.averaging.mode, spec.averaging.inner_steps) == ("gradient", 50)
+            assert spec.compression == "none"
+        else:
+            assert (spec.averaging.mode, spec.averaging.inner_steps) == ("diloco", 10)
+            assert (spec.averaging.density, spec.averaging.compression) == (0.1, "uint8")
+            assert spec.compression == "int4"
+    assert len(runs) == 2  # a run (and an owner) per configuration
+
+
+def test_config_by_name_or_json_and_bad_ones_refused() -> None:
+    assert _config("diloco") == ("diloco", CONFIGS["diloco"])
+    assert _config('mine={"compression": "uint8"}') == ("mine", {"compression": "uint8"})
+    for bad in ("nosuch", "x={not json", "x=[1]"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _config(bad)
+
+
+def test_purpose_bytes_leave_the_uncounted_rest_as_other() -> None:
+    rec = Record()
+    rec.traffic = {
+        "measured": {"activations": 100, "gradients": 50, "averaging": 0, "state": 7},
+        "end": {"activations": 1100, "gradients": 550, "averaging": 300, "state": 7},
+    }
+    rec.wire = {"measured": 1000, "end": 3000}
+    moved = _purpose_bytes(rec, "measured", "end")
+    assert moved == {"activations": 1000, "gradients": 500, "averaging": 300, "state": 0,
+                     "other": 200}  # fmt: skip
+
+
+def test_node_traffic_reads_the_metrics_exposition(monkeypatch) -> None:
+    family = CounterMetricFamily(
+        "swarmtrain_network_bytes", "bytes", labels=["purpose", "direction"]
+    )
+    family.add_metric(["averaging", "sent"], 12345)
+    family.add_metric(["activations", "received"], 2.5e9)
+
+    class One:
+        def collect(self):
+            return [family]
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    text = generate_latest(registry).decode()
+
+    class Done:
+        stdout = text
+
+    monkeypatch.setattr(wire.subprocess, "run", lambda *a, **k: Done())
+    got = wire.node_traffic("http://127.0.0.1:1/metrics")
+    assert got == {("averaging", "sent"): 12345, ("activations", "received"): 2_500_000_000}
