@@ -829,7 +829,6 @@ class Node:
             raise group.exceptions[0] from None
 
     async def _run_archive(self, stop: asyncio.Event, on_ready: Callable[[], None] | None) -> None:
-        await self._warmed_up()  # before the archive forks its averagers
         archive = await Archive.open(
             self.dht,
             self.joined,
