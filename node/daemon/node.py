@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 import os
-import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -274,12 +273,6 @@ def examine_machine(settings: NodeSettings, spec: RunSpec) -> MachineFacts:
     return MachineFacts(pretrained, device, throughput, corpus, time.monotonic() - started)
 
 
-def warm_up_torch() -> None:
-    """Import what torch imports when it builds its first optimizer (``torch._dynamo``:
-    seconds of a CPU's time), so that the first stage's ``StageOptimizer`` finds it done."""
-    import torch._dynamo  # noqa: F401
-
-
 class Steps:
     """How long each step of a sequence took (a node's start, the loading of a stage), for
     one log line. Steps end one after another (``done``), or ran beside the others
@@ -343,15 +336,8 @@ class Node:
         key,
         lock_fd: int,
         signed_spec: SignedSpec | None = None,
-        *,
-        start_steps: Steps | None = None,
-        warm_up: threading.Thread | None = None,
     ) -> None:
-        """``start_steps``: the steps of the start so far (``start``: the imports and the
-        DHT); ``warm_up``: a thread running ``warm_up_torch``, if one was started."""
         self.settings = settings
-        self._start_steps = start_steps or Steps(("process and DHT", since_process_start()))
-        self._warm_up = warm_up
         self.dht = dht
         self.key = key
         self._resources = contextlib.AsyncExitStack()
@@ -404,15 +390,12 @@ class Node:
     def start(cls, settings: NodeSettings) -> Node:
         """Load (or create) the identity and start the DHT. Call before any event loop runs:
         hivemind forks the DHT's process, and forking a process with a running loop is
-        fragile. Once the DHT's process is forked, a thread imports what the first stage's
-        optimizer needs (``warm_up_torch``) while the DHT starts."""
-        steps = Steps(("imports", since_process_start()))
+        fragile."""
         run, signed = resolve_run(settings)
         settings = replace(settings, run=run)
         key, lock_fd = load_or_create_identity(settings.identity_path())
         events.open_log(settings.events_path(peer_id_of(key.public_key())))  # before the fork
         limits.install(settings.max_upload_mbps, settings.max_download_mbps)
-        warm_up = threading.Thread(target=warm_up_torch, name="warm-up-torch", daemon=True)
         try:
             dht = SwarmDHT.start(
                 run,
@@ -427,14 +410,12 @@ class Node:
                 client_mode=bool(settings.initial_peers),
                 peer_routing=True,
                 relay=settings.relay,
-                while_starting=warm_up.start,  # not before: a fork amid an import can hang
             )
         except BaseException:
             os.close(lock_fd)
             events.close_log()
             raise
-        steps.done("identity and DHT")
-        return cls(settings, dht, key, lock_fd, signed, start_steps=steps, warm_up=warm_up)
+        return cls(settings, dht, key, lock_fd, signed)
 
     @property
     def peer_id(self) -> str:
@@ -455,7 +436,7 @@ class Node:
         on a thread while peers check whether they can dial this node. Logs how long each
         step of the start took."""
         s = self.settings
-        steps = self._start_steps
+        steps = Steps(("process and DHT", since_process_start()))
         await self._open_dashboard()
         if self._brought_spec is not None:
             spec = self._brought_spec.spec
@@ -477,8 +458,6 @@ class Node:
         if s.second_stage is not None and s.second_stage == s.stage:
             raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
         self.checkpoints = s.archive or s.checkpoint_root(self.peer_id)
-        if s.throughput is None:  # a measurement beside the warm-up would time it too
-            await self._warmed_up()
         examined: asyncio.Task[MachineFacts] | None = None
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -499,11 +478,6 @@ class Node:
             self._fit_bandwidth()
             self._fit_memory()
         logger.info("ready to serve %s after the process started", steps.line())
-
-    async def _warmed_up(self) -> None:
-        """Wait, off the event loop, for the warm-up thread (``warm_up_torch``) to end."""
-        if self._warm_up is not None and self._warm_up.is_alive():
-            await asyncio.to_thread(self._warm_up.join)
 
     async def _open_dashboard(self) -> None:
         """Serve the dashboard (``--dashboard``) until the node closes."""
@@ -998,8 +972,6 @@ class Node:
         if role == "first":
             logger.info("took stage %d of %d", stage, self.spec.n_stages)
         steps = Steps()
-        await self._warmed_up()  # before the optimizer is built and the averager forked
-        steps.done("warm-up")
         model = self.spec.model
         module = Stage(model, self.spec.stage_range(stage))
         if self.pretrained is not None:  # the initial state; a peer's or a checkpoint's wins

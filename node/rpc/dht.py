@@ -359,7 +359,6 @@ class SwarmDHT:
         pubsub: bool = False,
         peer_routing: bool = False,
         relay: RelaySettings = CLIENT_RELAY,
-        while_starting: Callable[[], object] | None = None,
     ) -> SwarmDHT:
         """Start hivemind's DHT (in its own process) and join ``initial_peers``, if any.
 
@@ -372,8 +371,7 @@ class SwarmDHT:
 
         Blocking, and to be called from the main thread: the DHT process is forked, and a
         fork from a worker thread of a running uvloop can leave the child unable to start
-        its ``p2pd`` (seen as a node that hangs at start). ``while_starting`` is called once
-        the process is forked, while it starts: where a thread may begin work of its own.
+        its ``p2pd`` (seen as a node that hangs at start).
 
         ``DHTStartError``, in one line, for addresses that cannot work (checked before
         anything starts) and for a daemon that does not start; nothing is left behind."""
@@ -403,8 +401,6 @@ class SwarmDHT:
             extra_args = (*(PUBSUB_FLAGS if pubsub else ()), *relay.flags(initial_peers))
             with p2pd_options(socket_dir=socket_dir, extra_args=extra_args):
                 dht.start()
-            if while_starting is not None:
-                while_starting()
             dht.wait_until_ready(timeout=startup_timeout_s)
         except BaseException as e:
             _stop_process(dht)
