@@ -19,10 +19,11 @@ demo: $(STAMP)
 	$(BIN)/swarmtrain demo --baseline
 
 # Everything: ruff, the unit tier, then the live tier (real p2pd daemons and swarms) in
-# three workers (the groups are in tests/live/conftest.py): most live tests wait on timers
-# and peers, not on the cores. The tests that fork hivemind averagers from the test
-# process itself run apart, in a plain pytest process: forked from an xdist worker (which
-# runs threads of its own), an averager child now and then never started. The floods
+# three workers, each file whole in one worker, the longest files first (tests/live/
+# conftest.py says why): most live tests wait on timers and peers, not on the cores. The
+# tests that fork hivemind averagers from the test process itself run apart, in a plain
+# pytest process: forked from an xdist worker (which runs threads of its own), an
+# averager child now and then never started. The floods
 # (a thousand requests, thousands of streams and records) run apart too: beside them, other
 # tests' timeouts measured the flood, not the code.
 FORKS_AVERAGERS := tests/live/test_averaging.py
@@ -32,7 +33,8 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest tests/unit --durations=10
-	$(BIN)/pytest tests/live -n 3 --dist loadgroup --durations=10 $(APART:%=--ignore=%)
+	$(BIN)/pytest tests/live -n 3 --dist loadfile --no-loadscope-reorder --durations=10 \
+		$(APART:%=--ignore=%)
 	$(BIN)/pytest $(APART) --durations=5
 
 # The unit tier alone: no processes, no sockets, under a minute.
