@@ -197,6 +197,22 @@ def test_peers_average_to_one_step_and_a_joiner_downloads_the_state(dhts):
     _run(body())
 
 
+async def _serve(
+    peers: list[Peer], contract: StageContract, run: str, servers: list[AveragedStageServer]
+) -> None:
+    """Start each peer, load its stage's state and serve the stage through its averager,
+    appending each server to ``servers`` as it starts (the caller shuts them down)."""
+    for peer in peers:
+        await peer.start()
+        await peer.averager.load_state()
+        p2p = await peer.dht.replicate_p2p()
+        servers.append(
+            await AveragedStageServer.create(
+                p2p, peer.stage, peer.optimizer, contract, run, averager=peer.averager
+            )
+        )
+
+
 def test_stage_servers_average_through_their_hook(dhts):
     """``AveragedStageServer``: micro-batches served over P2P (a last-stage train call) reach
     the averager through the server's compute thread and lock; the two servers' stages then
@@ -210,15 +226,7 @@ def test_stage_servers_average_through_their_hook(dhts):
     async def body():
         nonlocal client
         try:
-            for peer in peers:
-                await peer.start()
-                await peer.averager.load_state()
-                p2p = await peer.dht.replicate_p2p()
-                servers.append(
-                    await AveragedStageServer.create(
-                        p2p, peer.stage, peer.optimizer, contract, spec.run, averager=peer.averager
-                    )
-                )
+            await _serve(peers, contract, spec.run, servers)
             maddrs = [m for peer in peers for m in peer.dht.visible_maddrs()]
             client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
             seeds = {0: [1, 2, 3], 1: [4]}  # 12 + 4 samples: the target only together
@@ -804,15 +812,7 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
                                         stage=STAGE, train=True, micro_batch=seed)  # fmt: skip
 
         try:
-            for peer in peers:
-                await peer.start()
-                await peer.averager.load_state()
-                p2p = await peer.dht.replicate_p2p()
-                servers.append(
-                    await AveragedStageServer.create(
-                        p2p, peer.stage, peer.optimizer, contract, spec.run, averager=peer.averager
-                    )
-                )
+            await _serve(peers, contract, spec.run, servers)
             await _until(
                 lambda: all(p.averager.peers == 1 for p in peers), 10, "they see each other"
             )
