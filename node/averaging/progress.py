@@ -55,8 +55,7 @@ def waiting_on_others(
     decision = decide(me, epoch, mine, others, target, per_peer=per_peer)
     if decision.action is not Action.WAIT or decision.peers == 0:
         return False
-    n = 1 + decision.peers
-    return mine * n >= (target * n if per_peer else target)
+    return mine >= target if per_peer else mine * (1 + decision.peers) >= target
 
 
 class ReadCadence:
