@@ -58,6 +58,10 @@ fields:
   it returned for the share it reduced cannot be a mean of parts that include ours
   (``protocol.averaging.check_returned``): the round fails, and the groupmate is refused
   for a while (written by the averager's process).
+- ``averaging.state_refused``: ``averager`` (its name in log lines: stage and peer),
+  ``source`` (the peer the state came from, as the transport knows it), ``reason``: a
+  downloaded state did not fit the stage, or claimed an epoch far ahead of the others;
+  no state is downloaded from ``source`` for a while.
 - ``data.share``: ``trainers`` (live peers counted as trainers, this one included),
   ``ranges`` and ``tokens`` (of the run's training shards this node's trainer now reads:
   ``protocol.data_split``), ``share`` (those ranges, ``[shard, start, end]`` each); in

@@ -75,6 +75,7 @@ from node.averaging.transport import HivemindTransport
 from node.pipeline.server import Admission, StageServer
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import Action, Progress, decide, within_bounds
+from protocol.progress import MAX_EPOCHS_AHEAD
 from protocol.run_spec import AveragingSpec, RunSpec
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,11 @@ DRAIN_S = 2.0
 # How long the progress records of peers that claimed to be ahead, but handed over no newer
 # state when asked, are ignored (``ProgressBoard.distrust``).
 UNPROVEN_S = 60.0
+# Catch-ups in a row in which no state came at all (a timeout proves nothing: the claimant
+# may be loaded) before the progress of claimants at most ``MAX_EPOCHS_AHEAD`` ahead of us
+# is ignored; a claim further ahead, or a state that came and is not newer, is ignored at
+# once.
+SILENT_CATCH_UPS = 2
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,7 @@ class StageAverager:
         self._busy = False
         self._stepped_now = False  # on_accumulated stepped alone: the epoch is to announce
         self._catch_up_after = 0.0
+        self._silent_catch_ups = 0  # catch-ups in a row that got no state at all
         # Until then, an epoch's step waits for peers behind us (joiners) rather than
         # stepping alone: once per epoch, at most a round's timeout.
         self._patience_until = 0.0
@@ -411,11 +418,31 @@ class StageAverager:
                 self._gate_changed()
 
     async def _catch_up(self) -> None:
+        """Download the state of a peer that claims to be ahead (only those are asked).
+        Their progress is ignored for ``UNPROVEN_S`` when what they hand over is not newer
+        than ours, or when no state came and one claims more than ``MAX_EPOCHS_AHEAD``
+        epochs past ours, or after ``SILENT_CATCH_UPS`` tries in a row with no state at
+        all; until then the next try waits a round's timeout."""
         timeout = self.settings.round_timeout_s
         self._catch_up_after = time.monotonic() + timeout
-        claimants = self.board.ahead(self.epoch)
-        state = await download(self.transport, self.strategy, timeout, name=self._name)
+        ahead = [p for p in self.board.view() if p.epoch > self.epoch]
+        claimants = [p.peer_id for p in ahead]
+        near = all(p.epoch <= self.epoch + MAX_EPOCHS_AHEAD for p in ahead)
+        state = await download(
+            self.transport, self.strategy, timeout, name=self._name, only=claimants
+        )
+        self._silent_catch_ups = self._silent_catch_ups + 1 if state is None else 0
+        if state is None and near and self._silent_catch_ups < SILENT_CATCH_UPS:
+            logger.info(
+                "%s: %s claim to be past epoch %d, but no state came: trying again in %.0f s",
+                self._name,
+                ", ".join(p[-6:] for p in claimants) or "peers",
+                self.epoch,
+                timeout,
+            )
+            return
         if state is None or state.epoch <= self.epoch:
+            self._silent_catch_ups = 0
             logger.warning(
                 "%s: %s claim to be past epoch %d, but no newer state came: their progress "
                 "is ignored for %.0f s",

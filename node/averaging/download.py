@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
+from node import events
 from node.averaging import state as stage_state
 from node.averaging.progress import ProgressBoard
 from node.averaging.state import StageState, StateError
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 # A state kept on disk: its metadata, tensors, and where it was kept (for log lines).
 Saved = tuple[dict, list[torch.Tensor], str]
 DOUBTED_S = 60.0  # how long the progress of a peer far ahead of the others is ignored
+REFUSED_SOURCE_S = 600.0  # how long a peer whose state did not fit hands over none
 
 
 class StateDownloadError(RuntimeError):
@@ -52,17 +54,38 @@ class LoadedState:
 
 
 async def download(
-    transport: HivemindTransport, strategy: Strategy, timeout_s: float, *, name: str
+    transport: HivemindTransport,
+    strategy: Strategy,
+    timeout_s: float,
+    *,
+    name: str,
+    only: Collection[str] | None = None,
 ) -> StageState | None:
-    """A peer's state of the stage, checked; None (logged) if none valid came in time."""
-    found = await transport.download(timeout_s)
+    """A peer's state of the stage (from one of ``only``, if given), checked; None (logged)
+    if none valid came in time. A peer whose state does not fit the stage hands over none
+    for ``REFUSED_SOURCE_S``."""
+    found = await transport.download(timeout_s, only=only)
     if found is None:
         return None
+    metadata, tensors, source = found
     try:
-        return stage_state.parse(*found, strategy.module, mode=strategy.mode)
+        return stage_state.parse(
+            metadata, tensors, strategy.module, mode=strategy.mode, source=source
+        )
     except StateError as e:
-        logger.warning("%s: refused a downloaded state: %s", name, e)
+        refuse(transport, source, REFUSED_SOURCE_S, f"{e}", name=name)
         return None
+
+
+def refuse(transport: HivemindTransport, source: str, for_s: float, why: str, *, name: str) -> None:
+    """Take no state from ``source`` for ``for_s`` seconds (logged, and emitted as
+    ``averaging.state_refused``): it handed over one we refused, ``why``."""
+    logger.warning(
+        "%s: refused the state %s handed over (%s): no state is taken from it for %.0f s",
+        name, source, why, for_s,
+    )  # fmt: skip
+    events.emit("averaging.state_refused", averager=name, source=source, reason=why[:200])
+    transport.refuse_source(source, for_s)
 
 
 async def initial_state(
@@ -112,7 +135,10 @@ async def initial_state(
         state = await download(
             transport, strategy, max(1.0, deadline - time.monotonic()), name=name
         )
-        if state is not None and start is Start.PEERS and not _believable(state, epochs, name):
+        if state is not None and start is Start.PEERS and not _believable(state, epochs):
+            near = max(epochs, default=0)
+            why = f"epoch {state.epoch}, far ahead of the stage's peers (at most {near})"
+            refuse(transport, state.source, DOUBTED_S, why, name=name)
             board.distrust([state.source], DOUBTED_S)
             state = None
         if state is not None and (
@@ -142,17 +168,10 @@ async def initial_state(
     return LoadedState(Start.INITIAL, strategy.optimizer.step_count, strategy.epoch)
 
 
-def _believable(state: StageState, epochs: list[int], name: str) -> bool:
+def _believable(state: StageState, epochs: list[int]) -> bool:
     """Whether a state downloaded from a peer is at most ``MAX_EPOCHS_AHEAD`` past the
-    stage's believable epochs (logged if not: its source lied, or ran on alone)."""
-    if state.epoch <= max(epochs, default=0) + MAX_EPOCHS_AHEAD:
-        return True
-    logger.warning(
-        "%s: refused the state %s handed over: epoch %d, far ahead of the stage's peers "
-        "(at most %d)",
-        name, state.source, state.epoch, max(epochs, default=0),
-    )  # fmt: skip
-    return False
+    stage's believable epochs (else its source lied, or ran on alone)."""
+    return state.epoch <= max(epochs, default=0) + MAX_EPOCHS_AHEAD
 
 
 async def _take(

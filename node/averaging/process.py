@@ -23,6 +23,10 @@ names, the reducer, the round, the state download, the shutdown) are overridden 
   or send its state to a peer whose DHT record shows no valid invite, downloads state
   from members only, and fails a round whose group includes a non-member (a non-member
   leader may have gathered members around it).
+- a state download never asks a peer whose state the host refused lately
+  (``refuse_source``: it did not fit the stage, or claimed an epoch no one else is near),
+  nor a reducer it refused: hivemind would ask the peer that declares the highest
+  priority first, every time, and the declared priority is anyone's to set.
 
 It also lets the host key each round by its epoch and set the group size it expects
 (``set_round``): peers at different epochs never average together, and a leader starts
@@ -91,6 +95,7 @@ class StageAveragerProcess(AveragerCompat):
         self._members: set[PeerID] = set()
         self._members_read = -float("inf")
         self._rejected: dict[PeerID, float] = {}  # reducer -> refused until (monotonic)
+        self._bad_sources: dict[PeerID, float] = {}  # state source -> refused until
         self._compression = kwargs.get("compression")
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -114,9 +119,11 @@ class StageAveragerProcess(AveragerCompat):
         async for response in super().rpc_download_state(request, context):
             yield response
 
-    async def _load_state_from_peers(self, future, timeout: float | None = None) -> None:
+    async def _load_state_from_peers(
+        self, future, timeout: float | None = None, only: list[str] | None = None
+    ) -> None:
         limits.PURPOSE.set(limits.STATE)  # this download's task, and the tasks it starts
-        return await super()._load_state_from_peers(future, timeout)
+        return await super()._load_state_from_peers(future, timeout, only)
 
     def set_round(self, epoch: int, size: int | None) -> None:
         """Match only with peers at ``epoch`` (it becomes the group key's bits), and start
@@ -189,13 +196,30 @@ class StageAveragerProcess(AveragerCompat):
 
     async def state_sources(self) -> Container[PeerID] | None:
         """In a private run, the members as the DHT shows them now; else any peer; never
-        a reducer we refused lately (its own copy took what it returned)."""
+        a reducer we refused lately (its own copy took what it returned), nor a peer whose
+        state we refused lately (``refuse_source``)."""
         now = time.monotonic()
-        refused = {peer for peer, until in self._rejected.items() if until > now}
+        refused = {
+            peer
+            for refusals in (self._rejected, self._bad_sources)
+            for peer, until in refusals.items()
+            if until > now
+        }
         if self._membership is None:
             return _AllBut(refused) if refused else None
         await self._read_members()
         return self._members - refused
+
+    def refuse_source(self, peer: str, for_s: float) -> None:
+        """Download no state from ``peer`` (base58) for the next ``for_s`` seconds (called
+        in the host; taken in the averager's process, in order with the downloads)."""
+        self._outer_pipe.send(("_refuse_source", [peer, for_s], {}))
+
+    async def _refuse_source(self, peer: str, for_s: float) -> None:
+        until = time.monotonic() + for_s
+        self._bad_sources = {p: t for p, t in self._bad_sources.items() if t > time.monotonic()}
+        key = PeerID.from_base58(peer)
+        self._bad_sources[key] = max(until, self._bad_sources.get(key, until))
 
     async def _read_members(self) -> None:
         from node.rpc.dht import SwarmDHT  # the run's record reader, here with our policy

@@ -101,8 +101,11 @@ def _tensor(t: object, shape: tuple[int, ...], what: str) -> torch.Tensor:
     return t
 
 
-def parse(metadata: object, tensors: object, module: nn.Module, *, mode: str) -> StageState:
-    """Validate a downloaded state against ``module``; ``StateError`` if it does not fit."""
+def parse(
+    metadata: object, tensors: object, module: nn.Module, *, mode: str, source: str | None = None
+) -> StageState:
+    """Validate a downloaded state against ``module``; ``StateError`` if it does not fit.
+    ``source``: the peer it came from, if known (else the peer the metadata names)."""
     if not isinstance(metadata, dict) or not isinstance(tensors, list | tuple):
         raise StateError("a state is a metadata dict and a list of tensors")
     if metadata.get("format") != FORMAT:
@@ -154,7 +157,8 @@ def parse(metadata: object, tensors: object, module: nn.Module, *, mode: str) ->
             _tensor(t, tuple(p.shape), f"momentum of {n}")
             for (n, p), t in zip(named, rest[len(adamw_index) :], strict=True)
         ]
-    source = metadata.get("peer")
+    if source is None:
+        source = metadata.get("peer")
     return StageState(
         epoch=epoch,
         step=step,

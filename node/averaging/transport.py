@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -194,15 +194,23 @@ class HivemindTransport:
         if self.process.allow_state_sharing:
             self.process.state_sharing_priority = float(epoch)
 
-    async def download(self, timeout_s: float) -> tuple[object, object] | None:
-        """A peer's state as it sent it (metadata, tensors: unchecked), or None."""
-        future = self.process.load_state_from_peers(wait=False, timeout=timeout_s)
+    async def download(
+        self, timeout_s: float, *, only: Collection[str] | None = None
+    ) -> tuple[object, object, str] | None:
+        """A peer's state as it sent it (metadata, tensors: unchecked) and the peer it came
+        from (as the transport knows it, not as the state says), or None. ``only``: the
+        peers (base58) to ask; None: any the process allows."""
+        future = self.process.load_state(timeout_s, only=only)
         try:
             return await asyncio.wait_for(future, timeout_s + self.settings.chunk_timeout_s)
         except TimeoutError:
             future.cancel()
             logger.warning("%s: state download timed out", self._name)
             return None
+
+    def refuse_source(self, peer: str, for_s: float) -> None:
+        """Download no state from ``peer`` for ``for_s`` seconds (its state was refused)."""
+        self.process.refuse_source(peer, for_s)
 
     async def exchange(
         self,

@@ -56,7 +56,10 @@ What is patched or overridden, and why:
   (:class:`AveragerCompat`): refused to a peer that :meth:`AveragerCompat.admits` refuses.
 - ``DecentralizedAverager._load_state_from_peers`` and, for one download, this instance's
   ``get_stub`` (:class:`AveragerCompat`): a state download tries only the peers that
-  :meth:`AveragerCompat.state_sources` allows; hivemind tries every peer that declared one.
+  :meth:`AveragerCompat.state_sources` allows, and of those only the ones
+  :meth:`AveragerCompat.load_state` names (hivemind tries every peer that declared one,
+  highest declared priority first), and its result is (metadata, tensors, source): the
+  peer it came from, as the transport knows it (hivemind returns only what the peer sent).
 - ``DecentralizedAverager._run_allreduce_inplace_`` (:class:`AveragerCompat`): hivemind's,
   except that a group holding a peer ``admits`` refuses fails, the reducer is
   :class:`ScreenedReducer`, an auxiliary role fails, and a round in which some part came
@@ -90,7 +93,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from pathlib import Path
 
 # hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
@@ -109,6 +112,7 @@ from hivemind.p2p.servicer import RPCHandler
 from hivemind.proto import averaging_pb2, dht_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+from hivemind.utils.mpfuture import MPFuture
 from multiaddr import Multiaddr
 
 from protocol.averaging import ReturnedShare
@@ -400,6 +404,21 @@ class _ScreenedRunner(AllReduceRunner):
         self._register_failed(peer_index)
 
 
+class _Downloaded:
+    """What hivemind's ``_load_state_from_peers`` hands its future: (metadata, tensors) of
+    the last peer it asked, or None."""
+
+    def __init__(self) -> None:
+        self.result: tuple[object, object] | None = None
+        self._done = False
+
+    def set_result(self, result: tuple[object, object] | None) -> None:
+        self.result, self._done = result, True
+
+    def done(self) -> bool:
+        return self._done
+
+
 class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the overrides listed in the module
     docstring. A subclass decides through ``admits``, ``state_sources``, ``check_part``,
@@ -499,22 +518,42 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         async for response in super().rpc_download_state(request, context):
             yield response
 
-    async def _load_state_from_peers(self, future, timeout: float | None = None) -> None:
+    def load_state(self, timeout_s: float, *, only: Collection[str] | None = None) -> MPFuture:
+        """hivemind's ``load_state_from_peers(wait=False)``, asking only the peers in
+        ``only`` (base58) if given; the future's result is (metadata, tensors, source)."""
+        future = MPFuture()
+        peers = None if only is None else list(only)
+        self._outer_pipe.send(
+            ("_load_state_from_peers", [], dict(timeout=timeout_s, future=future, only=peers))
+        )
+        return future
+
+    async def _load_state_from_peers(
+        self, future, timeout: float | None = None, only: list[str] | None = None
+    ) -> None:
         sources = await self.state_sources()
-        if sources is None:
-            return await super()._load_state_from_peers(future, timeout)
+        wanted = None if only is None else {PeerID.from_base58(p) for p in only}
         plain_stub = self.get_stub
+        asked: list[PeerID] = []
 
         def screened_stub(p2p: P2P, peer: PeerID, *, namespace: str | None = None):
-            if peer not in sources:  # hivemind logs it and moves on to the next peer
-                raise PermissionError(f"{peer} is not a state source of this averager")
+            # hivemind logs what this raises and tries the next peer
+            if (sources is not None and peer not in sources) or (
+                wanted is not None and peer not in wanted
+            ):
+                raise PermissionError(f"{peer} is not a state source of this download")
+            asked.append(peer)
             return plain_stub(p2p, peer, namespace=namespace)
 
+        got = _Downloaded()
         self.get_stub = screened_stub  # this instance only, for this download
         try:
-            return await super()._load_state_from_peers(future, timeout)
+            await super()._load_state_from_peers(got, timeout)
         finally:
             del self.get_stub
+            if not future.done():
+                found = got.result if asked else None
+                future.set_result(None if found is None else (*found, asked[-1].to_base58()))
 
     async def _run_allreduce_inplace_(
         self,

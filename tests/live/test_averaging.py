@@ -389,6 +389,49 @@ def test_a_nan_contribution_does_not_poison_the_other_peer(dhts, fault):
     _run(body())
 
 
+class _GarbageState(StageAveragerProcess):
+    """A peer that hands joiners a state of NaN tensors (well-formed otherwise)."""
+
+    def get_current_state(self):
+        metadata, tensors, info = super().get_current_state()
+        return metadata, [torch.full_like(t, math.nan) for t in tensors], info
+
+
+def test_a_joiner_refuses_a_garbage_state_once_and_downloads_an_honest_one(dhts):
+    """(e) A peer declaring the highest download priority (anyone may declare any) hands
+    over a state that does not fit the stage: a joiner refuses it, takes no state from that
+    peer again (it is not asked twice, although it still declares the highest priority)
+    and loads the honest peer's state instead."""
+    spec = make_spec("avg-garbage-state")
+    honest, attacker, joiner = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts)
+    refused: list[dict] = []
+    stop_listening = events.listen(
+        lambda e: refused.append(e) if e["event"] == "averaging.state_refused" else None
+    )
+
+    async def body():
+        try:
+            await honest.start()
+            await honest.averager.load_state()
+            for seed in (1, 2, 3, 4):
+                honest.feed(seed)  # the stage's batch, alone: a step
+            await _until(lambda: _at_epoch(1, honest), 15, "a step alone")
+            await attacker.start(process_class=_GarbageState)
+            assert (await attacker.averager.load_state()).epoch == 1
+            attacker.averager.transport.process.state_sharing_priority = 1e9
+
+            await joiner.start()
+            loaded = await joiner.averager.load_state()
+            assert loaded.source == honest.averager.peer_id and loaded.epoch == 1
+            assert _close(joiner.params(), honest.params())
+            assert [e["source"] for e in refused] == [attacker.averager.peer_id], refused
+        finally:
+            stop_listening()
+            await _shutdown(honest, attacker, joiner)
+
+    _run(body())
+
+
 def _negated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fault: sends its gradient negated and scaled 100x: finite and within range, so it
     passes every check a part gets."""
@@ -832,8 +875,10 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
                 for k, server in enumerate(servers):
                     feeders.create_task(feed(k, server))
                 try:
+                    # Both peers' events of a round (a peer counts its round before it
+                    # emits the event, after the digest).
                     await _until(
-                        lambda: all(p.averager.stats.rounds >= 1 for p in peers), 60, "a round"
+                        lambda: sum(e["how"] == "averaged" for e in rounds) >= 2, 60, "a round"
                     )
                 finally:
                     stop.set()

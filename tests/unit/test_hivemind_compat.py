@@ -427,10 +427,30 @@ def test_a_state_download_tries_only_the_state_sources(cls, asked):
     )
     future: concurrent.futures.Future = concurrent.futures.Future()
     asyncio.run(averager._load_state_from_peers(future))
-    metadata, tensors = future.result()
+    metadata, tensors, source = future.result()
     assert server.asked == [(asked, "p::Stage.rpc_download_state")]
+    assert source == asked.to_base58()  # the peer the transport asked, whatever it says
     assert metadata == {"from": asked.to_bytes()} and torch.equal(tensors[0], torch.arange(3.0))
     assert "get_stub" not in vars(averager)  # the screen was for that download only
+
+
+def test_a_state_download_asks_only_the_peers_named():
+    expires = get_dht_time() + 60
+    priorities = {STRANGER.to_bytes(): 2.0, FRIEND.to_bytes(): 1.0}  # the stranger first
+    declared = {k: ValueWithExpiration(v, expires) for k, v in priorities.items()}
+    averager = _averager(_Stage, get=lambda key, latest: ValueWithExpiration(declared, expires))
+    averager._p2p = server = _StateServer(torch.arange(3.0))
+    averager._matchmaking = types.SimpleNamespace(
+        group_key_manager=types.SimpleNamespace(prefix="p")
+    )
+    for only, asked in (([FRIEND.to_base58()], [FRIEND]), ([], [])):
+        server.asked.clear()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        asyncio.run(averager._load_state_from_peers(future, only=only))
+        assert [peer for peer, _ in server.asked] == asked
+        assert (future.result() is None) == (not asked)
+        if asked:
+            assert future.result()[2] == FRIEND.to_base58()
 
 
 class _Screen:

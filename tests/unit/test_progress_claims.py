@@ -42,7 +42,7 @@ class _Board:
 class _NoState:
     """A transport through which no state comes."""
 
-    async def download(self, timeout_s: float) -> None:
+    async def download(self, timeout_s: float, *, only: object = None) -> None:
         return None
 
 
