@@ -12,7 +12,8 @@ from pathlib import Path
 from node import events
 from node.cli.args import parse_memory
 from node.cli.maddrs import check_can_listen
-from node.daemon.node import Node, NodeSettings, until_stopped, write_maddrs
+from node.daemon.node import Node, until_stopped, write_maddrs
+from node.daemon.settings import NodeSettings
 from node.dashboard.address import check_can_bind, parse_address
 from node.logs import log_to_file
 from node.measure.capacity import pick_device

@@ -15,43 +15,44 @@ import os
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
-import psutil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from models.data import Corpus
-from models.pretrained import Checkpoint, load_into, load_stage_state, verify_files
+from models.pretrained import Checkpoint, load_into, load_stage_state
 from models.stages import Stage
 from models.training import StageOptimizer
 from node import events, limits
 from node.averaging.averager import AveragedStageServer, StageAverager
-from node.cli.args import DEFAULT_OWNER_KEY
 from node.daemon import checkpoint
 from node.daemon.archive import Archive
 from node.daemon.join import (
     Joined,
     NodeError,
     join_run,
-    member_invite,
-    owned_spec,
     owner_key_of,
 )
 from node.daemon.relay_keeper import CHOOSE_WAIT_S, RelayKeeper
+from node.daemon.settings import NodeSettings
+from node.daemon.start import (
+    MachineFacts,
+    Steps,
+    examine_machine,
+    invite_for,
+    resolve_run,
+    since_process_start,
+)
 from node.daemon.watch import Heartbeat, Members
-from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
 from node.dashboard.server import Dashboard
 from node.dashboard.snapshot import snapshot_of
-from node.data import token_stream, training_data
+from node.data import token_stream
 from node.files import (
-    default_identity_path,
     load_or_create_identity,
-    load_or_create_key,
     write_atomic,
 )
 from node.measure.bandwidth import (
@@ -61,32 +62,31 @@ from node.measure.bandwidth import (
     measure_bandwidth,
     partners,
 )
-from node.measure.capacity import Device, free_memory, pick_device, stage_memory, stage_throughputs
+from node.measure.capacity import Device, free_memory, stage_memory
 from node.pipeline.server import StageServer
-from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError, TrainerSettings
+from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError
 from node.placement.driver import Placement
 from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
 from node.rpc.membership import MembershipGate
 from node.rpc.reach import DialBack, check_reachability, shuffled
-from node.rpc.relay import RelaySettings, connect_relayed
+from node.rpc.relay import connect_relayed
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
-from protocol.admission import AdmissionLimits, InFlight
+from protocol.admission import InFlight
 from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
 from protocol.data_split import TokenRange, share_of
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
-from protocol.ownership import check_run_id
 from protocol.reachability import (
     Reachability,
     dial_target,
     relay_peer_id,
     relayed_throughput,
 )
-from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState, RecordError
+from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.routing import BanList
-from protocol.run_spec import RunSpec, SignedSpec, make_run_spec, read_spec_file
+from protocol.run_spec import RunSpec, SignedSpec
 from protocol.stage_messages import StageContract
 
 logger = logging.getLogger(__name__)
@@ -94,220 +94,10 @@ logger = logging.getLogger(__name__)
 SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
-HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
 REACHABILITY_RECHECK_S = 10.0  # while no peer could tell whether this node is reachable
 MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
 TRAIN_EVENT_EVERY = 10  # micro-batches between two ``train.progress`` events
-
-
-@dataclass(frozen=True)
-class NodeSettings:
-    run: str  # a run id (NAME@FINGERPRINT), or a new public run's NAME
-    initial_peers: tuple[str, ...] = ()
-    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    announce_maddrs: tuple[str, ...] = ()
-    # Whether peers can dial this node: "auto" asks them; "yes" and "no" take the
-    # operator's word (a forwarded port known to work; a host behind a local proxy, where
-    # peers see every connection come from the proxy).
-    reachable: Literal["auto", "yes", "no"] = "auto"
-    # The relay this node offers, and whether it serves through one when not reachable.
-    relay: RelaySettings = RelaySettings()
-    identity: Path | None = None  # default: ~/.swarmtrain/<run>/identity.key
-    device: str = "auto"
-    stage: int | None = None  # pin a stage instead of choosing one (a pinned node never moves)
-    second_stage: int | None = None  # with ``stage``: pin a second stage it serves as well
-    # A node that chooses its stage also takes a second one when the run's rule asks for
-    # more two-stage peers (protocol.assignment.second_stage); False: never (it needs the
-    # memory of two stages, and trains and averages both).
-    two_stage: bool = True
-    rebalance: bool = True  # move to another stage when that raises the swarm's bottleneck
-    rebalance_period_s: float = 60.0  # mean time between rebalancing checks
-    spec_file: Path | None = None  # the run's signed spec (``swarmtrain run create``)
-    invite: str | None = None  # private runs: the invite token from the run's owner
-    # Runs started from a Hugging Face checkpoint: this machine's copy of it.
-    pretrained: Path | None = None
-    # Runs with sharded data (``RunSpec.dataset``): this machine's copy of the shards.
-    data: Path | None = None
-    owner_key: Path | None = None  # default: ~/.swarmtrain/owner.key
-    # Used only by the node that starts a new public run by name: the run's spec.
-    preset: str = "tiny"
-    n_stages: int = 2
-    compression: str = "none"
-    update_period_s: float = 5.0  # records expire after 3 periods without a refresh
-    throughput: float | None = None  # declared samples/s for every stage (skips measuring)
-    remeasure: bool = False  # measure throughput again instead of using the cached figures
-    bandwidth_mbps: float | None = None  # declared up and down
-    # What the volunteer lets the node take (None: no limit): Mbit/s sent and received
-    # (``node.limits``; the record advertises no more), and bytes of memory for its stages.
-    max_upload_mbps: float | None = None
-    max_download_mbps: float | None = None
-    max_memory: int | None = None
-    cache_dir: Path | None = field(default_factory=lambda: Path("~/.cache/swarmtrain").expanduser())
-    spec_timeout_s: float = 30.0
-    train: bool = True  # run a trainer loop alongside the stage
-    # Where the held stages are checkpointed (default: beside the identity key, per peer
-    # id), and how often; 0: never (a clean stop still writes one).
-    checkpoint_dir: Path | None = None
-    checkpoint_every_s: float = 300.0
-    archive: Path | None = None  # an archive node: serves no stage, keeps all of them here
-    events: Path | None = None  # the structured event log (default: in the run's folder)
-    dashboard: str = DEFAULT_DASHBOARD  # HOST:PORT, PORT, "auto" or "off" (node.dashboard)
-    heartbeat_s: float = HEARTBEAT_S
-    trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
-    # Caps on stage requests in flight and how fast they must arrive (protocol.admission).
-    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
-
-    @property
-    def record_ttl_s(self) -> float:
-        return 3 * self.update_period_s
-
-    def identity_path(self) -> Path:
-        return self.identity or default_identity_path(self.run)
-
-    def checkpoint_root(self, peer_id: str) -> Path:
-        """Beside the run's default identity, a folder per peer id (nodes that share a
-        home keep their checkpoints apart)."""
-        root = default_identity_path(self.run).parent / "checkpoints" / peer_id
-        return self.checkpoint_dir or root
-
-    def events_path(self, peer_id: str) -> Path:
-        """The node's JSON-lines event log (``node.events``): ``--events``, or beside the
-        run's default identity, one file per peer id."""
-        root = default_identity_path(self.run).parent / "events"
-        return self.events or root / f"{peer_id}.jsonl"
-
-    def log_path(self, peer_id: str) -> Path:
-        """The node's rotating log file (``node.logs``): beside ``--events`` when that is
-        given, else in the run's folder, one file per peer id."""
-        if self.events is not None:
-            return self.events.with_suffix(".log")
-        return default_identity_path(self.run).parent / "logs" / f"{peer_id}.log"
-
-    def owner_key_path(self) -> Path:
-        return (self.owner_key or DEFAULT_OWNER_KEY).expanduser()
-
-
-def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
-    """The run's id, and its signed spec when this node brings it (a spec file, or a new
-    public run by name, signed with this machine's owner key). A run started by name
-    keeps the spec it was created with (``join.owned_spec``): restarting it with
-    other settings is refused, since a run's spec never changes."""
-    if settings.spec_file is not None:
-        try:
-            signed = read_spec_file(settings.spec_file.read_text())
-        except (OSError, RecordError) as e:
-            raise NodeError(f"cannot use spec file {settings.spec_file}: {e}") from None
-        if settings.run not in ("", signed.spec.run):
-            raise NodeError(f"--run {settings.run} but the spec file is for {signed.spec.run}")
-        return signed.spec.run, signed
-    if "@" in settings.run:
-        return settings.run, None  # the spec comes from the DHT
-    if settings.initial_peers:
-        check_run_id(settings.run)  # joining: the run's id, not a name
-    owner_key = load_or_create_key(settings.owner_key_path())
-    owner = peer_id_of(owner_key.public_key())
-    spec = make_run_spec(
-        settings.run,
-        settings.preset,
-        settings.n_stages,
-        owner=owner,
-        compression=settings.compression,
-    )
-    try:
-        return spec.run, owned_spec(settings.owner_key_path(), owner_key, spec)
-    except ValueError as e:
-        raise NodeError(str(e)) from None
-
-
-def pretrained_copy(spec: RunSpec, directory: Path | None) -> Checkpoint | None:
-    """This machine's copy of the checkpoint ``spec`` starts from, its files checked
-    against the spec's hashes; None for a run that starts from seeded weights. ``NodeError``
-    naming the flag to give, or the file that is missing or differs."""
-    pinned = spec.pretrained
-    if pinned is None:
-        if directory is not None:
-            logger.warning("--pretrained %s: run %s starts from no checkpoint", directory, spec.run)
-        return None
-    if directory is None:
-        raise NodeError(
-            f"run {spec.run} starts from a {pinned.architecture} checkpoint: give this "
-            f"machine's copy of it with --pretrained DIR ({', '.join(sorted(pinned.files))})"
-        )
-    directory = directory.expanduser()
-    logger.info("checking the checkpoint in %s against the run's hashes", directory)
-    try:
-        verify_files(directory, pinned.files)
-    except ValueError as e:
-        raise NodeError(f"--pretrained: {e}") from None
-    return Checkpoint(directory, pinned.architecture, spec.model, pinned.tied, dict(pinned.files))
-
-
-@dataclass(frozen=True)
-class MachineFacts:
-    """What a node finds out about its machine at start, without asking any peer."""
-
-    pretrained: Checkpoint | None  # this machine's copy of the run's checkpoint, checked
-    device: Device
-    throughput: tuple[float, ...]  # samples/s per stage: declared, cached or measured
-    corpus: Corpus | None  # the training data (None: the node does not train)
-    seconds: float  # how long finding all this out took
-
-
-def examine_machine(settings: NodeSettings, spec: RunSpec) -> MachineFacts:
-    """Check this machine's copy of the run's checkpoint (``pretrained_copy``), pick the
-    device, take its throughput per stage (``--throughput``, else the cache or a
-    measurement: ``stage_throughputs``) and read the training data (with ``train``).
-    Blocking, and one step after another: a measurement beside the data being read would
-    measure the reading too. ``NodeError`` or ``ValueError`` naming what to fix."""
-    started = time.monotonic()
-    pretrained = pretrained_copy(spec, settings.pretrained)
-    device = pick_device(settings.device)
-    if settings.throughput is not None:
-        throughput = (float(settings.throughput),) * spec.n_stages
-    else:
-        throughput = tuple(
-            stage_throughputs(spec, device, settings.cache_dir, remeasure=settings.remeasure)
-        )
-    corpus = training_data(spec, settings.data) if settings.train else None
-    return MachineFacts(pretrained, device, throughput, corpus, time.monotonic() - started)
-
-
-class Steps:
-    """How long each step of a sequence took (a node's start, the loading of a stage), for
-    one log line. Steps end one after another (``done``), or ran beside the others
-    (``done(name, seconds)``: shown, not added to the total)."""
-
-    def __init__(self, before: tuple[str, float] | None = None) -> None:
-        """``before``: a first step, (name, seconds), that ended just now."""
-        self._last = time.monotonic()
-        self._steps: list[tuple[str, float]] = [before] if before else []
-        self.total = before[1] if before else 0.0
-
-    def done(self, name: str, seconds: float | None = None) -> None:
-        """Step ``name`` ended now (or, with ``seconds``, took that long beside others)."""
-        if seconds is None:
-            now = time.monotonic()
-            seconds, self._last = now - self._last, now
-            self.total += seconds
-        self._steps.append((name, seconds))
-
-    def line(self) -> str:
-        """``"T s (STEP S s, ...)"``."""
-        steps = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._steps)
-        return f"{self.total:.1f} s ({steps})"
-
-
-def since_process_start() -> float:
-    """Seconds since this process started (its imports included)."""
-    return max(0.0, time.time() - psutil.Process().create_time())
-
-
-def invite_for(settings: NodeSettings, peer_id: str) -> Callable[[RunSpec], str | None]:
-    """The invite a node shows to join a run: ``--invite``, or in a private run one its
-    owner's node makes for itself when it finds the run's owner key (``--owner-key``, by
-    default ``~/.swarmtrain/owner.key``): the run's owner needs no invite."""
-    return member_invite(settings.invite, settings.owner_key_path(), peer_id)
 
 
 @dataclass
