@@ -124,7 +124,7 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
-            print(node.reachability_line(), flush=True)
+            print(node.reach.line(), flush=True)
             print(
                 f"log: {settings.log_path(node.peer_id)}  "
                 f"events: {settings.events_path(node.peer_id)}",

@@ -36,7 +36,7 @@ from node.daemon.join import (
     join_run,
     owner_key_of,
 )
-from node.daemon.relay_keeper import CHOOSE_WAIT_S, RelayKeeper
+from node.daemon.reachability import Reach
 from node.daemon.settings import NodeSettings
 from node.daemon.start import (
     MachineFacts,
@@ -69,8 +69,7 @@ from node.placement.driver import Placement
 from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
 from node.rpc.membership import MembershipGate
-from node.rpc.reach import DialBack, check_reachability, shuffled
-from node.rpc.relay import connect_relayed
+from node.rpc.reach import DialBack
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.admission import InFlight
 from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
@@ -79,8 +78,6 @@ from protocol.data_split import TokenRange, share_of
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
 from protocol.reachability import (
-    Reachability,
-    dial_target,
     relay_peer_id,
     relayed_throughput,
 )
@@ -95,7 +92,6 @@ SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
 TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
-REACHABILITY_RECHECK_S = 10.0  # while no peer could tell whether this node is reachable
 MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
 TRAIN_EVENT_EVERY = 10  # micro-batches between two ``train.progress`` events
 
@@ -164,17 +160,8 @@ class Node:
         self.peers: list[PeerInfo] = []  # the run's peers, as ``_watch_loop`` last read them
         self.peers_read_at: float | None = None  # Unix seconds
         self._served_before = 0  # micro-batches served by stage servers since unloaded
-        # Whether peers can dial us (``_find_reachability``, in ``prepare``): unknown until
-        # asked. A node found unreachable serves through a relay, or else trains only.
-        self.reachability = Reachability(None)
-        # Unreachable, with relaying on: the relay (one of the initial peers, on which
-        # p2pd reserves a slot) it serves through, announced in its record.
-        self.relay: str | None = None
-        self._relay_links: dict[str, str] = {}  # relayed peer -> how we are linked to it
-        self._relay_keeper: RelayKeeper | None = None  # unreachable, with relaying on
-        # Whether it holds stages: decided by the verdict at start (a later verdict leaves
-        # it serving; routing then skips it by its record).
-        self.serves = True
+        # Whether peers can dial us, and the relay it serves through if they cannot.
+        self.reach = Reach(dht, settings, self._reached, self._changed.set)
 
     @classmethod
     def start(cls, settings: NodeSettings) -> Node:
@@ -277,165 +264,18 @@ class Node:
             self._resources.push_async_callback(self.dashboard.close)
 
     async def _find_reachability(self) -> None:
-        """Ask peers to dial this node back (``node.rpc.reach``; it answers theirs from now
-        on) and act on the verdict: a node they can dial, or that cannot tell, becomes a
-        full DHT node; one they cannot stays a DHT client (peers never route DHT lookups
-        to it) and serves through a relay (one of its initial peers, unless relaying is
-        off), or else holds no stage. Emits ``node.reachability``."""
+        """Start this node's P2P replica and its ``DialBack`` (it answers peers' dial-backs
+        from now on), then ask peers whether they can dial it (``Reach.find``)."""
         add = self._resources.push_async_callback
         self.p2p = await self.dht.replicate_p2p()
         add(self.p2p.shutdown)
         dial_back = await DialBack.create(self.p2p, callers=self.callers)
         add(dial_back.shutdown)
-        if self.settings.reachable == "auto":
-            self.reachability = await self._ask_reachability()
-        else:
-            self.reachability = Reachability.declare(
-                self.settings.reachable == "yes", self.dht.visible_maddrs()
-            )
-        if not self.reachability.serves and self.settings.relay.use:
-            self._relay_keeper = RelayKeeper(self.p2p, self.settings.initial_peers, self._views)
-            self.relay = await self._relay_keeper.choose(wait_s=CHOOSE_WAIT_S)
-        self.serves = self.reachability.serves or self.relay is not None
-        if self.reachability.serves:
-            await self.dht.become_server()
-        elif self.relay is not None:
-            self.dht.serve_averaging()  # peers reach its averagers through the relay
-        self._report_reachability()
+        await self.reach.find(self.p2p)
 
-    async def _views(self) -> dict[str, bool | None]:
-        """Each peer's reachability, as the run's records say (for ``RelayKeeper``)."""
-        return {p.peer_id: p.reachable for p in await self.dht.peers()}
-
-    def _relay_changed(self, previous: str | None, relay: str | None) -> None:
-        """``RelayKeeper``'s news: serve through ``relay`` now (None: through none, so
-        routing skips this node until one holds its reservation again); re-announce."""
-        self.relay = relay
-        events.emit(
-            "relay.changed",
-            previous=previous and relay_peer_id(previous),
-            relay=relay and relay_peer_id(relay),
-            relays_tried=self._relays_tried(),
-        )
-        logger.warning("%s", self.reachability_line())
-        self._changed.set()
-
-    async def _ask_reachability(self) -> Reachability:
-        maddrs = self.dht.visible_maddrs()
-        return await check_reachability(self.p2p, await self._askers(), maddrs)
-
-    def _report_reachability(self) -> None:
-        r = self.reachability
-        events.emit(
-            "node.reachability",
-            reachable=r.reachable,
-            address=r.address,
-            observed=r.observed,
-            yes=r.yes,
-            no=r.no,
-            declared=r.declared,
-            serves=self.serves,
-            relay=self.relay and relay_peer_id(self.relay),
-            relays_tried=self._relays_tried(),
-        )
-        (logger.info if r.reachable is not False else logger.warning)(
-            "%s", self.reachability_line()
-        )
-
-    def _relays_tried(self) -> dict[str, str]:
-        """Relay peer id -> why it held no reservation for us, at the last choice."""
-        keeper = self._relay_keeper
-        tried = keeper.tried if keeper is not None else {}
-        return {relay_peer_id(m): why for m, why in tried.items()}
-
-    async def _recheck_reachability(self) -> None:
-        """While nobody could tell (the first node of a run, or peers that disagreed), ask
-        again every ``REACHABILITY_RECHECK_S``, and report the first definite verdict (in
-        the record, an event and the log)."""
-        while self.reachability.reachable is None:
-            await asyncio.sleep(REACHABILITY_RECHECK_S)
-            try:
-                found = await self._ask_reachability()
-            except Exception as e:  # a P2P hiccup: ask again later
-                logger.debug("reachability re-check failed: %s", e)
-                continue
-            if found.reachable is not None:
-                self.reachability = found
-                self._report_reachability()
-                self._changed.set()
-
-    async def _askers(self) -> list[PeerID]:
-        """Whom to ask for a dial-back, likeliest answerers first: the run's peers this
-        node has reached (a live host holds their key; a record alone costs nothing to
-        forge), those known to be reachable, those not known either way, other peers we
-        are connected to (the initial peers), and last those known to be unreachable
-        (they can dial out)."""
-        try:
-            records = [p for p in await self.dht.peers() if p.peer_id != self.peer_id]
-        except Exception as e:  # a DHT hiccup: the connected peers still answer
-            logger.debug("reading the run's peers failed: %s", e)
-            records = []
-        connected = [p.peer_id.to_base58() for p in await self.p2p.list_peers()]
-        reached = self.placement.reached if self.placement is not None else lambda p: False
-        groups = [
-            [p.peer_id for p in records if reached(p.peer_id)],
-            [p.peer_id for p in records if p.reachable is True],
-            [p.peer_id for p in records if p.reachable is None],
-            connected,
-            [p.peer_id for p in records if p.reachable is False],
-        ]
-        ordered = [i for g in groups for i in shuffled(g, self.peer_id)]
-        return [PeerID.from_base58(i) for i in dict.fromkeys(ordered) if i != self.peer_id]
-
-    def reachability_line(self) -> str:
-        """One line for the person running the node: whether peers can dial it, and if
-        not, what to do about it."""
-        r = self.reachability
-        asked = r.yes + r.no
-        if r.declared and r.reachable:
-            return f"reachable directly at {r.address} (as --reachable yes says; not checked)"
-        if r.declared and self.relay is None:
-            return "not reachable (as --reachable no says): running as a trainer only"
-        if r.reachable:
-            return f"reachable directly at {r.address} (confirmed by {r.yes} of {asked} peers)"
-        if r.reachable is None:
-            why = "the peers asked disagreed" if asked else "no peer could be asked yet"
-            return f"reachability unknown ({why}): serving as if reachable"
-        if self.relay is not None:
-            return (
-                f"not reachable, serving through relay {relay_peer_id(self.relay)} "
-                f"({r.no} of {asked} peers could not dial this node directly)"
-            )
-        if self._relay_keeper is not None:
-            tried = "; ".join(f"{p}: {why}" for p, why in self._relays_tried().items())
-            what = (
-                "peers will not route calls to its stages until one does"
-                if self.serves
-                else "running as a trainer only (it serves no stage)"
-            )
-            return (
-                f"not reachable ({r.no} of {asked} peers could not dial this node), and no "
-                f"initial peer holds a relay reservation for it ({tried or 'none to try'}): "
-                f"{what}"
-            )
-        what = (
-            "peers will not route calls to its stages"
-            if self.serves
-            else "it has no relay: running as a trainer only (it serves no stage)"
-        )
-        ports = []
-        for m in self.dht.visible_maddrs():
-            with contextlib.suppress(ValueError):
-                ports.append(dial_target(m)[1])
-        port = str(ports[0]) if ports else "PORT"
-        public = r.observed if r.observed and ":" not in r.observed else "PUBLIC_IP"
-        return (
-            f"not reachable: {r.no} of {asked} peers could not dial this node at its "
-            f"announced addresses, and {what}. To serve, forward TCP port {port} on your "
-            "router to this machine "
-            f"and pass --announce-maddrs /ip4/{public}/tcp/{port} (with --host-maddrs "
-            f"/ip4/0.0.0.0/tcp/{port})"
-        )
+    def _reached(self, peer: str) -> bool:
+        """Whether this node has reached ``peer`` itself (its placement's connections)."""
+        return self.placement is not None and self.placement.reached(peer)
 
     def _fit_bandwidth(self) -> None:
         """``--max-upload-mbps`` / ``--max-download-mbps``: announce no more samples/s per
@@ -526,16 +366,16 @@ class Node:
             samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
             started=self.started,
             ttl_s=self.settings.record_ttl_s,
-            reachable=self.reachability.reachable,
-            relay=self.relay,
+            reachable=self.reach.reachability.reachable,
+            relay=self.reach.relay,
         )
 
     def _advertised_throughput(self) -> tuple[float, ...]:
         """Our throughput per stage, capped by the relay path when we serve through one
         (``relayed_throughput``; the relay's rate from its record, as last read)."""
-        if self.relay is None:
+        if self.reach.relay is None:
             return self.throughput
-        relay = relay_peer_id(self.relay)
+        relay = relay_peer_id(self.reach.relay)
         rates = [min(p.bandwidth_up_mbps, p.bandwidth_down_mbps)
                  for p in self.peers if p.peer_id == relay]  # fmt: skip
         model = self.spec.model
@@ -624,11 +464,11 @@ class Node:
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
                 tasks.create_task(self._watch_loop(), name="watch"),
             ]
-            background.append(tasks.create_task(self._recheck_reachability(), name="reachability"))
-            if self._relay_keeper is not None and self.relay is not None:
-                keeper = self._relay_keeper.run(self._relay_changed)
+            recheck = self.reach.recheck(self.p2p)
+            background.append(tasks.create_task(recheck, name="reachability"))
+            if (keeper := self.reach.keep_relay()) is not None:
                 background.append(tasks.create_task(keeper, name="relay-keeper"))
-            serves = self.serves  # if not, a trainer only: no stage to hold
+            serves = self.reach.serves  # if not, a trainer only: no stage to hold
             if serves and not await until_stopped(stop, self._join()):
                 for task in background:
                     task.cancel()
@@ -887,8 +727,7 @@ class Node:
         """Up/down against a serving peer (up to 3 tried, those reached first:
         ``bandwidth.partners``); on failure it stays 'unknown'."""
         records = await self.dht.peers()
-        reached = self.placement.reached if self.placement is not None else lambda p: False
-        for peer in partners(records, self.peer_id, reached, self.peer_id):
+        for peer in partners(records, self.peer_id, self._reached, self.peer_id):
             try:
                 self.bandwidth = await measure_bandwidth(self.p2p, PeerID.from_base58(peer))
             except BandwidthError as e:
@@ -997,7 +836,7 @@ class Node:
                 logger.debug("reading the run's peers failed: %s", e)
             else:
                 self.peers, self.peers_read_at = peers, time.time()
-                await self._reach_relayed(peers)
+                await self.reach.link_relayed(self.p2p, peers)
                 first = members.seen is None
                 members.update(peers, loop.time())
                 members.report(first)
@@ -1005,20 +844,6 @@ class Node:
                 next_beat = loop.time() + self.settings.heartbeat_s
                 self._heartbeat(peers).report()
             await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
-
-    async def _reach_relayed(self, peers: list[PeerInfo]) -> None:
-        """Keep a connection to every peer that serves through a relay (``p2pd`` dials it
-        only at addresses it holds, and never learns a relay's circuit address itself);
-        emit ``relay.link`` when how we are linked to one changes."""
-        try:
-            links = await connect_relayed(self.p2p, [p for p in peers if p.routable])
-        except Exception as e:  # a daemon hiccup: the next check retries
-            logger.debug("connecting to relayed peers failed: %s", e)
-            return
-        for peer, link in links.items():
-            if self._relay_links.get(peer) != link:
-                events.emit("relay.link", peer=peer, link=link)
-        self._relay_links = links
 
     def _heartbeat(self, peers: list[PeerInfo]) -> Heartbeat:
         return Heartbeat.of(
