@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from models.data import Corpus
@@ -36,6 +36,7 @@ from node.daemon.join import (
     join_run,
     owner_key_of,
 )
+from node.daemon.offer import Offer
 from node.daemon.reachability import Reach
 from node.daemon.settings import NodeSettings
 from node.daemon.start import (
@@ -56,11 +57,7 @@ from node.files import (
     write_atomic,
 )
 from node.measure.bandwidth import (
-    BandwidthError,
     BandwidthProbe,
-    advertised,
-    measure_bandwidth,
-    partners,
 )
 from node.measure.capacity import Device, free_memory, stage_memory
 from node.pipeline.server import StageServer
@@ -77,10 +74,6 @@ from protocol.assignment import Params
 from protocol.data_split import TokenRange, share_of
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
-from protocol.reachability import (
-    relay_peer_id,
-    relayed_throughput,
-)
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec
@@ -137,7 +130,7 @@ class Node:
         # Stage requests in flight, capped per caller and in total over all held stages.
         self.in_flight = InFlight(settings.limits)
         self.device: Device | None = None
-        self.throughput: tuple[float, ...] = ()
+        self.offer = Offer(settings)  # samples/s per stage and bandwidth, as announced
         self.corpus: Corpus | None = None
         self.checkpoints: Path | None = None  # where the held stages are checkpointed
         self.pretrained: Checkpoint | None = None  # verified: where stages start from
@@ -151,9 +144,6 @@ class Node:
         self.p2p: P2P | None = None
         self.gate: MembershipGate | None = None
         self.placement: Placement | None = None
-        self.bandwidth: tuple[float, float] | None = None  # measured (up, down), Mbit/s
-        self.stage_needs: list[int] = []  # bytes each stage needs (with --max-memory)
-        self.fits_every_stage = True  # else it never moves (--max-memory)
         self.started = get_dht_time()  # for the uptime in our record
         self.dashboard: Dashboard | None = None
         self.trainer: Trainer | None = None  # once training
@@ -250,10 +240,8 @@ class Node:
             steps.done("waited for the machine")  # what its examination took past the rest
             steps.done("machine examined on a thread", machine.seconds)
             self.pretrained, self.device = machine.pretrained, machine.device
-            self.throughput, self.corpus = machine.throughput, machine.corpus
-            logger.info("throughput per stage (samples/s): %s", self.throughput)
-            self._fit_bandwidth()
-            self._fit_memory()
+            self.corpus = machine.corpus
+            self.offer.fit(spec, machine.throughput)
         logger.info("ready to serve %s after the process started", steps.line())
 
     async def _open_dashboard(self) -> None:
@@ -277,85 +265,28 @@ class Node:
         """Whether this node has reached ``peer`` itself (its placement's connections)."""
         return self.placement is not None and self.placement.reached(peer)
 
-    def _fit_bandwidth(self) -> None:
-        """``--max-upload-mbps`` / ``--max-download-mbps``: announce no more samples/s per
-        stage than the limits let the stage move (``limits.throughput_within``), so that
-        routing sends it no more calls, and assignment counts no more, than it can serve."""
-        up, down = self.settings.max_upload_mbps, self.settings.max_download_mbps
-        if up is None and down is None:
-            return
-        self.throughput = tuple(
-            limits.throughput_within(self.spec, stage, t, up, down)
-            for stage, t in enumerate(self.throughput)
-        )
-        logger.info("within the bandwidth limits, throughput per stage: %s", self.throughput)
-
-    def _fit_memory(self) -> None:
-        """``--max-memory``: refuse (``NodeError``, after a ``stage.refused`` event) pinned
-        stages that do not fit, and a run none of whose stages does; announce no
-        throughput for the stages that do not fit, so that assignment leaves them to
-        others; and where some do not fit, never move (``movable``)."""
-        s, budget = self.settings, self.settings.max_memory
-        if budget is None:
-            return
-        needs = [stage_memory(self.spec, stage) for stage in range(self.spec.n_stages)]
-        self.stage_needs = needs
-        pinned = [stage for stage in (s.stage, s.second_stage) if stage is not None]
-        if refusal := limits.memory_refusal(needs, budget, pinned):
-            self._refuse_stage(*refusal)
-        fits = limits.stages_within(needs, budget)
-        if not fits:
-            smallest = min(range(len(needs)), key=needs.__getitem__)
-            self._refuse_stage(*limits.memory_refusal(needs, budget, [smallest]))
-        self.throughput = tuple(t if i in fits else 0.0 for i, t in enumerate(self.throughput))
-        self.fits_every_stage = len(fits) == len(needs)
-        logger.info("--max-memory: stages %s fit", fits)
-
-    def _refuse_stage(self, stage: int, why: str) -> None:
-        events.emit(
-            "stage.refused",
-            stage=stage,
-            need=self.stage_needs[stage],
-            max_memory=self.settings.max_memory,
-            reason=why,
-        )
-        raise NodeError(f"refusing stage {stage} of run {self.settings.run}: {why}")
-
     @property
     def movable(self) -> bool:
         """Whether it may move to another stage: not pinned, rebalancing, and every stage
         fits its memory (a move may go to a stage that nobody holds, whatever the mover's
         throughput there)."""
         s = self.settings
-        return s.stage is None and s.rebalance and self.fits_every_stage
-
-    def advertised_bandwidth(self) -> tuple[float, float] | None:
-        """(up, down) Mbit/s as our record says them: measured, else declared, capped by
-        ``--max-upload-mbps`` / ``--max-download-mbps``; None: unknown."""
-        s = self.settings
-        figure = self.bandwidth or s.bandwidth_mbps
-        return advertised(figure, s.max_upload_mbps, s.max_download_mbps)
+        return s.stage is None and s.rebalance and self.offer.fits_every_stage
 
     def info(self, state: PeerState | None = None) -> PeerInfo:
         """This node's record as of now."""
         assert self.spec is not None and self.device is not None
-        up_down = self.advertised_bandwidth()
+        up_down = self.offer.advertised_bandwidth()
         return PeerInfo(
             peer_id=self.peer_id,
             run=self.settings.run,
             version=PROTOCOL_VERSION,
             device=self.device.description,
-            throughput=self._advertised_throughput(),
+            throughput=self.offer.advertised_throughput(self.spec, self.reach.relay, self.peers),
             throughput_source="declared" if self.settings.throughput is not None else "measured",
             bandwidth_up_mbps=up_down[0] if up_down else 0.0,
             bandwidth_down_mbps=up_down[1] if up_down else 0.0,
-            bandwidth_source=(
-                "measured"
-                if self.bandwidth
-                else "declared"
-                if up_down  # declared, or the limits where nothing was measured
-                else "unknown"
-            ),
+            bandwidth_source=self.offer.bandwidth_source(),
             stage=self.stage,
             state=state or self.state,
             load=sum(h.server.load for h in self.held.values()),
@@ -369,18 +300,6 @@ class Node:
             reachable=self.reach.reachability.reachable,
             relay=self.reach.relay,
         )
-
-    def _advertised_throughput(self) -> tuple[float, ...]:
-        """Our throughput per stage, capped by the relay path when we serve through one
-        (``relayed_throughput``; the relay's rate from its record, as last read)."""
-        if self.reach.relay is None:
-            return self.throughput
-        relay = relay_peer_id(self.reach.relay)
-        rates = [min(p.bandwidth_up_mbps, p.bandwidth_down_mbps)
-                 for p in self.peers if p.peer_id == relay]  # fmt: skip
-        model = self.spec.model
-        per_sample = 2 * model.block_size * model.n_embd * 4  # activations and grads, fp32
-        return relayed_throughput(self.throughput, rates[0] if rates else 0.0, per_sample)
 
     @property
     def serving_second(self) -> int | None:
@@ -419,7 +338,7 @@ class Node:
                 self.p2p,
                 self.key,
                 self.spec,
-                self.throughput,
+                self.offer.throughput,
                 update_period_s=self.settings.update_period_s,
                 params=Params(mean_period_s=self.settings.rebalance_period_s),
             )
@@ -548,7 +467,7 @@ class Node:
             return None
         if second is None:
             return None
-        if refusal := limits.memory_refusal(self.stage_needs, s.max_memory, [self.stage, second]):
+        if refusal := self.offer.memory_refusal([self.stage, second]):
             logger.info("not taking stage %d as a second stage: %s", second, refusal[1])
             return None
         need, free = stage_memory(self.spec, second), free_memory(self.device)
@@ -597,8 +516,7 @@ class Node:
         """Build ``stage`` (its state from a peer of it, else from our newest checkpoint of
         it, else initial), and serve it."""
         together = [self.stage, stage] if role == "second" else [stage]
-        if refusal := limits.memory_refusal(self.stage_needs, self.settings.max_memory, together):
-            self._refuse_stage(*refusal)
+        self.offer.check_memory(together)
         if role == "first":
             logger.info("took stage %d of %d", stage, self.spec.n_stages)
         steps = Steps()
@@ -636,7 +554,7 @@ class Node:
                 admission=self.gate.refusal if self.spec.private else None,
                 callers=self.callers,
                 in_flight=self.in_flight,
-                download_mbps=self.download_mbps,
+                download_mbps=self.offer.download_mbps,
             )
         except BaseException:
             await averager.shutdown()
@@ -724,23 +642,11 @@ class Node:
             await self._checkpoint()
 
     async def _measure_bandwidth(self) -> None:
-        """Up/down against a serving peer (up to 3 tried, those reached first:
-        ``bandwidth.partners``); on failure it stays 'unknown'."""
+        """Measure up/down against a serving peer (``Offer.measure_bandwidth``) and
+        re-announce with the measured figures; on failure it stays unknown."""
         records = await self.dht.peers()
-        for peer in partners(records, self.peer_id, self._reached, self.peer_id):
-            try:
-                self.bandwidth = await measure_bandwidth(self.p2p, PeerID.from_base58(peer))
-            except BandwidthError as e:
-                logger.warning("could not measure bandwidth: %s", e)
-                continue
-            logger.info("bandwidth against %s: %.0f up / %.0f down Mbit/s", peer,
-                        *self.bandwidth)  # fmt: skip
-            self._changed.set()  # re-announce with the measured figures
-            return
-
-    def download_mbps(self) -> float | None:
-        """This node's download bandwidth, measured or declared (None: unknown)."""
-        return self.bandwidth[1] if self.bandwidth else self.settings.bandwidth_mbps
+        if await self.offer.measure_bandwidth(self.p2p, records, self.peer_id, self._reached):
+            self._changed.set()
 
     def _serving(self, stage: int) -> StageServer | None:
         """This node's server of ``stage``, if it serves it now (its own trainer calls it

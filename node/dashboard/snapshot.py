@@ -154,5 +154,5 @@ def snapshot_of(node: Node) -> NodeSnapshot:
         peers=tuple(node.peers),
         peers_read_at=node.peers_read_at,
         traffic=traffic.counts(),
-        advertised_mbps=node.advertised_bandwidth(),
+        advertised_mbps=node.offer.advertised_bandwidth(),
     )
