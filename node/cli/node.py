@@ -138,12 +138,10 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             def on_ready() -> None:
                 if settings.archive is not None:
                     line = f"archiving the {node.spec.n_stages} stages in {settings.archive}"
-                elif node.stage is None:
+                elif (stage := node.stages.stage) is None:
                     line = "training only: this node serves no stage (not reachable)"
                 else:
-                    line = (
-                        f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}"
-                    )
+                    line = f"serving stage {stage} of {node.spec.n_stages} on {node.device.name}"
                 print(line, flush=True)
 
             await node.run(stop, on_ready)

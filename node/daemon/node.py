@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -23,22 +22,16 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from models.data import Corpus
-from models.pretrained import Checkpoint, load_into, load_stage_state
-from models.stages import Stage
-from models.training import StageOptimizer
+from models.pretrained import Checkpoint
 from node import events, limits
-from node.averaging.averager import AveragedStageServer, StageAverager
 from node.daemon import checkpoint
 from node.daemon.archive import Archive
-from node.daemon.join import (
-    Joined,
-    NodeError,
-    join_run,
-    owner_key_of,
-)
+from node.daemon.checkpointing import Checkpointer
+from node.daemon.join import Joined, NodeError, join_run, owner_key_of
 from node.daemon.offer import Offer
 from node.daemon.reachability import Reach
 from node.daemon.settings import NodeSettings
+from node.daemon.stages import HeldStages, StageLifecycle
 from node.daemon.start import (
     MachineFacts,
     Steps,
@@ -52,15 +45,9 @@ from node.dashboard.address import parse_address
 from node.dashboard.server import Dashboard
 from node.dashboard.snapshot import snapshot_of
 from node.data import token_stream
-from node.files import (
-    load_or_create_identity,
-    write_atomic,
-)
-from node.measure.bandwidth import (
-    BandwidthProbe,
-)
-from node.measure.capacity import Device, free_memory, stage_memory
-from node.pipeline.server import StageServer
+from node.files import load_or_create_identity, write_atomic
+from node.measure.bandwidth import BandwidthProbe
+from node.measure.capacity import Device
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError
 from node.placement.driver import Placement
 from node.rpc.dht import SwarmDHT
@@ -77,7 +64,6 @@ from protocol.membership import MembershipError
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec
-from protocol.stage_messages import StageContract
 
 logger = logging.getLogger(__name__)
 
@@ -89,22 +75,10 @@ MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joi
 TRAIN_EVENT_EVERY = 10  # micro-batches between two ``train.progress`` events
 
 
-@dataclass
-class HeldStage:
-    """A stage this node holds: its index, whether it is the node's first stage (which it
-    may move) or a second one (fixed once taken), its averager and its server."""
-
-    stage: int
-    role: str  # "first" or "second"
-    averager: StageAverager
-    server: StageServer
-
-
 class Node:
     """One volunteer's membership in one run.
 
-    The stages it holds are records in ``held`` (keyed by stage): one stage or two take the
-    same code path. Every resource is registered on one ``AsyncExitStack`` as it is
+    The stages it announces and holds are in ``stages`` (``stages.HeldStages``). Every resource is registered on one ``AsyncExitStack`` as it is
     acquired (identity lock, DHT, dashboard, P2P replica, services, placement, the held
     stages), and ``close`` releases them in reverse order after announcing the departure."""
 
@@ -134,11 +108,7 @@ class Node:
         self.corpus: Corpus | None = None
         self.checkpoints: Path | None = None  # where the held stages are checkpointed
         self.pretrained: Checkpoint | None = None  # verified: where stages start from
-        # The stages this node announces (its first may be chosen but not yet loaded; its
-        # second is fixed once taken: a two-stage node never moves), and those it holds.
-        self.stage: int | None = None
-        self.second: int | None = None
-        self.held: dict[int, HeldStage] = {}
+        self.stages = HeldStages()  # the stages it announces and those it holds
         self.state = PeerState.JOINING
         self._changed = asyncio.Event()
         self.p2p: P2P | None = None
@@ -149,7 +119,6 @@ class Node:
         self.trainer: Trainer | None = None  # once training
         self.peers: list[PeerInfo] = []  # the run's peers, as ``_watch_loop`` last read them
         self.peers_read_at: float | None = None  # Unix seconds
-        self._served_before = 0  # micro-batches served by stage servers since unloaded
         # Whether peers can dial us, and the relay it serves through if they cannot.
         self.reach = Reach(dht, settings, self._reached, self._changed.set)
 
@@ -276,7 +245,7 @@ class Node:
     def info(self, state: PeerState | None = None) -> PeerInfo:
         """This node's record as of now."""
         assert self.spec is not None and self.device is not None
-        up_down = self.offer.advertised_bandwidth()
+        up_down, stages = self.offer.advertised_bandwidth(), self.stages
         return PeerInfo(
             peer_id=self.peer_id,
             run=self.settings.run,
@@ -287,33 +256,24 @@ class Node:
             bandwidth_up_mbps=up_down[0] if up_down else 0.0,
             bandwidth_down_mbps=up_down[1] if up_down else 0.0,
             bandwidth_source=self.offer.bandwidth_source(),
-            stage=self.stage,
+            stage=stages.stage,
             state=state or self.state,
-            load=sum(h.server.load for h in self.held.values()),
+            load=stages.load(),
             timestamp=get_dht_time(),
             membership=self.membership,
-            second_stage=self.second if self.stage is not None else None,
-            second_serving=self.serving_second is not None,
-            samples_served=self.micro_batches_served() * self.spec.optim.micro_batch_size,
+            second_stage=stages.second if stages.stage is not None else None,
+            second_serving=stages.serving_second is not None,
+            samples_served=stages.micro_batches_served() * self.spec.optim.micro_batch_size,
             started=self.started,
             ttl_s=self.settings.record_ttl_s,
             reachable=self.reach.reachability.reachable,
             relay=self.reach.relay,
         )
 
-    @property
-    def serving_second(self) -> int | None:
-        """The second stage, once it is held (a second stage is announced before)."""
-        return self.second if self.second is not None and self.second in self.held else None
-
     @staticmethod
     def _stopped() -> None:
         events.emit("node.stopped")
         events.close_log()
-
-    def micro_batches_served(self) -> int:
-        """Forward passes (train and validation) our stage servers computed, since start."""
-        return self._served_before + sum(h.server.counters.forward for h in self.held.values())
 
     def set_state(self, state: PeerState) -> None:
         """Change state and re-announce at once."""
@@ -345,9 +305,35 @@ class Node:
         except GossipUnavailable as e:
             raise NodeError(f"cannot use the run's gossip topic: {e}") from None
         add(self.placement.close)
-        add(self._release_stages)
+        lifecycle = StageLifecycle(
+            self.stages,
+            self.settings,
+            self.spec,
+            self.dht,
+            self.p2p,
+            self.key,
+            self.device,
+            self.pretrained,
+            self.checkpoints,
+            self.offer,
+            self.placement,
+            self.gate,
+            self.callers,
+            self.in_flight,
+            set_state=self.set_state,
+            on_change=self._changed.set,
+        )
+        checkpointer = Checkpointer(self.stages, self.spec, self.checkpoints, self._data_position)
+
+        async def checkpoint_and_release() -> None:
+            """On close: checkpoint every held stage (a clean stop loses nothing), then
+            release them."""
+            await checkpointer.write_all()
+            await lifecycle.release_all()
+
+        add(checkpoint_and_release)
         try:
-            await self._run_tasks(stop, on_ready)
+            await self._run_tasks(stop, on_ready, lifecycle, checkpointer)
         except* NodeError as group:  # a task's reason to stop, for the person running us
             raise group.exceptions[0] from None
 
@@ -373,7 +359,13 @@ class Node:
             for task in background:
                 task.cancel()
 
-    async def _run_tasks(self, stop: asyncio.Event, on_ready: Callable[[], None] | None) -> None:
+    async def _run_tasks(
+        self,
+        stop: asyncio.Event,
+        on_ready: Callable[[], None] | None,
+        lifecycle: StageLifecycle,
+        checkpointer: Checkpointer,
+    ) -> None:
         async with asyncio.TaskGroup() as tasks:
             background = [
                 tasks.create_task(self._announce_loop(), name="announce"),
@@ -388,18 +380,20 @@ class Node:
             if (keeper := self.reach.keep_relay()) is not None:
                 background.append(tasks.create_task(keeper, name="relay-keeper"))
             serves = self.reach.serves  # if not, a trainer only: no stage to hold
-            if serves and not await until_stopped(stop, self._join()):
+            if serves and not await until_stopped(stop, lifecycle.join()):
                 for task in background:
                     task.cancel()
                 return
             if on_ready is not None:
                 on_ready()
-            if self.second is not None:  # a two-stage node never moves
-                background.append(tasks.create_task(self._load_second(), name="second-stage"))
+            if self.stages.second is not None:  # a two-stage node never moves
+                second = lifecycle.load_second()
+                background.append(tasks.create_task(second, name="second-stage"))
             elif serves and self.movable:
-                background.append(tasks.create_task(self._rebalance_loop(), name="rebalance"))
-            if serves and self.settings.checkpoint_every_s > 0:
-                background.append(tasks.create_task(self._checkpoint_loop(), name="checkpoint"))
+                background.append(tasks.create_task(lifecycle.rebalance(), name="rebalance"))
+            if serves and (period := self.settings.checkpoint_every_s) > 0:
+                saving = checkpointer.every(period)
+                background.append(tasks.create_task(saving, name="checkpoint"))
             if self.settings.bandwidth_mbps is None:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
             if self.settings.train:
@@ -431,215 +425,10 @@ class Node:
             if not stop.is_set():
                 raise NodeError(f"this node's p2pd stopped: {e}") from None
 
-    async def _join(self) -> None:
-        """Take a stage, load it, and decide on a second one."""
-        await self._take_stage()
-        self.second = await self._second_choice()
-
-    async def _take_stage(self) -> None:
-        """Choose a stage (``--stage`` pins it; a node that kept a checkpoint takes that
-        checkpoint's stage again) and load it."""
-        assert self.spec is not None and self.placement is not None
-        if self.settings.stage is not None:
-            self.stage = self.settings.stage
-        else:
-
-            def on_choice(stage: int) -> None:
-                self.stage = stage
-                self.set_state(PeerState.JOINING)  # the record and the gossip carry the intent
-
-            resume = await asyncio.to_thread(checkpoint.resume_stage, self.checkpoints, self.spec)
-            await self.placement.join(on_choice, resume)
-        self.set_state(PeerState.LOADING)
-        await self._hold(self.stage, "first")
-        self.set_state(PeerState.SERVING)
-
-    async def _second_choice(self) -> int | None:
-        """The second stage this node takes as well, if any: pinned, or (for a node that
-        chose its first) what the rule says once the first serves."""
-        s = self.settings
-        if s.second_stage is not None or s.stage is not None or not s.two_stage:
-            return s.second_stage
-        try:
-            second = await self.placement.second_stage(self.stage)
-        except Exception as e:  # a DHT hiccup: one stage is what every node can do
-            logger.warning("could not decide on a second stage: %s", e)
-            return None
-        if second is None:
-            return None
-        if refusal := self.offer.memory_refusal([self.stage, second]):
-            logger.info("not taking stage %d as a second stage: %s", second, refusal[1])
-            return None
-        need, free = stage_memory(self.spec, second), free_memory(self.device)
-        if need > free:
-            logger.info(
-                "not taking stage %d as a second stage: it needs about %.0f MiB, %.0f MiB free",
-                second,
-                need / 2**20,
-                free / 2**20,
-            )
-            return None
-        self._changed.set()  # announce it at once: others count it in the reserve
-        return second
-
-    async def _load_second(self) -> None:
-        """Load and serve the second stage too; its time goes where routing sends calls.
-        If that fails the node goes on with one stage (it does not move either)."""
-        try:
-            await self._hold(self.second, "second")
-        except Exception as e:
-            logger.warning("could not load stage %d as a second stage: %s", self.second, e)
-            self.second = None
-        self._changed.set()
-
-    async def _rebalance_loop(self) -> None:
-        """Move when a check says so and the stage we leave keeps a serving peer."""
-        while True:
-            move = await self.placement.next_move(lambda: self.stage)
-            started = asyncio.get_running_loop().time()
-            if not await self.placement.confirm_move(move):
-                self._changed.set()  # re-announce that we stay
-                continue
-            self.stage = move.to_stage
-            self.set_state(PeerState.LOADING)
-            await self._release(move.from_stage)
-            await self._hold(move.to_stage, "first")
-            self.set_state(PeerState.SERVING)
-            logger.info(
-                "moved from stage %d to %d in %.1f s (announced, confirmed, loaded)",
-                move.from_stage,
-                move.to_stage,
-                asyncio.get_running_loop().time() - started,
-            )
-
-    async def _hold(self, stage: int, role: str) -> None:
-        """Build ``stage`` (its state from a peer of it, else from our newest checkpoint of
-        it, else initial), and serve it."""
-        together = [self.stage, stage] if role == "second" else [stage]
-        self.offer.check_memory(together)
-        if role == "first":
-            logger.info("took stage %d of %d", stage, self.spec.n_stages)
-        steps = Steps()
-        model = self.spec.model
-        module = Stage(model, self.spec.stage_range(stage))
-        if self.pretrained is not None:  # the initial state; a peer's or a checkpoint's wins
-            r = module.range
-            state = await asyncio.to_thread(
-                load_stage_state, self.pretrained, range(r.start, r.end)
-            )
-            load_into(module, state, str(self.pretrained.directory))
-        module = module.to(self.device.torch)
-        optimizer = StageOptimizer(module, self.spec.optim)
-        steps.done("built")
-        averager = await StageAverager.create(
-            self.dht, self.spec, stage, module, optimizer, key=self.key
-        )
-        steps.done("averager started")
-        try:
-            kept = await asyncio.to_thread(checkpoint.newest, self.checkpoints, self.spec, stage)
-            saved = None if kept is None else (kept.metadata, kept.tensors, str(kept.path))
-            loaded = await averager.load_state(
-                saved=saved, archived=functools.partial(self._archived, stage)
-            )
-            steps.done("state loaded")
-            logger.info("stage %d state: %s", stage, loaded)
-            server = await AveragedStageServer.create(
-                self.p2p,
-                module,
-                optimizer,
-                StageContract.for_stage(model, module.range, stage),
-                self.spec.run,
-                compression=self.spec.compression,
-                averager=averager,
-                admission=self.gate.refusal if self.spec.private else None,
-                callers=self.callers,
-                in_flight=self.in_flight,
-                download_mbps=self.offer.download_mbps,
-            )
-        except BaseException:
-            await averager.shutdown()
-            raise
-        steps.done("serving")
-        self.held[stage] = HeldStage(stage, role, averager, server)
-        logger.info("stage %d held in %s", stage, steps.line())
-        if role == "second":
-            logger.info("serving stage %d as well (a second stage)", stage)
-        events.emit(
-            "stage.held",
-            stage=stage,
-            role=role,
-            loaded=str(loaded.origin),
-            source=loaded.source,
-            step=loaded.step,
-        )
-
-    async def _archived(self, stage: int) -> dict[str, int]:
-        """The archive nodes that hold ``stage``, and the epoch of their newest copy."""
-        held = {}
-        for record in await self.dht.archives():
-            epoch = record.epoch_of(stage)
-            if epoch is not None and record.peer_id != self.peer_id:
-                held[record.peer_id] = epoch
-        return held
-
-    async def _release(self, stage: int) -> None:
-        """Stop serving and averaging ``stage`` (before taking another, or on close)."""
-        held = self.held.pop(stage, None)
-        if held is None:
-            return
-        await held.server.shutdown()
-        self._served_before += held.server.counters.forward
-        await held.averager.shutdown()
-        events.emit("stage.released", stage=stage)
-
-    async def _release_stages(self) -> None:
-        """On close: checkpoint every held stage (a clean stop loses nothing), release them."""
-        await self._checkpoint()
-        for stage in reversed(list(self.held)):
-            await self._release(stage)
-
-    def _checkpointable(self) -> list[HeldStage]:
-        return [h for h in self.held.values() if h.averager.running]
-
-    async def _checkpoint(self) -> None:
-        """Write a checkpoint of every stage held (the copy holds the stage's lock for as
-        long as copying its tensors takes; the write runs off the event loop)."""
-        for held in self._checkpointable():
-            started = time.monotonic()
-            try:
-                metadata, tensors = await asyncio.to_thread(held.averager.snapshot)
-                path = await asyncio.to_thread(
-                    checkpoint.write,
-                    self.checkpoints,
-                    self.spec,
-                    held.stage,
-                    metadata,
-                    tensors,
-                    data=self._data_position(),
-                )
-            except Exception as e:  # a full disk must not stop the node
-                logger.warning("could not checkpoint stage %d: %s", held.stage, e)
-                continue
-            events.emit(
-                "checkpoint.written", stage=held.stage, step=metadata["step"], path=str(path)
-            )
-            logger.info(
-                "checkpointed stage %d at step %d in %.1f s: %s",
-                held.stage,
-                metadata["step"],
-                time.monotonic() - started,
-                path,
-            )
-
     def _data_position(self) -> checkpoint.DataPosition | None:
         if self.trainer is None:
             return None
         return checkpoint.DataPosition(self.trainer.settings.stream, self.trainer.data_position)
-
-    async def _checkpoint_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.checkpoint_every_s)
-            await self._checkpoint()
 
     async def _measure_bandwidth(self) -> None:
         """Measure up/down against a serving peer (``Offer.measure_bandwidth``) and
@@ -647,14 +436,6 @@ class Node:
         records = await self.dht.peers()
         if await self.offer.measure_bandwidth(self.p2p, records, self.peer_id, self._reached):
             self._changed.set()
-
-    def _serving(self, stage: int) -> StageServer | None:
-        """This node's server of ``stage``, if it serves it now (its own trainer calls it
-        in-process)."""
-        held = self.held.get(stage)
-        if held is None or (held.role == "first" and self.state is not PeerState.SERVING):
-            return None
-        return held.server
 
     async def _train_loop(self) -> None:
         """Drive micro-batches through the swarm for as long as the node runs."""
@@ -673,7 +454,7 @@ class Node:
             self.corpus,
             settings,
             membership=self.membership,
-            local=self._serving,
+            local=lambda stage: self.stages.server(stage, self.state),
         )
         losses: list[float] = []
 
@@ -755,10 +536,10 @@ class Node:
         return Heartbeat.of(
             self.peer_id,
             peers,
-            first=self.stage,
-            second=self.serving_second,
-            served=self.micro_batches_served(),
-            steps=sum(h.server.counters.steps for h in self.held.values()),
+            first=self.stages.stage,
+            second=self.stages.serving_second,
+            served=self.stages.micro_batches_served(),
+            steps=self.stages.steps(),
         )
 
     async def _announce_loop(self) -> None:
@@ -825,7 +606,7 @@ class Node:
                 leaving = self.info(PeerState.LEAVING)
                 async with asyncio.timeout(grace_s):
                     if self.placement is not None:  # gossip first: it arrives in milliseconds
-                        await self.placement.announce(self.stage, PeerState.LEAVING, 0)
+                        await self.placement.announce(self.stages.stage, PeerState.LEAVING, 0)
                     await self._publish(leaving)
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
