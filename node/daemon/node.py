@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -40,15 +38,15 @@ from node.daemon.start import (
     resolve_run,
     since_process_start,
 )
-from node.daemon.watch import Heartbeat, Members
+from node.daemon.training import Training
+from node.daemon.watch import Heartbeat, RunPeers, watch_run
 from node.dashboard.address import parse_address
 from node.dashboard.server import Dashboard
 from node.dashboard.snapshot import snapshot_of
-from node.data import token_stream
 from node.files import load_or_create_identity, write_atomic
 from node.measure.bandwidth import BandwidthProbe
 from node.measure.capacity import Device
-from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerError
+from node.pipeline.trainer import Trainer
 from node.placement.driver import Placement
 from node.rpc.dht import SwarmDHT
 from node.rpc.gossip import GossipUnavailable
@@ -58,7 +56,6 @@ from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.admission import InFlight
 from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
-from protocol.data_split import TokenRange, share_of
 from protocol.identity import peer_id_of
 from protocol.membership import MembershipError
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
@@ -69,18 +66,16 @@ logger = logging.getLogger(__name__)
 
 SPEC_REFRESH_S = 300.0
 REVOCATIONS_REFRESH_S = 10.0
-TRAIN_PAUSE_S = 10.0  # a node's trainer that cannot go on waits this long to try again
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
-MEMBERS_CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
-TRAIN_EVENT_EVERY = 10  # micro-batches between two ``train.progress`` events
 
 
 class Node:
     """One volunteer's membership in one run.
 
-    The stages it announces and holds are in ``stages`` (``stages.HeldStages``). Every resource is registered on one ``AsyncExitStack`` as it is
-    acquired (identity lock, DHT, dashboard, P2P replica, services, placement, the held
-    stages), and ``close`` releases them in reverse order after announcing the departure."""
+    The stages it announces and holds are in ``stages`` (``stages.HeldStages``). Every
+    resource is registered on one ``AsyncExitStack`` as it is acquired (identity lock,
+    DHT, dashboard, P2P replica, services, placement, the held stages), and ``close``
+    releases them in reverse order after announcing the departure."""
 
     def __init__(
         self,
@@ -116,9 +111,8 @@ class Node:
         self.placement: Placement | None = None
         self.started = get_dht_time()  # for the uptime in our record
         self.dashboard: Dashboard | None = None
-        self.trainer: Trainer | None = None  # once training
-        self.peers: list[PeerInfo] = []  # the run's peers, as ``_watch_loop`` last read them
-        self.peers_read_at: float | None = None  # Unix seconds
+        self.training: Training | None = None  # once it runs
+        self.run_peers = RunPeers()  # the run's peers, as ``watch_run`` last read them
         # Whether peers can dial us, and the relay it serves through if they cannot.
         self.reach = Reach(dht, settings, self._reached, self._changed.set)
 
@@ -251,7 +245,9 @@ class Node:
             run=self.settings.run,
             version=PROTOCOL_VERSION,
             device=self.device.description,
-            throughput=self.offer.advertised_throughput(self.spec, self.reach.relay, self.peers),
+            throughput=self.offer.advertised_throughput(
+                self.spec, self.reach.relay, self.run_peers.peers
+            ),
             throughput_source="declared" if self.settings.throughput is not None else "measured",
             bandwidth_up_mbps=up_down[0] if up_down else 0.0,
             bandwidth_down_mbps=up_down[1] if up_down else 0.0,
@@ -323,7 +319,19 @@ class Node:
             set_state=self.set_state,
             on_change=self._changed.set,
         )
-        checkpointer = Checkpointer(self.stages, self.spec, self.checkpoints, self._data_position)
+        self.training = Training(
+            self.settings,
+            self.spec,
+            self.dht,
+            self.p2p,
+            self.corpus,
+            self.membership,
+            self.checkpoints,
+            self.run_peers,
+            local=lambda stage: self.stages.server(stage, self.state),
+        )
+        data = self.training.data_position
+        checkpointer = Checkpointer(self.stages, self.spec, self.checkpoints, data)
 
         async def checkpoint_and_release() -> None:
             """On close: checkpoint every held stage (a clean stop loses nothing), then
@@ -373,7 +381,7 @@ class Node:
                 tasks.create_task(self._revocations_loop(), name="revocations"),
                 tasks.create_task(self._follow_gossip(stop), name="gossip"),
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
-                tasks.create_task(self._watch_loop(), name="watch"),
+                tasks.create_task(self._watch(), name="watch"),
             ]
             recheck = self.reach.recheck(self.p2p)
             background.append(tasks.create_task(recheck, name="reachability"))
@@ -397,7 +405,7 @@ class Node:
             if self.settings.bandwidth_mbps is None:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
             if self.settings.train:
-                background.append(tasks.create_task(self._train_loop(), name="trainer"))
+                background.append(tasks.create_task(self.training.run(), name="trainer"))
             owner_key = (
                 None
                 if self.spec.private
@@ -425,11 +433,6 @@ class Node:
             if not stop.is_set():
                 raise NodeError(f"this node's p2pd stopped: {e}") from None
 
-    def _data_position(self) -> checkpoint.DataPosition | None:
-        if self.trainer is None:
-            return None
-        return checkpoint.DataPosition(self.trainer.settings.stream, self.trainer.data_position)
-
     async def _measure_bandwidth(self) -> None:
         """Measure up/down against a serving peer (``Offer.measure_bandwidth``) and
         re-announce with the measured figures; on failure it stays unknown."""
@@ -437,102 +440,29 @@ class Node:
         if await self.offer.measure_bandwidth(self.p2p, records, self.peer_id, self._reached):
             self._changed.set()
 
-    async def _train_loop(self) -> None:
-        """Drive micro-batches through the swarm for as long as the node runs."""
-        assert self.spec is not None and self.p2p is not None
-        stream = zlib.crc32(self.peer_id.encode())
-        start = await asyncio.to_thread(
-            checkpoint.data_position, self.checkpoints, self.spec, stream
-        )
-        if start:
-            logger.info("training resumes its data stream at micro-batch %d", start)
-        settings = replace(self.settings.trainer, stream=stream, start=start)
-        self.trainer = trainer = Trainer(
-            self.dht,
-            self.p2p,
-            self.spec,
-            self.corpus,
-            settings,
-            membership=self.membership,
-            local=lambda stage: self.stages.server(stage, self.state),
-        )
-        losses: list[float] = []
+    async def _watch(self) -> None:
+        """Follow who joins and leaves the run, keep linked to relayed peers, and log the
+        node's heartbeat (``watch.watch_run``)."""
 
-        def on_result(r: MicroBatchResult) -> None:
-            losses.append(r.loss)
-            if trainer.stats.micro_batches % TRAIN_EVENT_EVERY == 0:
-                events.emit(
-                    "train.progress", micro_batches=trainer.stats.micro_batches, loss=r.loss
-                )
-            if len(losses) == 50:
-                logger.info(
-                    "trained %d micro-batches; mean loss of the last 50: %.3f",
-                    trainer.stats.micro_batches,
-                    sum(losses) / len(losses),
-                )
-                losses.clear()
+        async def link(peers: list[PeerInfo]) -> None:
+            await self.reach.link_relayed(self.p2p, peers)
 
-        share: tuple[TokenRange, ...] = ()
-        if self.spec.dataset is not None and self.peers_read_at is None:
-            with contextlib.suppress(Exception):  # else the share waits for the watch loop
-                self.peers, self.peers_read_at = await self.dht.peers(), time.time()
-        while True:  # whatever stops the trainer pauses it: the node goes on serving
-            share = self._read_share(trainer, share)
-            try:
-                await trainer.train(100, on_result)
-            except TrainerError as e:
-                logger.warning("training paused for %.0f s: %s", TRAIN_PAUSE_S, e)
-                await asyncio.sleep(TRAIN_PAUSE_S)
-            except Exception:
-                logger.exception("the trainer failed; trying again in %.0f s", TRAIN_PAUSE_S)
-                await asyncio.sleep(TRAIN_PAUSE_S)
+        s = self.settings
+        await watch_run(
+            self.dht, self.run_peers, self.peer_id, s.record_ttl_s, s.heartbeat_s, link,
+            self._heartbeat,
+        )  # fmt: skip
 
-    def _read_share(
-        self, trainer: Trainer, share: tuple[TokenRange, ...]
-    ) -> tuple[TokenRange, ...]:
-        """In a run with shards, point ``trainer`` at this node's share of them among the
-        run's live peers (``protocol.data_split``, from the peers ``_watch_loop`` last read;
-        every peer counts as a trainer, so a ``--no-train`` peer's share goes unread rather
-        than read twice) when it differs from ``share``; the share it reads now."""
-        dataset, directory = self.spec.dataset, self.settings.data
-        if dataset is None or directory is None:
-            return share
-        trainers = {p.peer_id for p in self.peers} | {self.peer_id}
-        new = share_of([(s.name, s.tokens) for s in dataset.train], trainers, self.peer_id)
-        if new != share:
-            tokens = token_stream(dataset, directory.expanduser(), new)
-            trainer.read_from(tokens)
-            share_ranges = [[r.shard, r.start, r.end] for r in new]
-            events.emit("data.share", trainers=len(trainers), ranges=len(new), tokens=len(tokens),
-                        share=share_ranges)  # fmt: skip
-            logger.info("reading %d of the run's %d training tokens (%d trainers)", len(tokens),
-                        sum(s.tokens for s in dataset.train), len(trainers))  # fmt: skip
-        return new
+    @property
+    def trainer(self) -> Trainer | None:
+        """This node's trainer, once training."""
+        return None if self.training is None else self.training.trainer
 
-    async def _watch_loop(self) -> None:
-        """Log and emit who joins and leaves the run (``watch.Members``) and, every
-        ``heartbeat_s`` while serving, the node's ``watch.Heartbeat``."""
-        loop = asyncio.get_running_loop()
-        members = Members(self.peer_id, self.settings.record_ttl_s + MEMBERS_CHECK_S)
-        peers: list[PeerInfo] = []
-        next_beat = loop.time() + self.settings.heartbeat_s
-        while True:
-            try:
-                peers = await self.dht.peers()
-            except Exception as e:  # a DHT hiccup: the next check retries
-                logger.debug("reading the run's peers failed: %s", e)
-            else:
-                self.peers, self.peers_read_at = peers, time.time()
-                await self.reach.link_relayed(self.p2p, peers)
-                first = members.seen is None
-                members.update(peers, loop.time())
-                members.report(first)
-            if loop.time() >= next_beat and self.state is PeerState.SERVING:
-                next_beat = loop.time() + self.settings.heartbeat_s
-                self._heartbeat(peers).report()
-            await asyncio.sleep(min(MEMBERS_CHECK_S, self.settings.heartbeat_s))
-
-    def _heartbeat(self, peers: list[PeerInfo]) -> Heartbeat:
+    def _heartbeat(self, peers: list[PeerInfo]) -> Heartbeat | None:
+        """The node's heartbeat given a read of the run's ``peers``; None while it does not
+        serve."""
+        if self.state is not PeerState.SERVING:
+            return None
         return Heartbeat.of(
             self.peer_id,
             peers,

@@ -151,8 +151,8 @@ def snapshot_of(node: Node) -> NodeSnapshot:
         trained_samples=0 if stats is None else stats.samples,
         loss_sum=0.0 if stats is None else stats.loss_sum,
         calls=_calls_by_stage(stats.calls) if stats is not None else {},
-        peers=tuple(node.peers),
-        peers_read_at=node.peers_read_at,
+        peers=tuple(node.run_peers.peers),
+        peers_read_at=node.run_peers.read_at,
         traffic=traffic.counts(),
         advertised_mbps=node.offer.advertised_bandwidth(),
     )
