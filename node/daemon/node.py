@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
@@ -27,6 +26,13 @@ from node.daemon.archive import Archive
 from node.daemon.checkpointing import Checkpointer
 from node.daemon.join import Joined, NodeError, join_run, owner_key_of
 from node.daemon.offer import Offer
+from node.daemon.publishing import (
+    announce_peer,
+    announce_run,
+    follow_revocations,
+    publish_peer,
+    refresh_spec,
+)
 from node.daemon.reachability import Reach
 from node.daemon.settings import NodeSettings
 from node.daemon.stages import HeldStages, StageLifecycle
@@ -54,18 +60,14 @@ from node.rpc.membership import MembershipGate
 from node.rpc.reach import DialBack
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.admission import InFlight
-from protocol.announce import ANNOUNCE_PERIOD_S, announcement_of
 from protocol.assignment import Params
 from protocol.identity import peer_id_of
-from protocol.membership import MembershipError
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec
 
 logger = logging.getLogger(__name__)
 
-SPEC_REFRESH_S = 300.0
-REVOCATIONS_REFRESH_S = 10.0
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
 
 
@@ -358,8 +360,8 @@ class Node:
         async with asyncio.TaskGroup() as tasks:
             background = [
                 tasks.create_task(archive.run(), name="archive"),
-                tasks.create_task(self._spec_loop(), name="refresh-spec"),
-                tasks.create_task(self._revocations_loop(), name="revocations"),
+                tasks.create_task(self._refresh_spec(), name="refresh-spec"),
+                tasks.create_task(self._follow_revocations(), name="revocations"),
             ]
             if on_ready is not None:
                 on_ready()
@@ -376,9 +378,9 @@ class Node:
     ) -> None:
         async with asyncio.TaskGroup() as tasks:
             background = [
-                tasks.create_task(self._announce_loop(), name="announce"),
-                tasks.create_task(self._spec_loop(), name="refresh-spec"),
-                tasks.create_task(self._revocations_loop(), name="revocations"),
+                tasks.create_task(self._announce(), name="announce"),
+                tasks.create_task(self._refresh_spec(), name="refresh-spec"),
+                tasks.create_task(self._follow_revocations(), name="revocations"),
                 tasks.create_task(self._follow_gossip(stop), name="gossip"),
                 tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
                 tasks.create_task(self._watch(), name="watch"),
@@ -413,7 +415,9 @@ class Node:
             )
             if owner_key is not None:  # the owner's node of a public run announces it
                 background.append(
-                    tasks.create_task(self._directory_loop(owner_key), name="directory")
+                    tasks.create_task(
+                        announce_run(self.dht, self.spec, owner_key), name="directory"
+                    )
                 )
             await stop.wait()
             for task in background:
@@ -472,56 +476,21 @@ class Node:
             steps=self.stages.steps(),
         )
 
-    async def _announce_loop(self) -> None:
-        while True:
-            self._changed.clear()
-            info = self.info()
-            await self._publish(info)
-            await self.placement.announce(info.stage, info.state, info.load)
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
-            # that lands as the event fires (seen: a node that ignored SIGTERM).
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.update_period_s):
-                    await self._changed.wait()
+    def _announce(self) -> Awaitable[None]:
+        """The task that keeps this node's record published (``publishing.announce_peer``)."""
+        return announce_peer(
+            self.dht, self.placement, self.key, self.info, self._changed,
+            self.settings.update_period_s,
+        )  # fmt: skip
 
-    async def _directory_loop(self, owner_key: Ed25519PrivateKey) -> None:
-        """Announce this public run in the run directory (``protocol.announce``) every
-        ``ANNOUNCE_PERIOD_S``, with the figures of its live peer records. Only the owner's
-        node can (it holds the owner key); while it is down the run drops off the list."""
-        logger.info("announcing public run %s in the run directory", self.spec.run)
-        while True:
-            try:
-                record = announcement_of(self.spec, await self.dht.peers(), now=get_dht_time())
-                if not await self.dht.publish_announcement(record, owner_key):
-                    logger.warning("the DHT did not store the run's announcement")
-            except Exception as e:  # a DHT hiccup: the next period retries
-                logger.warning("announcing the run failed: %s", e)
-            await asyncio.sleep(ANNOUNCE_PERIOD_S)
+    def _refresh_spec(self) -> Awaitable[None]:
+        """The task that keeps the run's spec published (``publishing.refresh_spec``)."""
+        return refresh_spec(self.dht, self.joined.signed)
 
-    async def _publish(self, info: PeerInfo) -> None:
-        try:
-            if not await self.dht.publish_peer(info, self.key):
-                logger.warning("the DHT did not store our record (no reachable peer?)")
-        except Exception as e:  # a DHT hiccup must not stop the node; the next period retries
-            logger.warning("publishing our record failed: %s", e)
-
-    async def _spec_loop(self) -> None:
-        while True:
-            await asyncio.sleep(SPEC_REFRESH_S)
-            await self.dht.publish_spec(self.joined.signed)
-
-    async def _revocations_loop(self) -> None:
-        """Follow the owner's revocations; stop the node if they (or time) end our invite."""
-        while self.spec.private:
-            await asyncio.sleep(REVOCATIONS_REFRESH_S)
-            try:
-                await self.dht.refresh_revocations(restore=True)
-            except Exception as e:  # a DHT hiccup: the next period retries
-                logger.warning("reading the run's revocations failed: %s", e)
-            try:
-                self.dht.policy.check(self.peer_id, self.membership, get_dht_time())
-            except MembershipError as e:
-                raise NodeError(f"this node is no longer a member of the run: {e}") from None
+    def _follow_revocations(self) -> Awaitable[None]:
+        """The task that stops a private run's node once its membership ends
+        (``publishing.follow_revocations``)."""
+        return follow_revocations(self.dht, self.spec, self.membership)
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Announce ``leaving`` (best effort, within ``grace_s``), then release every
@@ -537,7 +506,7 @@ class Node:
                 async with asyncio.timeout(grace_s):
                     if self.placement is not None:  # gossip first: it arrives in milliseconds
                         await self.placement.announce(self.stages.stage, PeerState.LEAVING, 0)
-                    await self._publish(leaving)
+                    await publish_peer(self.dht, leaving, self.key)
         except TimeoutError:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
