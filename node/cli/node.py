@@ -12,8 +12,9 @@ from pathlib import Path
 from node import events
 from node.cli.args import parse_memory
 from node.cli.maddrs import check_can_listen
-from node.daemon.node import Node, until_stopped, write_maddrs
+from node.daemon.node import Node, write_maddrs
 from node.daemon.settings import NodeSettings
+from node.daemon.tasks import until_stopped
 from node.dashboard.address import check_can_bind, parse_address
 from node.logs import log_to_file
 from node.measure.capacity import pick_device

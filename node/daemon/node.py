@@ -1,8 +1,12 @@
 """The node daemon's lifecycle: join -> measure -> announce -> take a stage -> serve -> leave.
 
-``Node`` owns every background task it starts (an ``asyncio.TaskGroup``); ``run`` returns
-only after they are all cancelled and awaited, and ``close`` announces the departure and
-stops the DHT (and its ``p2pd``) so that nothing outlives the node.
+``Node`` is the composition root: ``start`` loads the identity and starts the DHT,
+``prepare`` joins the run and examines the machine (``start``) while peers say whether
+they can dial it (``reachability``), ``run`` builds the parts that serve (placement,
+``stages``, ``checkpointing``, ``training``) and owns every background task they run
+(an ``asyncio.TaskGroup``, cancelled and awaited when ``stop`` is set), and ``close``
+announces the departure and releases every resource in reverse order, so that nothing
+outlives the node.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,11 +43,13 @@ from node.daemon.stages import HeldStages, StageLifecycle
 from node.daemon.start import (
     MachineFacts,
     Steps,
+    check_pins,
     examine_machine,
     invite_for,
     resolve_run,
     since_process_start,
 )
+from node.daemon.tasks import Owned, until_stopped
 from node.daemon.training import Training
 from node.daemon.watch import Heartbeat, RunPeers, watch_run
 from node.dashboard.address import parse_address
@@ -184,11 +190,7 @@ class Node:
         )
         steps.done("run joined")
         spec = self.joined.spec
-        for flag, stage in (("--stage", s.stage), ("--second-stage", s.second_stage)):
-            if stage is not None and not 0 <= stage < spec.n_stages:
-                raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
-        if s.second_stage is not None and s.second_stage == s.stage:
-            raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
+        check_pins(s, spec)
         self.checkpoints = s.archive or s.checkpoint_root(self.peer_id)
         examined: asyncio.Task[MachineFacts] | None = None
         try:
@@ -358,16 +360,14 @@ class Node:
         )
         self._resources.push_async_callback(archive.close)
         async with asyncio.TaskGroup() as tasks:
-            background = [
-                tasks.create_task(archive.run(), name="archive"),
-                tasks.create_task(self._refresh_spec(), name="refresh-spec"),
-                tasks.create_task(self._follow_revocations(), name="revocations"),
-            ]
+            own = Owned(tasks)
+            own(archive.run(), "archive")
+            own(self._refresh_spec(), "refresh-spec")
+            own(self._follow_revocations(), "revocations")
             if on_ready is not None:
                 on_ready()
             await stop.wait()
-            for task in background:
-                task.cancel()
+            own.cancel()
 
     async def _run_tasks(
         self,
@@ -376,52 +376,40 @@ class Node:
         lifecycle: StageLifecycle,
         checkpointer: Checkpointer,
     ) -> None:
+        s = self.settings
         async with asyncio.TaskGroup() as tasks:
-            background = [
-                tasks.create_task(self._announce(), name="announce"),
-                tasks.create_task(self._refresh_spec(), name="refresh-spec"),
-                tasks.create_task(self._follow_revocations(), name="revocations"),
-                tasks.create_task(self._follow_gossip(stop), name="gossip"),
-                tasks.create_task(self.placement.keep_connected(), name="gossip-peers"),
-                tasks.create_task(self._watch(), name="watch"),
-            ]
-            recheck = self.reach.recheck(self.p2p)
-            background.append(tasks.create_task(recheck, name="reachability"))
+            own = Owned(tasks)
+            own(self._announce(), "announce")
+            own(self._refresh_spec(), "refresh-spec")
+            own(self._follow_revocations(), "revocations")
+            own(self._follow_gossip(stop), "gossip")
+            own(self.placement.keep_connected(), "gossip-peers")
+            own(self._watch(), "watch")
+            own(self.reach.recheck(self.p2p), "reachability")
             if (keeper := self.reach.keep_relay()) is not None:
-                background.append(tasks.create_task(keeper, name="relay-keeper"))
+                own(keeper, "relay-keeper")
             serves = self.reach.serves  # if not, a trainer only: no stage to hold
             if serves and not await until_stopped(stop, lifecycle.join()):
-                for task in background:
-                    task.cancel()
+                own.cancel()
                 return
             if on_ready is not None:
                 on_ready()
             if self.stages.second is not None:  # a two-stage node never moves
-                second = lifecycle.load_second()
-                background.append(tasks.create_task(second, name="second-stage"))
+                own(lifecycle.load_second(), "second-stage")
             elif serves and self.movable:
-                background.append(tasks.create_task(lifecycle.rebalance(), name="rebalance"))
-            if serves and (period := self.settings.checkpoint_every_s) > 0:
-                saving = checkpointer.every(period)
-                background.append(tasks.create_task(saving, name="checkpoint"))
-            if self.settings.bandwidth_mbps is None:
+                own(lifecycle.rebalance(), "rebalance")
+            if serves and s.checkpoint_every_s > 0:
+                own(checkpointer.every(s.checkpoint_every_s), "checkpoint")
+            if s.bandwidth_mbps is None:
                 tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
-            if self.settings.train:
-                background.append(tasks.create_task(self.training.run(), name="trainer"))
-            owner_key = (
-                None
-                if self.spec.private
-                else owner_key_of(self.settings.owner_key_path(), self.spec.run)
-            )
+            if s.train:
+                own(self.training.run(), "trainer")
+            private = self.spec.private
+            owner_key = None if private else owner_key_of(s.owner_key_path(), self.spec.run)
             if owner_key is not None:  # the owner's node of a public run announces it
-                background.append(
-                    tasks.create_task(
-                        announce_run(self.dht, self.spec, owner_key), name="directory"
-                    )
-                )
+                own(announce_run(self.dht, self.spec, owner_key), "directory")
             await stop.wait()
-            for task in background:
-                task.cancel()
+            own.cancel()
 
     async def _follow_gossip(self, stop: asyncio.Event) -> None:
         """Follow the run's gossip topic. When ``p2pd`` goes away, a Ctrl-C in a terminal
@@ -476,18 +464,18 @@ class Node:
             steps=self.stages.steps(),
         )
 
-    def _announce(self) -> Awaitable[None]:
+    def _announce(self) -> Coroutine[object, object, None]:
         """The task that keeps this node's record published (``publishing.announce_peer``)."""
         return announce_peer(
             self.dht, self.placement, self.key, self.info, self._changed,
             self.settings.update_period_s,
         )  # fmt: skip
 
-    def _refresh_spec(self) -> Awaitable[None]:
+    def _refresh_spec(self) -> Coroutine[object, object, None]:
         """The task that keeps the run's spec published (``publishing.refresh_spec``)."""
         return refresh_spec(self.dht, self.joined.signed)
 
-    def _follow_revocations(self) -> Awaitable[None]:
+    def _follow_revocations(self) -> Coroutine[object, object, None]:
         """The task that stops a private run's node once its membership ends
         (``publishing.follow_revocations``)."""
         return follow_revocations(self.dht, self.spec, self.membership)
@@ -511,25 +499,6 @@ class Node:
             logger.warning("could not announce our departure within %.0f s", grace_s)
         finally:
             await self._resources.aclose()
-
-
-async def until_stopped(stop: asyncio.Event, work: Awaitable[object]) -> bool:
-    """Await ``work`` unless ``stop`` is set first (then cancel it and wait for it to
-    unwind). True if the work finished; its exception, if it raised one, propagates."""
-    task = asyncio.ensure_future(work)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return False
-    task.result()
-    return True
 
 
 def write_maddrs(path: Path, maddrs: list[str]) -> None:

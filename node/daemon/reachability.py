@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 
 from hivemind.p2p import P2P, PeerID
 
@@ -84,7 +84,7 @@ class Reach:
             self._dht.serve_averaging()  # peers reach its averagers through the relay
         self._report()
 
-    def keep_relay(self) -> Awaitable[None] | None:
+    def keep_relay(self) -> Coroutine[object, object, None] | None:
         """The task that keeps the chosen relay (``RelayKeeper.run``), for the node to own;
         None when it serves through no relay."""
         if self._keeper is None or self.relay is None:

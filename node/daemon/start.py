@@ -59,6 +59,17 @@ def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
         raise NodeError(str(e)) from None
 
 
+def check_pins(settings: NodeSettings, spec: RunSpec) -> None:
+    """``NodeError`` unless the stages ``--stage`` and ``--second-stage`` pin are stages of
+    ``spec``, and two different ones."""
+    s = settings
+    for flag, stage in (("--stage", s.stage), ("--second-stage", s.second_stage)):
+        if stage is not None and not 0 <= stage < spec.n_stages:
+            raise NodeError(f"{flag} {stage}: run {s.run!r} has stages 0..{spec.n_stages - 1}")
+    if s.second_stage is not None and s.second_stage == s.stage:
+        raise NodeError(f"--second-stage {s.second_stage} is the node's --stage already")
+
+
 def pretrained_copy(spec: RunSpec, directory: Path | None) -> Checkpoint | None:
     """This machine's copy of the checkpoint ``spec`` starts from, its files checked
     against the spec's hashes; None for a run that starts from seeded weights. ``NodeError``
