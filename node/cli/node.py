@@ -12,7 +12,9 @@ from pathlib import Path
 from node import events
 from node.cli.args import parse_memory
 from node.cli.maddrs import check_can_listen
-from node.daemon.node import Node, NodeSettings, until_stopped, write_maddrs
+from node.daemon.node import Node, write_maddrs
+from node.daemon.settings import NodeSettings
+from node.daemon.tasks import until_stopped
 from node.dashboard.address import check_can_bind, parse_address
 from node.logs import log_to_file
 from node.measure.capacity import pick_device
@@ -123,7 +125,7 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
-            print(node.reachability_line(), flush=True)
+            print(node.reach.line(), flush=True)
             print(
                 f"log: {settings.log_path(node.peer_id)}  "
                 f"events: {settings.events_path(node.peer_id)}",
@@ -137,12 +139,10 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
             def on_ready() -> None:
                 if settings.archive is not None:
                     line = f"archiving the {node.spec.n_stages} stages in {settings.archive}"
-                elif node.stage is None:
+                elif (stage := node.stages.stage) is None:
                     line = "training only: this node serves no stage (not reachable)"
                 else:
-                    line = (
-                        f"serving stage {node.stage} of {node.spec.n_stages} on {node.device.name}"
-                    )
+                    line = f"serving stage {stage} of {node.spec.n_stages} on {node.device.name}"
                 print(line, flush=True)
 
             await node.run(stop, on_ready)

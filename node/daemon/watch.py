@@ -1,23 +1,44 @@
 """Who joins and leaves a run, as one node's reads of the run's peers see it, and the
-node's heartbeat. ``Members`` is the bookkeeping (no I/O): a peer has joined when a read
-first shows it, and has left when it announces ``leaving`` or its record has been
-missing for longer than ``grace_s``. Joins and leaves are each an event, but only the first
-few of each per minute are a log line (``LogBudget``): a flood of sybil records is a
-thousand joins, and then one summary line."""
+node's heartbeat. ``watch_run`` (a task the node owns) reads the run's peers every
+``CHECK_S`` into ``RunPeers``, the node's last read of them. ``Members`` is the bookkeeping
+(no I/O): a peer has joined when a read first shows it, and has left when it announces
+``leaving`` or its record has been missing for longer than ``grace_s``. Joins and leaves
+are each an event, but only the first few of each per minute are a log line
+(``LogBudget``): a flood of sybil records is a thousand joins, and then one summary
+line."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from node import events
 from node.log_budget import LogBudget
 from protocol.records import PeerInfo, PeerState
 
+if TYPE_CHECKING:
+    from node.rpc.dht import SwarmDHT
+
 logger = logging.getLogger(__name__)
 
 ANNOUNCED = "announced it"  # why a peer that said it leaves has left
+CHECK_S = 5.0  # how often the node reads the run's peers to log who joined or left
+
+
+@dataclass
+class RunPeers:
+    """The run's peers as this node last read them, and when (Unix seconds; None: never)."""
+
+    peers: list[PeerInfo] = field(default_factory=list)
+    read_at: float | None = None
+
+    def update(self, peers: list[PeerInfo]) -> None:
+        """Take a read made just now."""
+        self.peers, self.read_at = peers, time.time()
 
 
 @dataclass
@@ -119,3 +140,37 @@ class Heartbeat:
             self.stage, second, self.served, self.steps, self.stage_peers, self.run_peers,
         )  # fmt: skip
         events.emit("node.heartbeat", **vars(self))
+
+
+async def watch_run(
+    dht: SwarmDHT,
+    seen: RunPeers,
+    me: str,
+    record_ttl_s: float,
+    heartbeat_s: float,
+    on_read: Callable[[list[PeerInfo]], Awaitable[None]],
+    heartbeat: Callable[[list[PeerInfo]], Heartbeat | None],
+) -> None:
+    """Read the run's peers every ``CHECK_S`` into ``seen`` (then ``on_read`` them), log and
+    emit who joins and leaves the run (``Members``) and, every ``heartbeat_s``, the
+    ``heartbeat`` of the node (None: it has none to give now, as while not serving).
+    Runs until cancelled; a failed read is retried at the next check."""
+    loop = asyncio.get_running_loop()
+    members = Members(me, record_ttl_s + CHECK_S)
+    peers: list[PeerInfo] = []
+    next_beat = loop.time() + heartbeat_s
+    while True:
+        try:
+            peers = await dht.peers()
+        except Exception as e:  # a DHT hiccup: the next check retries
+            logger.debug("reading the run's peers failed: %s", e)
+        else:
+            seen.update(peers)
+            await on_read(peers)
+            first = members.seen is None
+            members.update(peers, loop.time())
+            members.report(first)
+        if loop.time() >= next_beat and (beat := heartbeat(peers)) is not None:
+            next_beat = loop.time() + heartbeat_s
+            beat.report()
+        await asyncio.sleep(min(CHECK_S, heartbeat_s))

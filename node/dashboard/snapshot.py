@@ -116,7 +116,7 @@ def _calls_by_stage(calls: dict[tuple[int, str], int]) -> dict[int, int]:
 def snapshot_of(node: Node) -> NodeSnapshot:
     """``node`` now. On the event loop that runs it."""
     stages = []
-    for held in list(node.held.values()):
+    for held in list(node.stages.held.values()):
         counters = held.server.counters
         stages.append(
             StageSnapshot(
@@ -131,7 +131,7 @@ def snapshot_of(node: Node) -> NodeSnapshot:
             )
         )
     spec = node.spec
-    served = node.micro_batches_served()
+    served = node.stages.micro_batches_served()
     trainer = node.trainer
     stats = None if trainer is None else trainer.stats
     return NodeSnapshot(
@@ -141,8 +141,8 @@ def snapshot_of(node: Node) -> NodeSnapshot:
         state=node.state.value,
         started=node.started,
         spec=spec,
-        stage=node.stage,
-        second_stage=node.serving_second,
+        stage=node.stages.stage,
+        second_stage=node.stages.serving_second,
         device=None if node.device is None else node.device.description,
         stages=tuple(sorted(stages, key=lambda s: s.stage)),
         micro_batches_served=served,
@@ -151,8 +151,8 @@ def snapshot_of(node: Node) -> NodeSnapshot:
         trained_samples=0 if stats is None else stats.samples,
         loss_sum=0.0 if stats is None else stats.loss_sum,
         calls=_calls_by_stage(stats.calls) if stats is not None else {},
-        peers=tuple(node.peers),
-        peers_read_at=node.peers_read_at,
+        peers=tuple(node.run_peers.peers),
+        peers_read_at=node.run_peers.read_at,
         traffic=traffic.counts(),
-        advertised_mbps=node.advertised_bandwidth(),
+        advertised_mbps=node.offer.advertised_bandwidth(),
     )

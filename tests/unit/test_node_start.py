@@ -8,7 +8,8 @@ import re
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from node.daemon.node import NodeSettings, Steps, examine_machine
+from node.daemon.settings import NodeSettings
+from node.daemon.start import Steps, examine_machine
 from protocol.identity import peer_id_of
 from protocol.run_spec import make_run_spec
 

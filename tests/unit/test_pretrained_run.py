@@ -78,7 +78,7 @@ def test_a_run_from_a_checkpoint_pins_its_files_not_its_place(home, capsys):
 def test_a_node_checks_its_copy_of_the_checkpoint(home):
     pytest.importorskip("transformers")
     from node.daemon.join import NodeError
-    from node.daemon.node import pretrained_copy
+    from node.daemon.start import pretrained_copy
     from tests.hf_checkpoints import tiny_llama
 
     _, directory = tiny_llama(home)

@@ -9,7 +9,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.cli.main import main
-from node.daemon.node import NodeSettings, invite_for
+from node.daemon.settings import NodeSettings
+from node.daemon.start import invite_for
 from node.files import load_or_create_key
 from node.rpc.membership import prove_membership
 from protocol.identity import peer_id_of

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from node.cli.main import main
-from node.daemon.node import NodeError, NodeSettings, resolve_run
+from node.daemon.join import NodeError
+from node.daemon.settings import NodeSettings
+from node.daemon.start import resolve_run
 from protocol.run_spec import read_spec_file
 
 
