@@ -203,7 +203,9 @@ class StageRouter:
         now = time.monotonic()
         self._seen.update((p.peer_id, (p, now)) for p in peers)
         grace = self.settings.view_grace_s
+        gone = [PeerID.from_base58(k) for k, (_, t) in self._seen.items() if now - t > grace]
         self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
+        stage_client.forget_peers(self.p2p, gone)  # their idle streams, if any, close now
         recent = self._kept([p for p, _ in self._seen.values()], now)
         dials = self.settings.dials_relays
         self._view = candidates_by_stage(recent, self.spec.n_stages, dials_relays=dials)
