@@ -39,7 +39,7 @@ def _trained(node: NodeProcess) -> int:
 def test_a_no_relay_trainer_trains_through_direct_peers_only(net: Network, tmp_path) -> None:
     """2 public nodes (tiny, 1 stage; the first trains), home h0 serving the stage through
     a relay, and home h1 started with ``--no-relay`` (a trainer only: not reachable, no
-    relay). h1 says once that h0 is out of its reach (``route.out_of_reach``), trains 20
+    relay). h1 says that h0 is out of its reach (``route.out_of_reach``), trains 20
     micro-batches while h0 serves (the first node's calls reach h0), and not one of its
     calls goes to h0: no ``call.failed`` on h1 names it."""
     nodes: list[NodeProcess] = []
@@ -75,14 +75,14 @@ def test_a_no_relay_trainer_trains_through_direct_peers_only(net: Network, tmp_p
                      if relayed.peer_id in e["peers"]]  # fmt: skip
             return found[0] if found else None
 
-        event = wait_until(out_of_reach, 60, "h1 to leave h0 out of its calls")
+        event = wait_until(out_of_reach, 120, "h1 to leave h0 out of its calls")
         assert "--no-relay" in event["reason"], event
         before = _trained(caller)
         wait_until(lambda: _trained(caller) >= before + 20, 150,
                    "h1 to train 20 micro-batches while h0 serves")  # fmt: skip
         assert relayed.alive() and relayed.events("node.heartbeat")[-1]["stage"] == 0
-        said_again = [e for e in caller.events("route.out_of_reach") if e["count"] > 0]
-        assert len(said_again) == 1, said_again  # said once, while the count stays
+        said = caller.events("route.out_of_reach")  # when the count changes: h0 only here
+        assert all(e["peers"] in ([], [relayed.peer_id]) for e in said), said
         failed_on_relayed = [e for e in caller.events("call.failed")
                              if e["peer"] == relayed.peer_id]  # fmt: skip
         assert failed_on_relayed == []
