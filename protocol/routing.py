@@ -33,9 +33,9 @@ def candidates_by_stage(
 ) -> list[list[Candidate]]:
     """The routable peers of each stage (serving, with a stage in range; for a caller
     that cannot dial through a circuit relay, ``dials_relays`` False, not those reachable
-    only through one: ``PeerInfo.routable_by``). A peer that
-    serves a second stage is offered on both, its throughput on each scaled by its share of
-    time there in the best division (:func:`second_stage_shares`). Offered at full speed
+    only through one: ``PeerInfo.routable_by``). A peer that serves a second stage is
+    offered on both, its throughput on each scaled by its share of time there in the
+    best division (:func:`second_stage_shares`). Offered at full speed
     on both, such peers took calls for a stage with time to spare away from the stage the
     pipeline waits on: ``scripts/bench_two_stage_routing.py`` measures what each way
     reaches of the best division's rate."""

@@ -134,7 +134,8 @@ class TrainerSettings:
     seed: int = 0  # of the routing draws
     # False: this trainer's p2pd cannot dial through a circuit relay (``--no-relay``:
     # ``RelaySettings.dials_circuits``), so peers reachable only through one are never
-    # routed to (``PeerInfo.routable_by``); the trainer says once how many it leaves out.
+    # routed to (``PeerInfo.routable_by``); the trainer says how many it leaves out, once
+    # each time that number changes.
     dials_relays: bool = True
     # "fixed": micro-batch i always takes route i mod n (GPipe-like), the baseline that
     # benchmarks compare stochastic wiring against; a failed peer is still routed around.
