@@ -72,6 +72,9 @@ fields:
   call of this node's trainer failed; that peer is banned from its calls for a while.
   ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``
   (the same one when the stage has no other).
+- ``route.out_of_reach``: ``count``, ``peers`` (their ids), ``reason``: peers that serve
+  through a relay, which this node's trainer cannot dial (``--no-relay``), so routes no
+  call to; emitted when their number changes.
 - ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
   caller refused too often; every service of this node refuses it for a while.
 - ``rpc.refused``: ``service``, ``peer`` (the caller), ``reason`` (a

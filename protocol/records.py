@@ -140,6 +140,13 @@ class PeerInfo(BaseModel):
             and (self.reachable is not False or self.relay is not None)
         )
 
+    def routable_by(self, dials_relays: bool) -> bool:
+        """``routable``, for a caller that can (``dials_relays``) or cannot open streams
+        through a circuit relay (``--no-relay``: its ``p2pd`` runs without the circuit
+        transport): a peer known to be reachable only through its relay is out of reach
+        of the latter."""
+        return self.routable and (dials_relays or self.reachable is not False)
+
 
 # What a peer record takes on the wire besides its throughput and membership proof, with
 # every field at its longest (run id, peer id, device, numbers) and the signed envelope;

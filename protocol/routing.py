@@ -28,14 +28,18 @@ class Candidate:
     load: int  # requests it has queued (as advertised, plus our own in flight)
 
 
-def candidates_by_stage(peers: Iterable[PeerInfo], n_stages: int) -> list[list[Candidate]]:
-    """The routable peers of each stage (serving, with a stage in range). A peer that
-    serves a second stage is offered on both, its throughput on each scaled by its share of
-    time there in the best division (:func:`second_stage_shares`). Offered at full speed
+def candidates_by_stage(
+    peers: Iterable[PeerInfo], n_stages: int, *, dials_relays: bool = True
+) -> list[list[Candidate]]:
+    """The routable peers of each stage (serving, with a stage in range; for a caller
+    that cannot dial through a circuit relay, ``dials_relays`` False, not those reachable
+    only through one: ``PeerInfo.routable_by``). A peer that serves a second stage is
+    offered on both, its throughput on each scaled by its share of time there in the
+    best division (:func:`second_stage_shares`). Offered at full speed
     on both, such peers took calls for a stage with time to spare away from the stage the
     pipeline waits on: ``scripts/bench_two_stage_routing.py`` measures what each way
     reaches of the best division's rate."""
-    routable = [p for p in peers if p.routable and p.stage < n_stages]
+    routable = [p for p in peers if p.routable_by(dials_relays) and p.stage < n_stages]
     two = [p for p in routable if p.second_serving and p.second_stage < n_stages]
     rates = [(p.stage, p.second_stage, p.throughput[p.stage], p.throughput[p.second_stage])
              for p in two]  # fmt: skip
@@ -55,6 +59,13 @@ def candidates_by_stage(peers: Iterable[PeerInfo], n_stages: int) -> list[list[C
     for stage in by_stage:
         stage.sort(key=lambda c: c.peer_id)  # same view, same draw: reproducible given a seed
     return by_stage
+
+
+def out_of_reach(peers: Iterable[PeerInfo], dials_relays: bool) -> list[str]:
+    """The peers that others may route to but a caller with ``dials_relays`` may not
+    (reachable only through a circuit relay, for a caller without one), sorted: what
+    such a caller tells its operator it leaves out."""
+    return sorted(p.peer_id for p in peers if p.routable and not p.routable_by(dials_relays))
 
 
 def second_stage_shares(

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from node import events
@@ -45,7 +46,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
             raise ValueError(f"--archive serves no stage: drop {pinned}")
         if args.checkpoint_every <= 0:
             raise ValueError("--archive pulls every --checkpoint-every seconds: give more than 0")
-    return NodeSettings(
+    settings = NodeSettings(
         run=args.run,
         spec_file=args.spec,
         invite=read_invite(args.invite),
@@ -94,6 +95,9 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
             first_s=args.request_start_timeout,
         ),
     )
+    # its trainer routes only to peers its p2pd can dial (``--no-relay``: no circuits)
+    trainer = replace(settings.trainer, dials_relays=settings.relay.dials_circuits)
+    return replace(settings, trainer=trainer)
 
 
 async def serve(node: Node, maddrs_file: Path | None) -> int:

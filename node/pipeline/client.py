@@ -13,8 +13,9 @@ open after a call that was answered, and the next call to that stage of that pee
 it instead of opening a new one (a stream open costs more CPU than a small call). A call
 holds its stream alone (calls in flight to one peer use one stream each); a stream that
 failed in any way (an error answer, a timeout, a cancellation) is closed, never reused;
-one idle for ``IDLE_S`` is closed, and at most ``MAX_IDLE_STREAMS`` idle ones are kept per
-peer and stage.
+one idle for ``IDLE_S`` is closed then (a call or not), as are the idle ones to a peer that
+left the caller's view (``forget_peers``), and at most ``MAX_IDLE_STREAMS`` idle ones are
+kept per peer and stage.
 
 Gradients follow ``models.training``'s convention: the last stage back-propagates
 ``loss * B``, so every gradient that comes back is a sum over the micro-batch's samples.
@@ -26,7 +27,7 @@ import asyncio
 import itertools
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -140,16 +141,20 @@ class _Stream:
 
 
 class _Sessions:
-    """The idle session streams of one ``P2P``, per (peer, handle)."""
+    """The idle session streams of one ``P2P``, per (peer, handle). A stream idle for
+    ``IDLE_S`` is closed then, whether or not any call comes (a timer on the event loop
+    that ``close`` cancels, armed only while streams are idle), so a peer that left the
+    caller's view, or a trainer that stopped calling, holds no stream (and, on the server,
+    no session task) for longer."""
 
     def __init__(self) -> None:
         self._idle: dict[tuple[PeerID, str], list[_Stream]] = {}
-        self._swept = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None  # the loop it runs on
 
     def take(self, key: tuple[PeerID, str]) -> _Stream | None:
         """The most recently used idle stream of ``key`` that is still open, if any."""
         now = time.monotonic()
-        self._sweep(now)
         idle = self._idle.get(key, [])
         while idle:
             stream = idle.pop()
@@ -166,18 +171,29 @@ class _Sessions:
             return
         stream.idle_since = time.monotonic()
         idle.append(stream)
+        loop = asyncio.get_running_loop()
+        if self._timer is None or self._timer_loop is not loop:  # none, or a closed loop's
+            self._arm(loop, IDLE_S)
+
+    def forget(self, peers: Collection[PeerID]) -> None:
+        """Close the idle streams to ``peers`` (they left the caller's view)."""
+        for key in [k for k in self._idle if k[0] in peers]:
+            for stream in self._idle.pop(key):
+                stream.writer.close()
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for idle in self._idle.values():
             for stream in idle:
                 stream.writer.close()
         self._idle.clear()
 
-    def _sweep(self, now: float) -> None:
-        """Close the streams idle past ``IDLE_S`` (at most once per ``IDLE_S``)."""
-        if now - self._swept < IDLE_S:
-            return
-        self._swept = now
+    def _expire(self) -> None:
+        """Close the streams idle past ``IDLE_S``; armed again for the next to expire."""
+        self._timer = None
+        now, oldest = time.monotonic(), None
         for key, idle in list(self._idle.items()):
             for stream in idle:
                 if now - stream.idle_since >= IDLE_S:
@@ -185,6 +201,16 @@ class _Sessions:
             idle[:] = [s for s in idle if now - s.idle_since < IDLE_S]
             if not idle:
                 del self._idle[key]
+                continue
+            first = min(s.idle_since for s in idle)
+            oldest = first if oldest is None else min(oldest, first)
+        if oldest is not None:
+            self._arm(asyncio.get_running_loop(), max(oldest + IDLE_S - now, 0.0))
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, wait_s: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_loop = loop.call_later(wait_s, self._expire), loop
 
 
 # Each P2P's idle streams; None: its calls open a stream each (``reuse_streams``).
@@ -205,6 +231,14 @@ def close_sessions(p2p: P2P) -> None:
     sessions = _sessions.pop(p2p, None)
     if sessions is not None:
         sessions.close()
+
+
+def forget_peers(p2p: P2P, peers: Collection[PeerID]) -> None:
+    """Close the idle streams that calls made through ``p2p`` keep to ``peers`` (peers
+    that left the caller's view: a call to one, if any comes, opens a new stream)."""
+    sessions = _sessions[p2p] if peers and p2p in _sessions else None
+    if sessions is not None:
+        sessions.forget(peers)
 
 
 async def _call_on_stream(

@@ -60,6 +60,7 @@ from protocol.routing import (
     Probation,
     candidates_by_stage,
     keep_unproven,
+    out_of_reach,
     refresh_period,
     route,
 )
@@ -131,6 +132,11 @@ class TrainerSettings:
     stream: int = 0  # which data stream of the run this trainer reads
     start: int = 0  # the micro-batch of its stream it reads first (a resumed data position)
     seed: int = 0  # of the routing draws
+    # False: this trainer's p2pd cannot dial through a circuit relay (``--no-relay``:
+    # ``RelaySettings.dials_circuits``), so peers reachable only through one are never
+    # routed to (``PeerInfo.routable_by``); the trainer says how many it leaves out, once
+    # each time that number changes.
+    dials_relays: bool = True
     # "fixed": micro-batch i always takes route i mod n (GPipe-like), the baseline that
     # benchmarks compare stochastic wiring against; a failed peer is still routed around.
     wiring: Literal["stochastic", "fixed"] = "stochastic"
@@ -177,6 +183,7 @@ class StageRouter:
         self._in_flight: Counter = Counter()  # peer_id -> our calls running there
         self._refreshed = -math.inf  # time.monotonic() of the last view read
         self._found = self._listed = 0  # peer ids the last read found (as it runs; once done)
+        self._out_of_reach = 0  # relayed peers out of our reach, as last said
 
     async def refresh(self) -> None:
         """Re-read the swarm's peers from the DHT (keeping, for ``view_grace_s``, those a
@@ -197,14 +204,34 @@ class StageRouter:
         now = time.monotonic()
         self._seen.update((p.peer_id, (p, now)) for p in peers)
         grace = self.settings.view_grace_s
+        gone = [PeerID.from_base58(k) for k, (_, t) in self._seen.items() if now - t > grace]
         self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
+        stage_client.forget_peers(self.p2p, gone)  # their idle streams, if any, close now
         recent = self._kept([p for p, _ in self._seen.values()], now)
-        self._view = candidates_by_stage(recent, self.spec.n_stages)
+        dials = self.settings.dials_relays
+        self._view = candidates_by_stage(recent, self.spec.n_stages, dials_relays=dials)
         self._refreshed = now
+        self._say_out_of_reach(out_of_reach(recent, dials))
         try:  # peers behind NAT: p2pd can dial them only at their relay's circuit address
-            await connect_relayed(self.p2p, [p for p in recent if p.routable])
+            await connect_relayed(self.p2p, [p for p in recent if p.routable_by(dials)])
         except Exception as e:  # a daemon hiccup: their calls fail and reroute; retry next period
             logger.debug("could not connect to relayed peers: %s", e)
+
+    def _say_out_of_reach(self, peers: list[str]) -> None:
+        """Log and emit ``route.out_of_reach`` when the number of ``peers`` (serving
+        through a relay, which this trainer cannot dial: ``out_of_reach``) changes."""
+        if len(peers) == self._out_of_reach:
+            return
+        self._out_of_reach = len(peers)
+        why = "this node runs without circuit relays (--no-relay)"
+        if peers:
+            logger.warning(
+                "%d peer(s) serving through a relay are out of reach: %s; no call goes "
+                "to them (run without --no-relay to use them)",
+                len(peers),
+                why,
+            )
+        events.emit("route.out_of_reach", count=len(peers), peers=peers, reason=why)
 
     def _select(self, peer_ids: list[str]) -> set[str]:
         """Of the peer ids a read found, those whose records to check: ours, the proven

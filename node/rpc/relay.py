@@ -68,6 +68,13 @@ class RelaySettings:
                 "serves go-libp2p's default relay to others: serve=False needs use=False"
             )
 
+    @property
+    def dials_circuits(self) -> bool:
+        """Whether the ``p2pd`` these settings start can reach a peer through a relay
+        (``RELAY/p2p-circuit/p2p/PEER``): not when it does not serve, as its relay code is
+        then off altogether (``flags``), circuit transport included."""
+        return self.serve
+
     def flags(self, trusted_relays: Sequence[str] = ()) -> tuple[str, ...]:
         """``p2pd`` flags (they come after hivemind's on its command line, so they win).
         Autorelay runs only where there are ``trusted_relays`` to reserve on.

@@ -772,6 +772,25 @@ def test_a_session_the_server_idled_out_is_replaced_without_a_failure(monkeypatc
     _run(body())
 
 
+def test_a_session_the_caller_leaves_idle_closes_on_both_sides(monkeypatch):
+    """No further call comes: the caller closes its idle stream after ``IDLE_S``, the
+    server's session ends with it (long before its own ``SESSION_IDLE_S``), and a later
+    call opens a new session without a failure."""
+    monkeypatch.setattr(stage_client, "IDLE_S", 0.5)
+    x, _ = _batch()
+    kw = {"run_id": RUN, "stage": 0, "timeout": 30}
+
+    async def body():
+        async with _swarm(TWO, [0]) as (client, (s0,)):
+            first = await stage_client.forward(client, s0.peer_id, x, **kw)
+            assert s0.open_sessions == 1
+            await _until(lambda: s0.open_sessions == 0, "the caller to close its idle session")
+            assert torch.equal(await stage_client.forward(client, s0.peer_id, x, **kw), first)
+            assert (s0.counters.forward, s0.counters.sessions) == (2, 2)
+
+    _run(body())
+
+
 def test_a_caller_holds_at_most_its_share_of_sessions():
     x, _ = _batch()
     kw = {"run_id": RUN, "stage": 0, "timeout": 30}

@@ -37,7 +37,7 @@ from protocol.reachability import (
     relayed_throughput,
     verdict,
 )
-from protocol.routing import candidates_by_stage
+from protocol.routing import candidates_by_stage, out_of_reach
 from tests.records import peer_info
 
 ADDR = "/ip4/10.77.0.2/tcp/4001/p2p/12D3KooWJBUPEnJM45URrg8vwQF2avZFj64LhqLsesoiHbRkj269"
@@ -291,3 +291,27 @@ def test_a_declared_verdict_is_the_operators_word_and_says_so():
     )  # fmt: skip
     no = Reachability.declare(False, ["/ip4/1.2.3.4/tcp/4000"])
     assert (no.reachable, no.address, no.declared, no.serves) == (False, None, True, False)
+
+
+def test_a_caller_without_relays_never_routes_to_a_peer_reachable_only_through_one():
+    home = ADDR.rsplit("/p2p/", 1)[1]
+    direct = peer_info("r", OTHER_ID, stage=0, reachable=True)
+    unknown = peer_info("r", RELAY_ID, stage=0)  # not known either way: tried as direct
+    relayed = peer_info("r", home, stage=0, reachable=False, relay=RELAY)
+    assert relayed.routable_by(True) and not relayed.routable_by(False)
+    assert direct.routable_by(False) and unknown.routable_by(False)
+    assert not peer_info("r", home, reachable=False).routable_by(True)
+    peers = [direct, unknown, relayed]
+    with_relays = candidates_by_stage(peers, 2)[0]
+    without = candidates_by_stage(peers, 2, dials_relays=False)[0]
+    assert {c.peer_id for c in with_relays} == {OTHER_ID, RELAY_ID, home}
+    assert {c.peer_id for c in without} == {OTHER_ID, RELAY_ID}
+    assert out_of_reach(peers, dials_relays=False) == [home]
+    assert out_of_reach(peers, dials_relays=True) == []
+    leaving = relayed.model_copy(update={"state": "leaving"})  # not routable for anyone
+    assert out_of_reach([leaving], dials_relays=False) == []
+
+
+def test_a_daemon_without_relay_code_dials_no_circuit():
+    assert RelaySettings().dials_circuits and RelaySettings(use=False).dials_circuits
+    assert not RelaySettings(serve=False, use=False).dials_circuits

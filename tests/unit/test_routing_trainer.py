@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
+from node import events
 from node.pipeline.client import StageUnavailable
 from node.pipeline.trainer import StageCalls, Trainer, TrainerSettings
 from tests.records import peer_info
@@ -101,3 +102,38 @@ def test_without_a_connected_peer_the_flood_is_probed_but_only_once_each():
     asyncio.run(trainer.train(100))
     assert trainer.stats.micro_batches == 100
     assert max(stages.by_peer.values()) <= trainer.settings.in_flight
+
+
+def test_a_trainer_without_relays_leaves_relayed_peers_out_and_says_so_once(event_log):
+    """A trainer whose ``p2pd`` cannot dial through a relay (``--no-relay``) never calls a
+    peer that serves through one (here: one that would fail every call, as such calls
+    do), and emits ``route.out_of_reach`` once; a trainer with relays probes it."""
+    honest = [_peer_id(), _peer_id()]
+    relay = f"/ip4/44.77.0.2/tcp/4001/p2p/{_peer_id()}"
+    relayed = _peer_id()
+    records = [peer_info(SPEC.run, p, stage=s, reachable=True) for s, p in enumerate(honest)]
+    records.append(peer_info(SPEC.run, relayed, stage=1, reachable=False, relay=relay))
+
+    def run(dials_relays: bool) -> _Flooded:
+        stages = _Flooded(set(honest))
+
+        async def list_peers() -> list[Any]:
+            return []
+
+        p2p = SimpleNamespace(peer_id=PeerID.from_base58(_peer_id()), list_peers=list_peers)
+        corpus = SimpleNamespace(train=torch.randint(256, (4 * SPEC.model.block_size,)))
+        settings = TrainerSettings(
+            in_flight=2, refresh_s=0.01, probe_s=0.001, dials_relays=dials_relays
+        )
+        calls = StageCalls(forward=stages.forward, loss=stages.loss, backward=stages.backward)
+        trainer = Trainer(_Counted(records), p2p, SPEC, corpus, settings, calls=calls)  # type: ignore[arg-type]
+        asyncio.run(trainer.train(40))
+        assert trainer.stats.micro_batches == 40
+        return stages
+
+    assert run(dials_relays=False).by_peer[relayed] == 0
+    (said,) = events.read_events(event_log, "route.out_of_reach")
+    assert (said["count"], said["peers"]) == (1, [relayed]), said
+    assert "--no-relay" in said["reason"]
+    assert run(dials_relays=True).by_peer[relayed] > 0  # probed, and failed
+    assert len(events.read_events(event_log, "route.out_of_reach")) == 1

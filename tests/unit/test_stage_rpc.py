@@ -320,3 +320,37 @@ def test_idle_streams_are_reused_until_closed_idle_or_too_many(monkeypatch):
         assert all(s.writer.closed for s in kept[:-3])
 
     asyncio.run(body())
+
+
+def test_idle_streams_close_on_time_without_a_call_and_with_their_peer(monkeypatch):
+    """No call needs to come: an idle stream is closed ``IDLE_S`` after its last call
+    (then no timer is left), and at once when its peer leaves the caller's view."""
+    monkeypatch.setattr(client_module, "IDLE_S", 0.2)
+
+    async def body():
+        sessions = client_module._Sessions()
+        a, b = (PeerID.from_base58(peer_id_of(Ed25519PrivateKey.generate().public_key()))
+                for _ in range(2))  # fmt: skip
+        early = client_module._Stream(asyncio.StreamReader(), _Writer())
+        sessions.give_back((a, "h"), early)
+        await asyncio.sleep(0.1)
+        late = client_module._Stream(asyncio.StreamReader(), _Writer())
+        sessions.give_back((a, "h"), late)
+        gone = client_module._Stream(asyncio.StreamReader(), _Writer())
+        sessions.give_back((b, "h"), gone)
+        sessions.forget({b})
+        assert gone.writer.closed and not early.writer.closed
+        deadline = time.monotonic() + 10.0
+        while not early.writer.closed:
+            assert time.monotonic() < deadline, "the idle stream was never closed"
+            await asyncio.sleep(0.01)
+        assert not late.writer.closed  # idle for less than IDLE_S yet: kept
+        while not late.writer.closed:
+            assert time.monotonic() < deadline, "the second idle stream was never closed"
+            await asyncio.sleep(0.01)
+        assert sessions._timer is None and sessions.take((a, "h")) is None
+        sessions.give_back((a, "h"), client_module._Stream(asyncio.StreamReader(), _Writer()))
+        sessions.close()  # cancels the timer it armed
+        assert sessions._timer is None
+
+    asyncio.run(body())
