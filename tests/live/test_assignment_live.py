@@ -167,9 +167,11 @@ def test_a_stage_whose_peers_are_all_killed_is_refilled_and_training_resumes(tmp
         a = launch_node(tmp_path, "a", run, initial_peers=[c.maddr], extra=slow, wait=False)
         b = launch_node(tmp_path, "b", run, initial_peers=[c.maddr], extra=slow, wait=False)
         nodes += [d, a, b]
+        # the trainer's DHT starts while they load (through a: c and d will be killed)
+        dht = SwarmDHT.start(run, initial_peers=[a.wait_started()], host_maddrs=[LOCAL],
+                             client_mode=True)  # fmt: skip
         # stage 0 is empty, or holds the other's claim while 1 holds two: both take 0
         assert [n.wait_serving(timeout=90) for n in nodes] == [1, 1, 0, 0]
-        dht = SwarmDHT.start(run, initial_peers=[a.maddr], host_maddrs=[LOCAL], client_mode=True)
 
         result = _train_across_kills(dht, [c, d], limit_s=90)  # both stages served
         moved = {n.name: _moves(n) for n in (a, b)}
