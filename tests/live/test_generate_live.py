@@ -25,6 +25,8 @@ from tests.swarm import LOCAL, cli_error, launch_node, stop_all, wait_until
 PROMPT = "def "
 NEW_TOKENS = 12
 STEPS = 2  # optimizer steps the short training takes (tiny: 4 micro-batches a step)
+# A command's deadline: a few seconds idle; at load 20 on two cores, train took over 120 s.
+COMMAND_TIMEOUT_S = 300
 
 
 def _start(home: Path, *args: object) -> subprocess.Popen:
@@ -40,9 +42,9 @@ def _start(home: Path, *args: object) -> subprocess.Popen:
 
 def _done(proc: subprocess.Popen, ok: bool = True) -> subprocess.CompletedProcess:
     """What ``proc`` (``_start``) wrote, as bytes (UTF-8: an untrained model's bytes that
-    make no character show as U+FFFD), once it exited; killed past 120 s."""
+    make no character show as U+FFFD), once it exited; killed past ``COMMAND_TIMEOUT_S``."""
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=COMMAND_TIMEOUT_S)
     except BaseException:
         proc.kill()
         proc.communicate()
