@@ -201,8 +201,8 @@ def test_a_replayed_record_does_not_hide_a_live_node_nor_is_an_extra_stage_liste
             "the honest node to refuse the replay",
         )
         ages = []
-        watched = time.monotonic()
         present = _present(watch.view())
+        watched = time.monotonic()
         while True:  # every view for 10 s: the node's record stays its newest, one period old
             assert set(present) == {node.peer_id}, f"listed: {sorted(present)}"
             ages.append(present[node.peer_id]["age_s"])
