@@ -98,6 +98,20 @@ class NodeProcess:
         wait_until(serving, timeout, f"node {self.name} to serve")
         return self.stage()
 
+    def wait_started(self, timeout: float = START_TIMEOUT_S) -> str:
+        """Wait until the node has written its maddrs (``launch_node`` with ``wait`` does);
+        return the first. Fails, with the node's output, if it exits first."""
+
+        def started() -> bool:
+            if not self.alive():
+                raise RuntimeError(
+                    f"node {self.name} exited with {self.proc.returncode}:\n{self.output()}"
+                )
+            return self.maddrs_file.exists() and bool(self.maddrs_file.read_text().strip())
+
+        wait_until(started, timeout, f"node {self.name} to start")
+        return self.maddr
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.alive():
             self.proc.send_signal(sig)
@@ -155,14 +169,8 @@ def launch_node(
     node = NodeProcess(name, proc, log, maddrs, events)
     if not wait:
         return node
-
-    def started() -> bool:
-        if not node.alive():
-            raise RuntimeError(f"node {name} exited with {proc.returncode}:\n{node.output()}")
-        return maddrs.exists() and bool(maddrs.read_text().strip())
-
     try:
-        wait_until(started, START_TIMEOUT_S, f"node {name} to start")
+        node.wait_started()
     except BaseException:
         proc.kill()
         proc.wait()

@@ -19,6 +19,7 @@ import re
 import signal
 import time
 from collections import Counter
+from contextlib import ExitStack
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -28,7 +29,7 @@ from node.harness.local_swarm import NodeProcess
 from protocol.gossip import GossipSigner, JoinIntent, run_topic
 from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION
-from tests.swarm import LOCAL, launch_node, status, stop_all, wait_until
+from tests.swarm import LOCAL, StatusWatch, launch_node, stop_all
 
 REBALANCE_S = 3.0
 
@@ -36,11 +37,9 @@ REBALANCE_S = 3.0
 FAST = ["--rebalance-period", str(REBALANCE_S)]
 
 
-def _serving(run: str, maddr: str) -> dict[str, int]:
-    """Peer id -> stage, for the peers whose record says they serve."""
-    return {
-        p["peer_id"]: p["stage"] for p in status(run, maddr)["peers"] if p["state"] == "serving"
-    }
+def _serving(view: dict) -> dict[str, int]:
+    """Peer id -> stage, for the peers whose record says they serve (in a status view)."""
+    return {p["peer_id"]: p["stage"] for p in view["peers"] if p["state"] == "serving"}
 
 
 def _moves(node: NodeProcess) -> list[tuple[int, int]]:
@@ -102,7 +101,8 @@ def test_six_nodes_joining_at_once_spread_over_three_stages(tmp_path):
     starts the run; the other five start together while it is still choosing. They may
     take second stages, as nodes do by default (up to two, here); those never move."""
     nodes: list[NodeProcess] = []
-    try:
+    with ExitStack() as stack:
+        stack.callback(stop_all, nodes)
         a = launch_node(tmp_path, "a", "spread", extra=["--stages", "3", *FAST], two_stage=True)
         nodes.append(a)
         run = a.run_id
@@ -119,21 +119,22 @@ def test_six_nodes_joining_at_once_spread_over_three_stages(tmp_path):
                     two_stage=True,
                 )  # fmt: skip
             )
+        a.wait_serving(timeout=90)  # the run's spec is out: status may read it
+        watch = stack.enter_context(StatusWatch(run, a.maddr))
         chosen = Counter(n.wait_serving(timeout=90) for n in nodes)  # the stage each took first
         all_serving = time.monotonic() - started
 
-        def every_stage_served() -> dict[str, int] | None:
-            view = _serving(run, a.maddr)
-            return view if len(view) == 6 and set(view.values()) == {0, 1, 2} else None
+        def every_stage_served(view: dict) -> dict[str, int] | None:
+            serving = _serving(view)
+            return serving if len(serving) == 6 and set(serving.values()) == {0, 1, 2} else None
 
-        wait_until(every_stage_served, 60, "all six nodes to serve, every stage served")
-        covered = time.monotonic() - started
-
-        def balanced() -> Counter | None:
-            counts = Counter(_serving(run, a.maddr).values())
+        def balanced(view: dict) -> Counter | None:
+            counts = Counter(_serving(view).values())
             return counts if sorted(counts.values()) == [2, 2, 2] else None
 
-        wait_until(balanced, 60, "the six nodes to settle at 2-2-2")
+        watch.wait(every_stage_served, 60, "all six nodes to serve, every stage served")
+        covered = time.monotonic() - started
+        watch.wait(balanced, 60, "the six nodes to settle at 2-2-2")
         settled = time.monotonic() - started
         moves = sum(len(_moves(n)) for n in nodes)
         two = sum(any(e["role"] == "second" for e in n.events("stage.held")) for n in nodes)
@@ -143,8 +144,6 @@ def test_six_nodes_joining_at_once_spread_over_three_stages(tmp_path):
             f"{settled:.1f} s with {moves} moves; {two} nodes took a second stage"
         )
         assert all(n.alive() for n in nodes)
-    finally:
-        stop_all(nodes)
 
 
 def test_a_stage_whose_peers_are_all_killed_is_refilled_and_training_resumes(tmp_path):
@@ -168,9 +167,11 @@ def test_a_stage_whose_peers_are_all_killed_is_refilled_and_training_resumes(tmp
         a = launch_node(tmp_path, "a", run, initial_peers=[c.maddr], extra=slow, wait=False)
         b = launch_node(tmp_path, "b", run, initial_peers=[c.maddr], extra=slow, wait=False)
         nodes += [d, a, b]
+        # the trainer's DHT starts while they load (through a: c and d will be killed)
+        dht = SwarmDHT.start(run, initial_peers=[a.wait_started()], host_maddrs=[LOCAL],
+                             client_mode=True)  # fmt: skip
         # stage 0 is empty, or holds the other's claim while 1 holds two: both take 0
         assert [n.wait_serving(timeout=90) for n in nodes] == [1, 1, 0, 0]
-        dht = SwarmDHT.start(run, initial_peers=[a.maddr], host_maddrs=[LOCAL], client_mode=True)
 
         result = _train_across_kills(dht, [c, d], limit_s=90)  # both stages served
         moved = {n.name: _moves(n) for n in (a, b)}
@@ -208,13 +209,15 @@ def test_a_two_stage_node_keeps_the_pipeline_going_when_the_other_stage_dies(tmp
         run = c.run_id
         b = launch_node(tmp_path, "b", run, initial_peers=[c.maddr], two_stage=True)
         nodes.append(b)
-        assert b.wait_serving(timeout=90) == 0
+        c.wait_serving(timeout=90)  # the run's spec is out: status may read it
 
-        def both_served() -> dict | None:
-            two = [p for p in status(run, c.maddr)["peers"] if p["second_serving"]]
+        def both_served(view: dict) -> dict | None:
+            two = [p for p in view["peers"] if p["second_serving"]]
             return two[0] if two else None
 
-        two = wait_until(both_served, 60, "b to serve stage 1 as its second stage", every=1.0)
+        with StatusWatch(run, c.maddr) as watch:
+            assert b.wait_serving(timeout=90) == 0
+            two = watch.wait(both_served, 60, "b to serve stage 1 as its second stage")
         assert (two["stage"], two["second_stage"]) == (0, 1), two
         assert [e["stage"] for e in b.events("stage.held") if e["role"] == "second"] == [1]
         dht = SwarmDHT.start(run, initial_peers=[b.maddr], host_maddrs=[LOCAL], client_mode=True)

@@ -52,6 +52,15 @@ def test_two_trainers_take_disjoint_shards_and_a_changed_shard_is_refused(tmp_pa
     train = {s.name: s.tokens for s in spec.dataset.train}
     assert len(train) >= 3, train  # so that each trainer gets whole shards of its own
 
+    # A third machine's copy (of the shards run create wrote) with one byte of a training
+    # shard changed: it starts after the two, and is refused while they deal their shares.
+    changed = tmp_path / "changed-data"
+    shutil.copytree(data, changed)
+    victim = changed / spec.dataset.train[1].name
+    raw = bytearray(victim.read_bytes())
+    raw[1234] ^= 0x20
+    victim.write_bytes(bytes(raw))
+
     nodes: list[NodeProcess] = []
     try:
         mine = ["--spec", str(spec_file), "--data", str(data)]
@@ -59,7 +68,10 @@ def test_two_trainers_take_disjoint_shards_and_a_changed_shard_is_refused(tmp_pa
                                  extra=[*mine, "--stage", "0"]))  # fmt: skip
         nodes.append(launch_node(tmp_path, "t1", spec.run, initial_peers=[nodes[0].maddr],
                                  train=True, extra=[*mine, "--stage", "1"]))  # fmt: skip
-        shares = wait_until(lambda: _all_shares(nodes, 2), 180, "both shares dealt among two")
+        bad = launch_node(tmp_path, "t2", spec.run, initial_peers=[nodes[0].maddr], train=True,
+                          extra=["--data", str(changed)], wait=False)  # fmt: skip
+        nodes.append(bad)
+        shares = wait_until(lambda: _all_shares(nodes[:2], 2), 180, "both shares dealt among two")
         sets = [{shard for shard, _, _ in share} for share in shares]
         print(f"training shards {train}; shares {shares}")
         assert all(sets) and not sets[0] & sets[1], sets
@@ -67,19 +79,9 @@ def test_two_trainers_take_disjoint_shards_and_a_changed_shard_is_refused(tmp_pa
         # Whole shards each (there are more shards than trainers), so the tokens cover them.
         for share in shares:
             assert all(start == 0 and end == train[shard] for shard, start, end in share), share
-        wait_until(lambda: all(n.events("train.progress") for n in nodes), 180,
+        wait_until(lambda: all(n.events("train.progress") for n in nodes[:2]), 180,
                    "both nodes training on their shares")  # fmt: skip
 
-        # A third machine's copy with one byte of a training shard changed.
-        changed = tmp_path / "changed-data"
-        shutil.copytree(data, changed)
-        victim = changed / spec.dataset.train[1].name
-        raw = bytearray(victim.read_bytes())
-        raw[1234] ^= 0x20
-        victim.write_bytes(bytes(raw))
-        bad = launch_node(tmp_path, "t2", spec.run, initial_peers=[nodes[0].maddr], train=True,
-                          extra=["--data", str(changed)], wait=False)  # fmt: skip
-        nodes.append(bad)
         code = bad.proc.wait(120)
         lines = [x for x in bad.output().splitlines() if x.startswith("swarmtrain node: error:")]
         assert code != 0 and lines, bad.output()[-2000:]

@@ -25,31 +25,54 @@ from tests.swarm import LOCAL, cli_error, launch_node, stop_all, wait_until
 PROMPT = "def "
 NEW_TOKENS = 12
 STEPS = 2  # optimizer steps the short training takes (tiny: 4 micro-batches a step)
+# A command's deadline: a few seconds idle; at load 20 on two cores, train took over 120 s.
+COMMAND_TIMEOUT_S = 300
+
+
+def _start(home: Path, *args: object) -> subprocess.Popen:
+    """``swarmtrain ARGS`` started with HOME ``home`` (no owner key there unless a test puts
+    one); ``_done`` waits for it. Commands that do not depend on each other run at once."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "node.cli", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, HOME=str(home), OMP_NUM_THREADS="1"),
+    )
+
+
+def _done(proc: subprocess.Popen, ok: bool = True) -> subprocess.CompletedProcess:
+    """What ``proc`` (``_start``) wrote, as bytes (UTF-8: an untrained model's bytes that
+    make no character show as U+FFFD), once it exited; killed past ``COMMAND_TIMEOUT_S``."""
+    try:
+        out, err = proc.communicate(timeout=COMMAND_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    if ok:
+        assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _cli(home: Path, *args: object, ok: bool = True) -> subprocess.CompletedProcess:
-    """``swarmtrain ARGS`` with HOME ``home`` (no owner key there unless a test puts one),
-    its output as bytes (UTF-8: an untrained model's bytes that make no character show
-    as U+FFFD)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "node.cli", *map(str, args)],
-        capture_output=True,
-        timeout=120,
-        env=dict(os.environ, HOME=str(home), OMP_NUM_THREADS="1"),
-    )
-    if ok:
-        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
-    return proc
+    """``swarmtrain ARGS`` with HOME ``home``, waited for (``_start``, ``_done``)."""
+    return _done(_start(home, *args), ok)
 
 
 def _swarm_args(run: str, maddr: str) -> list[str]:
     return ["--run", run, "--initial-peers", maddr, "--host-maddrs", LOCAL]
 
 
-def _sample(home: Path, *source: str) -> bytes:
-    """What ``generate`` writes at temperature 0 from ``source`` (--run or --model)."""
-    out = _cli(home, "generate", *source, "--prompt", PROMPT,
-               "--max-new-tokens", NEW_TOKENS, "--temperature", 0).stdout  # fmt: skip
+def _start_sample(home: Path, *source: str) -> subprocess.Popen:
+    """``generate`` at temperature 0 from ``source`` (--run or --model), started."""
+    return _start(home, "generate", *source, "--prompt", PROMPT,
+                  "--max-new-tokens", NEW_TOKENS, "--temperature", 0)  # fmt: skip
+
+
+def _sample(home: Path, *source: str, started: subprocess.Popen | None = None) -> bytes:
+    """What ``generate`` writes at temperature 0 from ``source`` (--run or --model), or
+    what ``started`` (``_start_sample``) wrote."""
+    out = _done(started or _start_sample(home, *source)).stdout
     text = out.decode()  # what generate writes is UTF-8, whatever the model drew
     drawn = len(text) - len(PROMPT) - 1  # a character for one to four bytes drawn
     assert text.startswith(PROMPT) and text.endswith("\n"), out
@@ -76,9 +99,12 @@ def test_generate_through_the_swarm_writes_what_its_export_writes(tmp_path: Path
         _cli(tmp_path, "train", *swarm, "--micro-batches", 4 * STEPS)
         wait_until(lambda: _stepped(a, STEPS) and _stepped(b, STEPS), 30, "both stages' steps")
 
-        first = _sample(tmp_path, *swarm)
-        assert _sample(tmp_path, *swarm) == first, "temperature 0 is deterministic"
-        out = _cli(tmp_path, "export", *swarm, "--out", tmp_path / "model").stdout.decode()
+        # Two generations and the export, at once: nothing changes the weights now.
+        samples = [_start_sample(tmp_path, *swarm) for _ in range(2)]
+        export = _start(tmp_path, "export", *swarm, "--out", tmp_path / "model")
+        first, second = (_sample(tmp_path, started=p) for p in samples)
+        assert second == first, "temperature 0 is deterministic"
+        out = _done(export).stdout.decode()
         assert re.findall(r"stage (\d): step (\d+) from peer", out) == [("0", "2"), ("1", "2")]
         assert _sample(tmp_path, "--model", str(tmp_path / "model")) == first
 
@@ -112,8 +138,12 @@ def test_a_private_run_exports_to_its_members_only(tmp_path: Path) -> None:
         assert a.wait_serving() == 0 and b.wait_serving() == 1
         swarm = _swarm_args(run, a.maddr)
 
-        # A machine that is no member is refused, in one line, before it downloads anything.
-        refused = _cli(guest, "export", *swarm, "--out", guest / "model", ok=False)
+        # A machine that is no member is refused, in one line, before it downloads anything
+        # (while the owner's machine trains: see below).
+        refusing = _start(guest, "export", *swarm, "--out", guest / "model")
+        training = _start(tmp_path, "train", *swarm, "--owner-key", owner_key,
+                          "--micro-batches", 4)  # fmt: skip
+        refused = _done(refusing, ok=False)
         assert refused.returncode == 2
         command, message = cli_error(refused.stderr.decode())
         assert command == "export" and "is private: start with --invite" in message
@@ -122,13 +152,14 @@ def test_a_private_run_exports_to_its_members_only(tmp_path: Path) -> None:
         # The owner's machine trains a step with the run's key and no invite; a member
         # with an invite exports the result, and the owner generates through the stages
         # what that export writes.
-        _cli(tmp_path, "train", *swarm, "--owner-key", owner_key, "--micro-batches", 4)
+        _done(training)
         wait_until(lambda: _stepped(a, 1) and _stepped(b, 1), 30, "both stages' step")
-        out = _cli(guest, "export", *swarm, "--invite", f"@{guest / 'invite'}",
-                   "--out", guest / "model").stdout.decode()  # fmt: skip
+        exporting = _start(guest, "export", *swarm, "--invite", f"@{guest / 'invite'}",
+                           "--out", guest / "model")  # fmt: skip
+        through = _sample(tmp_path, *swarm, "--owner-key", str(owner_key))
+        out = _done(exporting).stdout.decode()
         assert f"stage 0: step 1 from peer {a.peer_id}" in out
         assert f"stage 1: step 1 from peer {b.peer_id}" in out
-        through = _sample(tmp_path, *swarm, "--owner-key", str(owner_key))
         assert through == _sample(tmp_path, "--model", str(guest / "model"))
     finally:
         stop_all(nodes)

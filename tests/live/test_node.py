@@ -4,7 +4,7 @@ import signal
 import time
 from pathlib import Path
 
-from tests.swarm import launch_node, status, stop_all, wait_until
+from tests.swarm import StatusWatch, launch_node, stop_all
 
 
 def _present(view: dict) -> dict[str, int]:
@@ -14,27 +14,28 @@ def _present(view: dict) -> dict[str, int]:
 def test_three_nodes_discover_and_leave(tmp_path):
     run = "discovery"
     nodes = []
+    watch = None
     try:
         a = launch_node(tmp_path, "a", run, extra=["--stage", "0"])
         nodes.append(a)
         run = a.run_id  # NAME@FINGERPRINT: how the others join
         for name in ("b", "c"):  # started together: they wait on I/O at start
             nodes.append(launch_node(tmp_path, name, run, initial_peers=[a.maddr], wait=False))
+        a.wait_serving(120)  # the run's spec is out: status may read it
+        watch = StatusWatch(run, a.maddr)
         served = [n.wait_serving(120) for n in nodes]  # then each has its maddrs
         stages = {n.peer_id: stage for n, stage in zip(nodes, served, strict=True)}
         assert stages[a.peer_id] == 0
 
-        view = wait_until(
-            lambda: (v := status(run, a.maddr)) and _present(v) == stages and v,
-            30,
+        view = watch.wait(
+            lambda v: _present(v) == stages and v,
+            60,
             "status to list all three nodes with their stages",
         )
         assert all(p["state"] == "serving" for p in view["peers"])
         # the joiners measured their bandwidth against a serving peer and re-announced
-        wait_until(
-            lambda: (
-                sum(p["bandwidth_source"] == "measured" for p in status(run, a.maddr)["peers"]) >= 2
-            ),
+        watch.wait(
+            lambda v: sum(p["bandwidth_source"] == "measured" for p in v["peers"]) >= 2,
             30,
             "joiners to advertise measured bandwidth",
         )
@@ -50,18 +51,20 @@ def test_three_nodes_discover_and_leave(tmp_path):
         log = b.events("node.started")[-1]["log"]
         text = Path(log).read_text()
         assert "took stage" in text and "received: stopping" in text, text[-2000:]
-        assert b.peer_id not in _present(status(run, a.maddr)), "SIGTERM: gone at once"
+        assert b.peer_id not in _present(watch.view()), "SIGTERM: gone at once"
 
         c.stop(signal.SIGKILL)
         killed = time.monotonic()
-        wait_until(
-            lambda: c.peer_id not in _present(status(run, a.maddr)),
+        watch.wait(
+            lambda v: c.peer_id not in _present(v),
             30,
             "a SIGKILLed node's record to expire",
         )
         assert time.monotonic() - killed >= 1.0  # it vanished by expiry, not by leaving
-        assert _present(status(run, a.maddr)) == {a.peer_id: 0}
+        assert _present(watch.view()) == {a.peer_id: 0}
     finally:
+        if watch is not None:
+            watch.close()
         stop_all(nodes)
 
 

@@ -9,6 +9,8 @@ honest node would hide every record that node holds from every reader."""
 
 from __future__ import annotations
 
+import time
+
 from hivemind.utils import get_dht_time
 
 from node.harness.attackers import attacker_dht, forge_progress, own_record
@@ -20,8 +22,10 @@ from protocol.records import (
     encode_peer_info,
 )
 from tests.records import peer_info
-from tests.swarm import launch_node, status, stop_all, wait_until
+from tests.swarm import StatusWatch, launch_node, stop_all, wait_until
 from tests.unit.test_node_records import _fresh
+
+WATCH_REPLAY_S = 10.0  # how long status must list the node's own record, not a replay
 
 
 def _present(view: dict) -> dict[str, dict]:
@@ -37,9 +41,10 @@ def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
     run = "attacked"
     node = launch_node(tmp_path, "honest", run, extra=["--stage", "0"])
     run = node.run_id
-    attacker = None
+    attacker = watch = None
     try:
         assert node.wait_serving() == 0
+        watch = StatusWatch(run, node.maddr)
         attacker = attacker_dht(node.maddr)
         key = peers_key(run)
         expires = get_dht_time() + 60  # within every record's freshness but the stale one's
@@ -88,9 +93,9 @@ def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
             expiration_time=expires,
         )
 
-        view = wait_until(
-            lambda: (v := status(run, node.maddr)) and good_id in _present(v) and v,
-            30,
+        view = watch.wait(
+            lambda v: good_id in _present(v) and v,
+            60,
             "status to list the record the attacker's DHT stored correctly signed",
         )
         present = _present(view)
@@ -107,6 +112,8 @@ def test_bad_records_from_a_peer_are_refused_and_a_good_one_is_listed(tmp_path):
         assert not [r for r in _refusals(node) if good_id in r], "the good record was refused"
         assert node.stop() == 0  # unharmed: it still stops cleanly (and removes its sockets)
     finally:
+        if watch is not None:
+            watch.close()
         if attacker is not None:
             attacker.shutdown()
         stop_all([node])
@@ -121,11 +128,13 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
     run = "aging"
     node = launch_node(tmp_path, "honest", run, extra=["--stage", "0"])
     run = node.run_id
-    attacker = None
+    attacker = watch = None
     try:
         assert node.wait_serving() == 0
+        watch = StatusWatch(run, node.maddr)
         attacker = attacker_dht(node.maddr)
-        dated = get_dht_time() - MAX_RECORD_AGE_S + 15  # fresh for 15 s more: ~5 status calls
+        watch.view()  # status is up: its views come every second or so from now on
+        dated = get_dht_time() - MAX_RECORD_AGE_S + 15  # fresh for 15 s more
         (long_key, long_id), (short_key, short_id) = _fresh(), _fresh()
         for key, peer_id, expiration in [
             (long_key, long_id, dated + MAX_RECORD_AGE_S + 600),
@@ -134,8 +143,8 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
             value = encode_peer_info(peer_info(run, peer_id, timestamp=dated), key)
             attacker.store(peers_key(run), subkey=peer_id, value=value, expiration_time=expiration)
 
-        present = wait_until(
-            lambda: (p := _present(status(run, node.maddr))) and short_id in p and p,
+        present = watch.wait(
+            lambda v: (p := _present(v)) and short_id in p and p,
             10,
             "the record that expires with its freshness to be listed",
         )
@@ -145,11 +154,13 @@ def test_a_record_cannot_go_stale_in_storage_and_hide_everyone(tmp_path):
         )
 
         wait_until(lambda: get_dht_time() > dated + MAX_RECORD_AGE_S + 1, 20, "staleness")
-        present = _present(status(run, node.maddr))
+        present = _present(watch.view())
         assert node.peer_id in present, "a stale record hid the honest node's record"
         assert set(present) == {node.peer_id}
         assert node.stop() == 0
     finally:
+        if watch is not None:
+            watch.close()
         if attacker is not None:
             attacker.shutdown()
         stop_all([node])
@@ -165,9 +176,10 @@ def test_a_replayed_record_does_not_hide_a_live_node_nor_is_an_extra_stage_liste
     run = "replayed"
     node = launch_node(tmp_path, "honest", run, extra=["--stage", "0"])
     run = node.run_id
-    attacker = None
+    attacker = watch = None
     try:
         assert node.wait_serving() == 0
+        watch = StatusWatch(run, node.maddr)
         attacker = attacker_dht(node.maddr)
         key = peers_key(run)
 
@@ -189,12 +201,18 @@ def test_a_replayed_record_does_not_hide_a_live_node_nor_is_an_extra_stage_liste
             "the honest node to refuse the replay",
         )
         ages = []
-        for _ in range(5):  # the node's record stays its newest: about one period old
-            present = _present(status(run, node.maddr))
+        present = _present(watch.view())
+        watched = time.monotonic()
+        while True:  # every view for 10 s: the node's record stays its newest, one period old
             assert set(present) == {node.peer_id}, f"listed: {sorted(present)}"
             ages.append(present[node.peer_id]["age_s"])
-        assert max(ages) < 5, f"the node's listed record aged: {ages}"
+            if time.monotonic() - watched > WATCH_REPLAY_S:
+                break
+            present = _present(watch.next())
+        assert len(ages) >= 5 and max(ages) < 5, f"the node's listed record aged: {ages}"
     finally:
+        if watch is not None:
+            watch.close()
         if attacker is not None:
             attacker.shutdown()
         stop_all([node])

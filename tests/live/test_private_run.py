@@ -38,7 +38,7 @@ from protocol.run_spec import (
     sign_run_spec,
 )
 from tests.records import peer_info
-from tests.swarm import LOCAL, cli_error, launch_node, status, stop_all, wait_until
+from tests.swarm import LOCAL, StatusWatch, cli_error, launch_node, stop_all, wait_until
 
 
 def _cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -53,8 +53,8 @@ def _cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
     return proc
 
 
-def _peers(run: str, maddr: str) -> dict[str, dict]:
-    return {p["peer_id"]: p for p in status(run, maddr)["peers"]}
+def _peers(view: dict) -> dict[str, dict]:
+    return {p["peer_id"]: p for p in view["peers"]}
 
 
 def _stopped_saying(node, reason: str) -> None:
@@ -79,6 +79,7 @@ def test_a_private_run_admits_its_invited_peers_only(tmp_path):
     expired = issue_invite(key, run, expires=time.time() - 60)
 
     nodes = []
+    watch = None
     try:
         # The owner's node starts from the spec file and needs no invite.
         a = launch_node(tmp_path, "a", run, extra=["--spec", spec_file, "--owner-key", owner_key,
@@ -87,28 +88,29 @@ def test_a_private_run_admits_its_invited_peers_only(tmp_path):
         b = launch_node(tmp_path, "b", run, initial_peers=[a.maddr],
                         extra=["--invite", invite_b.stdout.strip(), "--stage", "1"])  # fmt: skip
         nodes.append(b)
-        assert a.wait_serving() == 0 and b.wait_serving() == 1
+        assert a.wait_serving() == 0
+        watch = StatusWatch(run, a.maddr)
+        assert b.wait_serving() == 1
 
-        # Nodes that are not members are refused, with the reason, before they serve.
+        # Nodes that are not members are refused, with the reason, before they serve; and
+        # a spec for this run id signed by anyone but the owner is refused. All start at
+        # once: they wait on I/O at start.
+        forged = tmp_path / "forged.spec.json"
+        forged.write_text(_forged_spec_text(spec_file))
         uninvited = launch_node(tmp_path, "c", run, initial_peers=[a.maddr], wait=False)
         late = launch_node(tmp_path, "d", run, initial_peers=[a.maddr], wait=False,
                            extra=["--invite", expired])  # fmt: skip
         stolen = launch_node(tmp_path, "e", run, initial_peers=[a.maddr], wait=False,
                              extra=["--invite", invite_b.stdout.strip()])  # fmt: skip
-        nodes += [uninvited, late, stolen]
+        impostor = launch_node(tmp_path, "f", run, wait=False, extra=["--spec", forged])
+        nodes += [uninvited, late, stolen, impostor]
         _stopped_saying(uninvited, "is private: start with --invite")
         _stopped_saying(late, "expired")
         _stopped_saying(stolen, "this invite is for peer")
-
-        # A spec for this run id signed by anyone but the owner is refused.
-        forged = tmp_path / "forged.spec.json"
-        forged.write_text(_forged_spec_text(spec_file))
-        impostor = launch_node(tmp_path, "f", run, wait=False, extra=["--spec", forged])
-        nodes.append(impostor)
         _stopped_saying(impostor, "does not belong to owner")
 
         asyncio.run(_stranger_and_member(run, a, b, bearer.stdout.strip()))
-        peers = _peers(run, a.maddr)
+        peers = _peers(watch.view())
         assert set(peers) == {a.peer_id, b.peer_id}, "only members are listed"
 
         # The owner revokes b: b stops, saying why, and drops out of the run's view.
@@ -116,8 +118,10 @@ def test_a_private_run_admits_its_invited_peers_only(tmp_path):
              "--initial-peers", a.maddr, "--host-maddrs", LOCAL)  # fmt: skip
         _stopped_saying(b, "no longer a member")
         assert "revoked" in cli_error(b.output())[1]
-        wait_until(lambda: b.peer_id not in _peers(run, a.maddr), 30, "b to leave the view")
+        watch.wait(lambda v: b.peer_id not in _peers(v), 30, "b to leave the view")
     finally:
+        if watch is not None:
+            watch.close()
         stop_all(nodes)
 
 
@@ -199,11 +203,13 @@ def test_a_bearer_invite_admits_one_peer_even_when_two_use_it_at_once(tmp_path):
     token.write_text(bearer.stdout)
 
     nodes = []
+    watch = None
     try:
         owner = launch_node(tmp_path, "a", run, train=True, two_stage=True, wrap=as_owner,
                             extra=["--spec", owner_home / "lab.spec.json"])  # fmt: skip
         nodes.append(owner)
         owner.wait_serving(120)
+        watch = StatusWatch(run, owner.maddr)
         pair = [
             launch_node(
                 tmp_path,
@@ -224,20 +230,23 @@ def test_a_bearer_invite_admits_one_peer_even_when_two_use_it_at_once(tmp_path):
                            "one of the two nodes with the same bearer token to stop")  # fmt: skip
         winner = next(n for n in pair if n is not loser)
         _stopped_saying(loser, "already used by peer")
-        # ... and the other serves, admitted by the owner's node (listed in the run).
-        winner.wait_serving(180)
-        wait_until(lambda: winner.peer_id in _peers(run, owner.maddr), 60, "the winner listed")
-        assert loser.peer_id not in _peers(run, owner.maddr) if loser.maddrs_file.exists() else True
-
-        # Later, a third identity with the same token is refused before it serves.
+        # Later (the winner's claim is out: the loser read it), a third identity with the
+        # same token is refused before it serves; it starts while the winner loads.
         late = launch_node(tmp_path, "z", run, initial_peers=[owner.maddr], train=True,
                            two_stage=True, wait=False, wrap=_home(tmp_path, "z")[1],
                            extra=["--invite", f"@{token}"])  # fmt: skip
         nodes.append(late)
+        # ... and the other serves, admitted by the owner's node (listed in the run).
+        winner.wait_serving(180)
+        view = watch.wait(lambda v: winner.peer_id in _peers(v) and v, 60, "the winner listed")
+        assert loser.peer_id not in _peers(view) if loser.maddrs_file.exists() else True
+
         assert late.proc.wait(120) == 2, late.output()
         assert late.stage() is None and winner.alive() and owner.alive()
-        assert set(_peers(run, owner.maddr)) == {owner.peer_id, winner.peer_id}
+        assert set(_peers(watch.view())) == {owner.peer_id, winner.peer_id}
     finally:
+        if watch is not None:
+            watch.close()
         stop_all(nodes)
 
 
