@@ -190,12 +190,14 @@ class PlacementRunner:
                 if self._on_choice is not None:
                     self._on_choice(a.stage)
             elif isinstance(a, AwaitSecond):
+                left = max(0.0, a.until - self.clock.now())
                 logger.info(
                     "not taking stage %d as a second stage yet: nobody serves it and this "
                     "node kept no state of it; waiting up to %.0f s for a peer that did",
                     a.stage,
-                    max(0.0, a.until - self.clock.now()),
+                    left,
                 )
+                events.emit("placement.waiting", stage=a.stage, hold_s=round(left, 1))
             elif isinstance(a, HoldSecond):
                 logger.info(
                     "taking stage %d as a second stage (two-stage peers hold %.1f samples/s); "
