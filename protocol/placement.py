@@ -29,7 +29,8 @@ machine adds its own claim):
 Actions: :class:`Wake` (send a :class:`Timer` at ``at``; it replaces any earlier wake),
 :class:`Announce` (gossip this claim now), :class:`Chose` (a joiner's choice, first or
 revised), :class:`Load` (load this stage), :class:`HoldSecond` (load this stage as well:
-the peer then never moves), :class:`Moving` (a check decided to move; announced, to be
+the peer then never moves), :class:`AwaitSecond` (a restarted peer waits for a second
+stage's state; for logs), :class:`Moving` (a check decided to move; announced, to be
 confirmed), :class:`Moved` (confirmed: unload the old stage, load the new one),
 :class:`Stay` (not confirmed), :class:`Alarmed` (for logs).
 
