@@ -41,7 +41,10 @@ fields:
   (``--max-memory``, bytes), ``reason`` (one line): the node refuses to take a stage that
   would not fit (a pinned one, or any of a run none of whose stages fits: it then stops).
 - ``placement.chose``: ``stage`` (a joiner's choice), ``resumed`` (true: the stage of its own
-  checkpoint, taken without choosing); ``placement.moved``: ``from``, ``to``.
+  checkpoint, taken without choosing); ``placement.moved``: ``from``, ``to``;
+  ``placement.waiting``: ``stage``, ``hold_s``: a node restarted from its checkpoints
+  waits up to ``hold_s`` seconds for a peer with ``stage``'s state before taking it as a
+  second stage from scratch (``protocol.placement.AwaitSecond``).
 - ``averaging.round``: ``stage``, ``epoch`` (the one the copy is at now), ``peers`` (whose
   contributions the step took, us included; 0 for a state loaded), ``ok`` (false: the
   round failed and the copy stepped on its own contribution, or took no step), ``how``

@@ -17,7 +17,8 @@ through two proxies that let one peer among thousands see its effect:
   total, raised by raising the least, and maximised over fractional assignments by the
   LP's optimum, so peers that each add the most M head for the optimum.
 
-The decisions: :func:`choose_stage` (a joiner: an empty stage if any, else the best value
+The decisions: :func:`resume_stage` (a peer restarted with checkpoints: the kept stage
+fewest others hold), :func:`choose_stage` (a joiner: an empty stage if any, else the best value
 of M discounted by how far the stage is from the peer's best priced fit),
 :func:`decide_move` (a serving peer: move only when the target is worth ``hysteresis``
 more and the gain pays for a state download, with a seeded chance that rations movers to
@@ -165,6 +166,12 @@ class Params:
     two_stage_reserve: float = 1.0
     two_stage_min: float = 1.0
     mean_period_s: float = 60.0  # mean time between a serving peer's checks
+    # A peer restarted on the stage of its own checkpoint holds it this long (it does not
+    # move, and takes as a second stage no stage that nobody serves and it kept no state
+    # of): its checkpoint may be the swarm's only copy of that stage's training, and the
+    # peers of a swarm restarted as a whole, holding the other stages' copies, come back
+    # within it. A second stage that nobody else can fill is taken from scratch after it.
+    resume_hold_s: float = 300.0
     period_jitter: float = 0.5  # a check period is uniform in mean * (1 +- jitter)
 
     def __post_init__(self) -> None:
@@ -184,6 +191,7 @@ class Params:
         _in_range("two_stage_min", self.two_stage_min, 0.0, 1e6)
         _positive("mean_period_s", self.mean_period_s, hi=1e9)
         _in_range("period_jitter", self.period_jitter, 0.0, 1.0)
+        _in_range("resume_hold_s", self.resume_hold_s, 0.0, 1e9)
 
 
 DEFAULT_PARAMS = Params()
@@ -493,6 +501,20 @@ def choose_stage(
         return _pick(list(range(view.n_stages)), seed, "join")
     cut = best * (1.0 - params.tie_tolerance)
     return _pick([s for s, v in enumerate(scores) if v >= cut], seed, "join")
+
+
+def resume_stage(view: SwarmView, kept: Sequence[int]) -> int:
+    """The stage a restarted peer takes again, given the stages it kept checkpoints of
+    (``kept``, its most recent first) and the claims of the others: the kept stage the
+    fewest others claim, the most recent on a tie. A kept stage that nobody holds comes
+    first: there, its checkpoint may be the swarm's only copy of the stage's training,
+    which taking another stage would leave behind."""
+    if not kept:
+        raise ValueError("resume_stage needs at least one kept stage")
+    for s in kept:
+        _stage_index(s, view.n_stages, "kept stage")
+    order = {s: i for i, s in reversed(list(enumerate(kept)))}
+    return min(order, key=lambda s: (view.counts[s], order[s]))
 
 
 def decide_move(

@@ -13,7 +13,8 @@ Events (each carries ``now``, in the driver's clock; views are of the *other* pe
 machine adds its own claim):
 
 - :class:`Join`: start joining. It listens about a settle period (others re-announce
-  within it) before choosing.
+  within it) before choosing; a peer restarted with checkpoints takes one of their
+  stages at once.
 - :class:`Timer`: the wake the machine asked for last (:class:`Wake`) is due, with a view
   read then, and the arrival rate if the driver counts arrivals (:class:`ArrivalCount`).
 - :class:`Look`: a view read between checks. While serving, a stage that lost
@@ -23,11 +24,13 @@ machine adds its own claim):
 - :class:`Loaded`: the stage the machine said to load (:class:`Load` or :class:`Moved`)
   serves now, with a view read then.
 - :class:`Declined`: the peer did not take the second stage it was told to.
+- (a :class:`Timer` while it waits for a second stage: see the sequence below.)
 
 Actions: :class:`Wake` (send a :class:`Timer` at ``at``; it replaces any earlier wake),
 :class:`Announce` (gossip this claim now), :class:`Chose` (a joiner's choice, first or
 revised), :class:`Load` (load this stage), :class:`HoldSecond` (load this stage as well:
-the peer then never moves), :class:`Moving` (a check decided to move; announced, to be
+the peer then never moves), :class:`AwaitSecond` (a restarted peer waits for a second
+stage's state; for logs), :class:`Moving` (a check decided to move; announced, to be
 confirmed), :class:`Moved` (confirmed: unload the old stage, load the new one),
 :class:`Stay` (not confirmed), :class:`Alarmed` (for logs).
 
@@ -40,6 +43,15 @@ The sequence, and why:
   wave decide at different moments and see each other's intents.
 - Once its stage serves, a joiner (not a peer that moved) asks ``second_stage`` whether
   to load a second stage too; a peer holding two never moves.
+- A peer restarted with checkpoints of its own (``Join.kept``) takes the kept stage that
+  the fewest others claim (``resume_stage``) without listening, and holds it for
+  ``Params.resume_hold_s``: its checkpoint may be the only copy of that stage's training,
+  and in a swarm restarted as a whole the peers holding the other stages' copies come
+  back one after another. Meanwhile its checks do not move it, and it does not take as
+  a second stage one that nobody serves and it kept no state of (that would start the
+  stage from scratch, and train its own stage against it): it waits, looking every
+  settle period, until someone serves that stage, the rule no longer asks for a second
+  stage, or the hold ends.
 - A serving peer checks every ``check_delay`` seconds (``decide_move``, with the arrival
   rate: where few join, gaps are closed by moves sooner). A move is announced first and
   carried out only if, a settle period later, another peer still serves the stage it
@@ -66,6 +78,7 @@ from protocol.assignment import (
     check_delay,
     choose_stage,
     decide_move,
+    resume_stage,
     second_stage,
 )
 from protocol.records import PeerState
@@ -89,13 +102,15 @@ def settle_period(update_period_s: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Join:
-    """The peer starts. ``resume``: the stage whose state it kept from an earlier run of
-    its own (a checkpoint): it takes that stage at once, without listening or choosing, so
-    that a swarm restarted as a whole comes back on the stages its checkpoints hold.
-    Checks may move it later like any serving peer."""
+    """The peer starts. ``kept``: the stages whose state it kept from an earlier run of
+    its own (checkpoints), the most recent first; with them, ``view`` (the others' claims
+    read now; None: nobody seen). It then takes one of those stages at once, without
+    listening or choosing (``resume_stage``), so that a swarm restarted as a whole comes
+    back on the stages its checkpoints hold, and holds it for ``Params.resume_hold_s``."""
 
     now: float
-    resume: int | None = None
+    kept: tuple[int, ...] = ()
+    view: SwarmView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +176,16 @@ class Load:
 
 
 @dataclass(frozen=True, slots=True)
+class AwaitSecond:
+    """The rule asks for ``stage`` as a second stage, but nobody serves it and this
+    restarted peer kept no state of it: it waits (until ``until`` at most) for a peer
+    with that stage's state, rather than start the stage from scratch."""
+
+    stage: int
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
 class HoldSecond:
     stage: int
     two_stage: float  # the two-stage peers' summed throughput it saw, for logs
@@ -192,7 +217,7 @@ class Alarmed:
     totals: tuple[float, ...]
 
 
-Action = Wake | Announce | Chose | Load | HoldSecond | Moving | Moved | Stay | Alarmed
+Action = Wake | Announce | Chose | Load | AwaitSecond | HoldSecond | Moving | Moved | Stay | Alarmed
 
 
 class Phase(Enum):
@@ -200,6 +225,7 @@ class Phase(Enum):
     LISTENING = "listening"  # before choosing
     CHOSEN = "chosen"  # announced, before reconsidering
     LOADING = "loading"
+    AWAITING_SECOND = "awaiting_second"  # serves; a second stage waits for its state
     SERVING = "serving"  # checks scheduled
     CONFIRMING = "confirming"  # a move announced, waiting a settle period
     TWO_STAGE = "two_stage"  # holds two stages: never moves
@@ -232,6 +258,9 @@ class PeerPlacement:
         self.stage: int | None = None
         self.pending: Move | None = None
         self.moved = False  # it moved once: it never takes a second stage
+        self.kept: frozenset[int] = frozenset()  # stages it kept checkpoints of
+        self.hold_until = -math.inf  # a restarted peer holds its stage until then
+        self._awaited: int | None = None  # the second stage last awaited (logged once)
         self._checks = 0
         self._deadline = math.inf  # of the periodic check
         self._alarmed = False  # an early check is scheduled
@@ -260,12 +289,19 @@ class PeerPlacement:
 
     def _join(self, e: Join) -> list[Action]:
         self._expect(e, Phase.NEW)
-        if e.resume is not None:
-            if not 0 <= e.resume < len(self.throughput):
-                raise PlacementError(f"resume stage {e.resume} is not one of the run's stages")
-            self.stage, self.phase = e.resume, Phase.LOADING
-            return [Chose(e.resume, (), resumed=True), self._claim("join", e.resume),
-                    Load(e.resume)]  # fmt: skip
+        if e.kept:
+            n = len(self.throughput)
+            view = SwarmView.empty(n) if e.view is None else e.view
+            if view.n_stages != n:
+                raise PlacementError(f"a view of {view.n_stages} stages for a run of {n}")
+            try:
+                stage = resume_stage(view, e.kept)
+            except ValueError as error:
+                raise PlacementError(f"cannot resume: {error}") from None
+            self.kept, self.hold_until = frozenset(e.kept), e.now + self.params.resume_hold_s
+            self.stage, self.phase = stage, Phase.LOADING
+            return [Chose(stage, view.totals, resumed=True), self._claim("join", stage),
+                    Load(stage)]  # fmt: skip
         self.phase = Phase.LISTENING
         return [Wake(e.now + check_delay(f"{self.seed}/listen", self._settle))]
 
@@ -279,6 +315,9 @@ class PeerPlacement:
             return self._reconsider(e)
         if self.phase is Phase.SERVING:
             return self._check(e)
+        if self.phase is Phase.AWAITING_SECOND:
+            view = e.view.add(self._own(self._held(), serving=True))
+            return self._after_load(e.now, view, second=True)
         if self.phase is Phase.CONFIRMING:
             return self._confirm(e)
         raise PlacementError(f"a timer in phase {self.phase.value}: no wake was asked for")
@@ -300,14 +339,36 @@ class PeerPlacement:
         stage = self._held()
         view = e.view.add(self._own(stage, serving=True))
         serving = self._claim("serving", stage)
-        if e.second and not self.moved:
-            second = second_stage(view, stage, self.throughput, self.params)
-            if second is not None:
+        return [serving, *self._after_load(e.now, view, second=e.second and not self.moved)]
+
+    def _after_load(self, now: float, view: SwarmView, *, second: bool) -> list[Action]:
+        """Its stage serves (``view`` counts it): a second stage, a wait for one, or
+        periodic checks."""
+        if second:
+            stage = second_stage(view, self._held(), self.throughput, self.params)
+            if stage is not None and self.holding(now) and not self._has_state(stage, view):
+                self.phase = Phase.AWAITING_SECOND
+                wake = Wake(min(self.hold_until, now + self.settle_s))
+                if stage == self._awaited:
+                    return [wake]
+                self._awaited = stage
+                return [AwaitSecond(stage, self.hold_until), wake]
+            if stage is not None:
                 self.phase = Phase.TWO_STAGE
-                return [serving, HoldSecond(second, view.two_stage, view.totals)]
+                return [HoldSecond(stage, view.two_stage, view.totals)]
         self.phase = Phase.SERVING
         self._reference = view
-        return [serving, self._schedule(e.now)]
+        return [self._schedule(now)]
+
+    def holding(self, now: float) -> bool:
+        """Whether this restarted peer still holds the stage it resumed (no moves, no
+        second stage from scratch): ``Params.resume_hold_s`` after it started."""
+        return now < self.hold_until
+
+    def _has_state(self, stage: int, view: SwarmView) -> bool:
+        """Whether taking ``stage`` loads a state others trained: this peer kept a
+        checkpoint of it, or a peer serves it (the load takes the newest of these)."""
+        return stage in self.kept or view.serving[stage] > 0
 
     def _schedule(self, now: float) -> Wake:
         self._checks += 1
@@ -341,6 +402,8 @@ class PeerPlacement:
         stage = self._held()
         view = e.view.add(self._own(stage, serving=True))
         self._reference = view
+        if self.holding(e.now):  # its checkpoint may be the only copy: it stays
+            return [self._schedule(e.now)]
         seed = self._check_seed
         move = decide_move(view, stage, self.throughput, seed, self.params, arrivals=e.arrivals)
         if move is None:
@@ -460,6 +523,7 @@ __all__ = [
     "Alarmed",
     "Announce",
     "ArrivalCount",
+    "AwaitSecond",
     "Chose",
     "Declined",
     "Event",

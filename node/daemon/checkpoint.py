@@ -169,9 +169,9 @@ def read(path: Path, spec: RunSpec, stage: int) -> Checkpoint:
     return Checkpoint(path, stage, int(state.get("epoch", 0)), state, tensors)
 
 
-def resume_stage(root: Path, spec: RunSpec) -> int | None:
-    """The stage this node held last, by its most recent checkpoint file of this run and
-    spec (its header is read, not its tensors); None if it kept none."""
+def kept_stages(root: Path, spec: RunSpec) -> list[int]:
+    """The stages this node kept a checkpoint of (of this run and spec, by the newest
+    file's header), the most recently written first."""
     found: list[tuple[float, int]] = []
     for stage in range(spec.n_stages):
         for path in _files(stage_dir(root, stage))[:1]:
@@ -183,7 +183,7 @@ def resume_stage(root: Path, spec: RunSpec) -> int | None:
                 continue
             if meta.get("run") == spec.run and meta.get("spec") == spec_hash(spec):
                 found.append((mtime, stage))
-    return max(found)[1] if found else None
+    return [stage for _, stage in sorted(found, reverse=True)]
 
 
 def newest(root: Path, spec: RunSpec, stage: int) -> Checkpoint | None:

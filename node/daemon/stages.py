@@ -128,8 +128,8 @@ class StageLifecycle:
                 self.stages.stage = stage
                 self.set_state(PeerState.JOINING)  # the record and the gossip carry the intent
 
-            resume = await asyncio.to_thread(checkpoint.resume_stage, self.checkpoints, self.spec)
-            await self.placement.join(on_choice, resume)
+            kept = await asyncio.to_thread(checkpoint.kept_stages, self.checkpoints, self.spec)
+            await self.placement.join(on_choice, kept)
         self.set_state(PeerState.LOADING)
         await self.hold(self.stages.stage, "first")
         self.set_state(PeerState.SERVING)

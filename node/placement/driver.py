@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
@@ -265,15 +265,18 @@ class Placement:
 
     # -- decisions (the node's calls) ----------------------------------------------------
 
-    async def join(self, on_choice: Callable[[int], None], resume: int | None = None) -> int:
+    async def join(self, on_choice: Callable[[int], None], kept: Sequence[int] = ()) -> int:
         """Choose a stage, tell ``on_choice`` (which announces it), reconsider once the
-        others' intents had a settle period to arrive; the stage to load. With ``resume``
-        (the stage of this node's own checkpoint) that stage is taken at once."""
+        others' intents had a settle period to arrive; the stage to load. With ``kept``
+        (the stages of this node's own checkpoints, most recent first) one of those is
+        taken at once (``protocol.assignment.resume_stage``)."""
         await self._connect(await self.records())
-        return await self.runner.join(on_choice, resume)
+        return await self.runner.join(on_choice, kept)
 
     async def second_stage(self, stage: int) -> int | None:
-        """``stage`` serves now: the second stage to take as well (or None)."""
+        """``stage`` serves now: the second stage to take as well (or None). A node
+        restarted with checkpoints may wait here, up to ``Params.resume_hold_s``, for a
+        peer holding the state of the stage the rule asks it to take."""
         return await self.runner.loaded(second=True)
 
     async def next_move(self, stage: Callable[[], int]) -> Move:

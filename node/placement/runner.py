@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from node import events
@@ -22,6 +22,7 @@ from protocol.placement import (
     Action,
     Alarmed,
     Announce,
+    AwaitSecond,
     Chose,
     Declined,
     HoldSecond,
@@ -95,13 +96,14 @@ class PlacementRunner:
         self._wake = math.inf
         self._on_choice: Callable[[int], None] | None = None
 
-    async def join(self, on_choice: Callable[[int], None], resume: int | None = None) -> int:
-        """Listen, choose, announce, reconsider (or, with ``resume``, take that stage at
-        once: see ``protocol.placement.Join``); ``on_choice`` hears each choice before it
-        is gossiped. Returns the stage to load."""
+    async def join(self, on_choice: Callable[[int], None], kept: Sequence[int] = ()) -> int:
+        """Listen, choose, announce, reconsider (or, with ``kept``, the stages of this
+        node's own checkpoints, take one of them at once: see ``protocol.placement.Join``);
+        ``on_choice`` hears each choice before it is gossiped. Returns the stage to load."""
         self._on_choice = on_choice
         try:
-            join = Join(self.clock.now(), resume=resume)
+            view = await self._read() if kept else None
+            join = Join(self.clock.now(), kept=tuple(kept), view=view)
             actions = await self._carry_out(self.machine.handle(join))
             while not any(isinstance(a, Load) for a in actions):
                 actions = await self._at_wake(looking=False)
@@ -111,11 +113,14 @@ class PlacementRunner:
 
     async def loaded(self, *, second: bool) -> int | None:
         """The stage the machine said to load serves now; the second stage to take as
-        well (only if ``second``), or None: then checks are scheduled."""
+        well (only if ``second``), or None: then checks are scheduled. A restarted node
+        may wait here for a second stage's state (``protocol.placement.AwaitSecond``)."""
         view = await self._read()
         actions = await self._carry_out(
             self.machine.handle(Loaded(self.clock.now(), view, second=second))
         )
+        while self.machine.phase is Phase.AWAITING_SECOND:
+            actions = await self._at_wake(looking=False)
         return next((a.stage for a in actions if isinstance(a, HoldSecond)), None)
 
     async def next_move(self) -> Move:
@@ -184,6 +189,15 @@ class PlacementRunner:
                 events.emit("placement.chose", stage=a.stage, resumed=a.resumed)
                 if self._on_choice is not None:
                     self._on_choice(a.stage)
+            elif isinstance(a, AwaitSecond):
+                left = max(0.0, a.until - self.clock.now())
+                logger.info(
+                    "not taking stage %d as a second stage yet: nobody serves it and this "
+                    "node kept no state of it; waiting up to %.0f s for a peer that did",
+                    a.stage,
+                    left,
+                )
+                events.emit("placement.waiting", stage=a.stage, hold_s=round(left, 1))
             elif isinstance(a, HoldSecond):
                 logger.info(
                     "taking stage %d as a second stage (two-stage peers hold %.1f samples/s); "

@@ -114,3 +114,82 @@ def test_a_whole_swarm_killed_and_stopped_at_once_resumes_from_its_checkpoints(t
         assert abs(after - before) < 0.05, f"validation {before:.3f} before, {after:.3f} after"
     finally:
         stop_all(nodes)
+
+
+def _losses(node: NodeProcess) -> list[float]:
+    """The training losses its trainer reported (every 10 micro-batches)."""
+    return [e["loss"] for e in node.events("train.progress")]
+
+
+def test_a_whole_swarm_restarted_node_by_node_keeps_each_stages_training(tmp_path):
+    """2 stages, 2 nodes with default flags (trainers on, second stages allowed): the
+    first holds both stages, the second joins one. Both stop; the node that kept one
+    stage comes back first and alone, the other later. Alone, the first must not start
+    the stage it kept no state of from scratch (the other's checkpoint is that stage's
+    only copy): at the end both stages serve from their resumed states, and training
+    goes on at the loss it had, not the initial one."""
+    extra = ["--checkpoint-every", str(EVERY_S)]
+    nodes: list[NodeProcess] = []
+    try:
+        first = launch_node(tmp_path, "w0", "restart", extra=extra, train=True, two_stage=True)
+        nodes = [first]
+        first.wait_serving(120)
+        joiner = launch_node(tmp_path, "w1", first.run_id, initial_peers=[first.maddr],
+                             extra=extra, train=True, two_stage=True)  # fmt: skip
+        nodes.append(joiner)
+        joiner.wait_serving(120)
+        run = first.run_id
+
+        def trained() -> bool:  # each node has trained a while with the other
+            steps = _checkpointed_steps(nodes, 0)
+            enough = set(steps) == {0, 1} and min(steps.values()) >= 20
+            return enough and all(len(_losses(n)) >= 4 for n in nodes)
+
+        wait_until(trained, 180, "both nodes training and both stages checkpointed", every=1.0)
+        initial = _losses(first)[0]  # near the initial weights (the joiner came later)
+        stopped = time.time()
+        for n in nodes:
+            n.proc.send_signal(signal.SIGTERM)
+        for n in nodes:  # a clean stop checkpoints what it holds
+            assert n.proc.wait(60) == 0, n.output()[-2000:]
+        before = [loss for n in nodes for loss in _losses(n)[-3:]]
+        steps = _checkpointed_steps(nodes, 0)
+        kept = {n.name: {e["stage"] for e in n.events("checkpoint.written")} for n in nodes}
+        assert all(e["t"] >= stopped for n in nodes for e in n.events("checkpoint.written")[-1:])
+
+        # The node that kept fewer stages comes back first, alone: started from its
+        # checkpoints' copy of the run's spec, as no peer is up to give it.
+        names = sorted(kept, key=lambda name: len(kept[name]))
+        assert kept[names[0]] != {0, 1} and kept[names[1]] == {0, 1}, kept
+        spec = tmp_path / f"{names[0]}.checkpoints" / "spec.json"
+        alone = launch_node(tmp_path, names[0], run, extra=[*extra, "--spec", str(spec)],
+                            train=True, two_stage=True)  # fmt: skip
+        nodes = [alone]
+        alone.wait_serving(120)
+
+        def decided() -> list[dict]:  # on a second stage: to wait, or (wrongly) to take it
+            second = [e for e in alone.events("stage.held") if e["role"] == "second"]
+            return alone.events("placement.waiting") + second
+
+        wait_until(decided, 60, "the lone node's decision on a second stage")
+        later = launch_node(tmp_path, names[1], run, initial_peers=[alone.maddr], extra=extra,
+                            train=True, two_stage=True)  # fmt: skip
+        nodes.append(later)
+        later.wait_serving(120)
+        wait_until(lambda: all(len(_losses(n)) >= 2 for n in nodes), 120,
+                   "both nodes training again", every=1.0)  # fmt: skip
+
+        held = [e for n in nodes for e in n.events("stage.held")]
+        after = {n.name: _losses(n)[:2] for n in nodes}
+        print(f"kept {kept}; checkpointed steps {steps}; held after the restart "
+              f"{[(e['stage'], e['role'], e['loaded'], e['step']) for e in held]}; loss at "
+              f"start {initial:.2f}, before the stop {before}, after {after}")  # fmt: skip
+        assert alone.events("placement.waiting"), "the lone node took a stage from scratch"
+        assert not [e for e in held if e["loaded"] == "initial"], held
+        for stage in (0, 1):  # served from the newest state checkpointed before the stop
+            assert max(e["step"] for e in held if e["stage"] == stage) >= steps[stage], held
+        mid = (initial + sum(before) / len(before)) / 2
+        for n in nodes:  # its trainer goes on at the loss it had, far from the initial one
+            assert max(after[n.name]) < mid, (n.name, initial, before, after)
+    finally:
+        stop_all(nodes)

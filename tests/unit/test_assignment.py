@@ -27,6 +27,7 @@ from protocol.assignment import (
     decide_move,
     least_served_stage,
     max_min_lp,
+    resume_stage,
     second_stage,
     smooth_bottleneck,
     stage_prices,
@@ -607,3 +608,15 @@ def test_peers_that_lose_least_by_moving_fill_a_gap_first():
     # All would rather be on stage 1 now; those slower there are sent less often.
     assert chance((1.0, 1.0, 1.0)) > chance((1.0, 0.8, 1.0)) > chance((1.0, 0.7, 1.0)) > 0
     assert chance((1.0, 1.0, 1.0)) > 3 * chance((1.0, 0.7, 1.0))
+
+
+def test_a_restarted_peer_resumes_the_kept_stage_fewest_others_hold():
+    nobody = SwarmView.empty(3)
+    assert resume_stage(nobody, [2, 0]) == 2  # the most recent on a tie
+    held = SwarmView((10.0, 0.0, 10.0), (1, 0, 1), (1, 0, 1))
+    assert resume_stage(held, [2, 1, 0]) == 1  # nobody holds stage 1: maybe the only copy
+    assert resume_stage(held, [0]) == 0  # a stage others hold too: still its own
+    with pytest.raises(ValueError, match="at least one kept stage"):
+        resume_stage(held, [])
+    with pytest.raises(ValueError, match=r"kept stage must be an integer in \[0, 3\), got 3"):
+        resume_stage(held, [3])

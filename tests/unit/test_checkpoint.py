@@ -86,8 +86,8 @@ def test_another_runs_or_specs_checkpoint_is_refused_naming_both(tmp_path):
         checkpoint.read(path, SPEC, 1)
 
 
-def test_a_restarted_node_resumes_the_stage_of_its_newest_checkpoint(tmp_path):
-    assert checkpoint.resume_stage(tmp_path, SPEC) is None
+def test_a_restarted_node_knows_the_stages_it_kept_newest_first(tmp_path):
+    assert checkpoint.kept_stages(tmp_path, SPEC) == []
     for stage in (1, 0):  # stage 0 written last
         module, optimizer = _trained(stage, steps=1)
         checkpoint.write(tmp_path, SPEC, stage, *_capture(module, optimizer, epoch=1))
@@ -97,10 +97,10 @@ def test_a_restarted_node_resumes_the_stage_of_its_newest_checkpoint(tmp_path):
         os.utime(f, (2_000_000_000, 2_000_000_000))
     for f in older.iterdir():
         os.utime(f, (1_000_000_000, 1_000_000_000))
-    assert checkpoint.resume_stage(tmp_path, SPEC) == 0
-    assert checkpoint.resume_stage(tmp_path, OTHER) is None, "another spec's is no resume"
+    assert checkpoint.kept_stages(tmp_path, SPEC) == [0, 1]
+    assert checkpoint.kept_stages(tmp_path, OTHER) == [], "another spec's is no resume"
     (next(newest.iterdir())).write_bytes(b"garbage")  # unreadable: the other stage's counts
-    assert checkpoint.resume_stage(tmp_path, SPEC) == 1
+    assert checkpoint.kept_stages(tmp_path, SPEC) == [1]
 
 
 def test_a_checkpoint_records_the_data_position_of_its_stream(tmp_path):

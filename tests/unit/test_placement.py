@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from protocol.assignment import Params, SwarmView
 from protocol.placement import (
     Alarmed,
     Announce,
+    AwaitSecond,
     Chose,
     Declined,
     HoldSecond,
@@ -82,17 +84,76 @@ def test_a_joiner_listens_chooses_announces_reconsiders_then_loads():
 
 def test_a_peer_with_a_checkpoint_takes_its_stage_at_once_and_then_checks_as_usual():
     m = PeerPlacement("peer", (10.0, 10.0), NO_SECOND, settle_s=5.0)
-    assert m.handle(Join(0.0, resume=0)) == [
-        Chose(0, (), resumed=True),
+    assert m.handle(Join(0.0, kept=(0,))) == [
+        Chose(0, (0.0, 0.0), resumed=True),
         Announce("join", 0),
         Load(0),
     ]
     view = _view([50, 20], [5, 2])
     loaded = m.handle(Loaded(30.0, view))
     assert loaded[0] == Announce("serving", 0) and m.phase is Phase.SERVING
-    assert _wake(loaded) > 30.0  # a periodic check: it may still move like anyone
-    with pytest.raises(PlacementError, match="resume stage 2"):
-        PeerPlacement("p", (10.0, 10.0), NO_SECOND, settle_s=5.0).handle(Join(0.0, resume=2))
+    assert _wake(loaded) > 30.0  # a periodic check
+    with pytest.raises(PlacementError, match="kept stage must be an integer in"):
+        PeerPlacement("p", (10.0, 10.0), NO_SECOND, settle_s=5.0).handle(Join(0.0, kept=(2,)))
+
+
+def test_a_restarted_peer_takes_the_kept_stage_that_nobody_holds():
+    """Its checkpoint of a stage nobody holds may be the only copy of that training."""
+    m = PeerPlacement("peer", (10.0, 10.0), NO_SECOND, settle_s=5.0)
+    others = _view([10, 0], [1, 0])  # a peer back before it resumed stage 0
+    actions = m.handle(Join(0.0, kept=(0, 1), view=others))  # stage 0 written last
+    assert actions[0] == Chose(1, (10.0, 0.0), resumed=True) and actions[-1] == Load(1)
+
+
+def _resumed_alone(params: Params) -> tuple[PeerPlacement, list]:
+    """A peer restarted alone with a checkpoint of stage 0 only; its actions once loaded."""
+    m = PeerPlacement("peer", (10.0, 10.0), params, settle_s=5.0)
+    m.handle(Join(0.0, kept=(0,)))
+    return m, m.handle(Loaded(10.0, SwarmView.empty(2)))
+
+
+def test_a_restarted_peer_waits_for_the_state_of_a_second_stage_that_nobody_serves():
+    """Alone, the rule asks it to take stage 1 as well; it kept no state of it and
+    nobody serves it, so it waits for the peer that did, and never moves meanwhile."""
+    m, actions = _resumed_alone(Params(resume_hold_s=100.0))
+    assert actions[0] == Announce("serving", 0)
+    assert actions[1] == AwaitSecond(1, 100.0) and _wake(actions) == 15.0
+    assert m.phase is Phase.AWAITING_SECOND
+    # Still nobody on stage 1: it waits on, and says so only once.
+    assert m.handle(Timer(15.0, SwarmView.empty(2))) == [Wake(20.0)]
+    # A peer that kept stage 1 is back and serves it: that state is loaded from it.
+    assert m.handle(Timer(20.0, _view([0, 10], [0, 1]))) == [HoldSecond(1, 0.0, (10.0, 10.0))]
+    assert m.phase is Phase.TWO_STAGE
+    # Or it took stage 0 and stage 1 as its second: then the rule asks for none here.
+    m, _ = _resumed_alone(Params(resume_hold_s=100.0))
+    two = SwarmView((0.0, 0.0), (1, 1), (1, 1), two_stage=10.0)  # its claims: no throughput
+    waited = m.handle(Timer(15.0, two))
+    assert m.phase is Phase.SERVING and _wake(waited) > 15.0
+
+
+def test_a_restarted_peer_takes_a_second_stage_from_scratch_once_its_hold_is_over():
+    m, actions = _resumed_alone(Params(resume_hold_s=12.0))
+    assert _wake(actions) == 12.0  # the hold's end comes before a settle period
+    assert m.handle(Timer(12.0, SwarmView.empty(2))) == [HoldSecond(1, 0.0, (10.0, 0.0))]
+    # Without a hold (or from the start, a fresh peer) it takes it at once.
+    m, actions = _resumed_alone(Params(resume_hold_s=0.0))
+    assert actions[1] == HoldSecond(1, 0.0, (10.0, 0.0))
+
+
+def test_a_restarted_peer_does_not_move_during_its_hold():
+    """Stage 1 is empty and its stage 0 crowded: a fresh peer would move at once."""
+    crowded = _view([50, 0], [5, 0])
+    for hold, moves in ((100.0, False), (0.0, True)):
+        m = PeerPlacement("peer", (10.0, 10.0), replace(NO_SECOND, resume_hold_s=hold),
+                          settle_s=5.0)  # fmt: skip
+        m.handle(Join(0.0, kept=(0,)))
+        check = _wake(m.handle(Loaded(10.0, crowded)))
+        assert check < 100.0
+        actions = m.handle(Timer(check, crowded))
+        assert any(isinstance(a, Moving) for a in actions) is moves, (hold, actions)
+        if not moves:  # after the hold it checks as usual
+            later = m.handle(Timer(100.0, crowded))
+            assert isinstance(later[0], Moving) and later[0].move.to_stage == 1
 
 
 def test_a_fast_joiner_takes_a_second_stage_and_then_never_checks():
@@ -282,3 +343,30 @@ def test_one_trace_gives_the_same_actions_from_the_node_and_the_simulator(tmp_pa
         ("placement.chose", 1, None, None),
         ("placement.moved", None, 1, 0),
     ]
+
+
+def test_the_runner_keeps_a_restarted_node_waiting_for_its_second_stage_state():
+    """``PlacementRunner.loaded`` returns only once the wait ends: here when the peer
+    that kept stage 1 serves it, a few settle periods in (fake clock, changing view)."""
+    clock = FakeClock()
+
+    class Returning(FakeSource):
+        async def read(self) -> SwarmView:
+            back = self.clock.now() >= 12.0
+            return _view([0, 10], [0, 1]) if back else SwarmView.empty(2)
+
+    machine = PeerPlacement("peer", (10.0, 10.0), Params(resume_hold_s=100.0), settle_s=5.0)
+    trace: list = []
+
+    async def send(said: Announce) -> None:
+        trace.append(said)
+
+    runner = PlacementRunner(machine, clock, Returning(clock), send, update_period_s=5.0)
+
+    async def daemon() -> int | None:
+        assert await runner.join(lambda stage: None, kept=[0]) == 0
+        return await runner.loaded(second=True)
+
+    assert asyncio.run(daemon()) == 1
+    assert clock.now() == 15.0 and machine.phase is Phase.TWO_STAGE
+    assert trace == [Announce("join", 0), Announce("serving", 0)]
