@@ -109,10 +109,12 @@ class Reach:
 
     async def link_relayed(self, p2p: P2P, peers: list[PeerInfo]) -> None:
         """Keep a connection to every peer that serves through a relay (``p2pd`` dials it
-        only at addresses it holds, and never learns a relay's circuit address itself);
+        only at addresses it holds, and never learns a relay's circuit address itself), if
+        this node's ``p2pd`` can dial through one at all;
         emit ``relay.link`` when how we are linked to one changes."""
         try:
-            links = await connect_relayed(p2p, [p for p in peers if p.routable])
+            dials = self._settings.relay.dials_circuits
+            links = await connect_relayed(p2p, [p for p in peers if p.routable_by(dials)])
         except Exception as e:  # a daemon hiccup: the next check retries
             logger.debug("connecting to relayed peers failed: %s", e)
             return
