@@ -68,6 +68,10 @@ fields:
   call of this node's trainer failed; that peer is banned from its calls for a while.
   ``call.rerouted``: ``stage``, ``peer``: the failed call was sent again, to ``peer``
   (the same one when the stage has no other).
+- ``stage.abandoned``: ``stage``, ``peer`` (the caller), ``micro_batch``, ``kind``,
+  ``train``: a request received whole was dropped uncomputed because its caller left (its
+  session closed, as a trainer's timed-out call does) while it waited for a step or for
+  the compute thread; nothing of it was counted.
 - ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
   caller refused too often; every service of this node refuses it for a while.
 - ``rpc.refused``: ``service``, ``peer`` (the caller), ``reason`` (a

@@ -103,12 +103,18 @@ class OuterRound:
     copy goes on stepping, and what it steps on from ``begin`` on counts toward the next
     round. A round that ends with a step (``finished``) consumes its weight; one that fails
     (``given_back``) returns it, so that the next round takes those samples too: no sample
-    is lost or counted twice."""
+    is lost or counted twice.
+
+    A round that has held a micro-batch for as long as a stage holds one (``overdue``: a
+    slow link, a loaded machine, a round falling back to its timeout) admits every
+    micro-batch until it ends: they accumulate for the inner step that follows the round,
+    and the pipeline keeps training instead of passing one micro-batch per hold."""
 
     overlap: bool = False
     inner: int = 0  # samples stepped on that no round took yet
     in_round: int = 0  # the weight of the round in flight
     in_flight: bool = False
+    late: bool = False  # the round in flight held a micro-batch too long (``overdue``)
 
     @property
     def pending(self) -> int:
@@ -127,8 +133,16 @@ class OuterRound:
     def admits(self, committed: int, batch: int) -> bool:
         """Whether a new micro-batch may enter, ``committed`` samples (accumulated and in
         flight) toward the next inner step: not once they make up its batch (they wait for
-        the step), nor during a round without ``overlap``."""
+        the step), nor during a round without ``overlap``, unless that round is ``overdue``:
+        then every one enters."""
+        if self.in_flight and self.late:
+            return True
         return committed < batch and (self.overlap or not self.in_flight)
+
+    def overdue(self) -> None:
+        """A micro-batch waited as long as a stage holds one, and the round in flight (if
+        any) has not ended: admit all until it does."""
+        self.late = self.in_flight
 
     def stepped(self, samples: int) -> None:
         self.inner += samples
@@ -138,16 +152,18 @@ class OuterRound:
         if self.in_flight:
             raise RuntimeError("an outer round is in flight already")
         self.in_flight, self.in_round, self.inner = True, self.inner, 0
+        self.late = False
         return self.in_round
 
     def finished(self) -> None:
         """The round's step was applied."""
-        self.in_flight, self.in_round = False, 0
+        self.in_flight, self.in_round, self.late = False, 0, False
 
     def given_back(self, weight: int) -> None:
         """The round failed; ``weight`` of its samples go back (0: its contribution was
         dropped, as unfit to send)."""
         self.in_flight, self.in_round, self.inner = False, 0, self.inner + weight
+        self.late = False
 
     def loaded(self) -> None:
         """A downloaded state replaced the copy's: its inner steps are gone."""

@@ -149,6 +149,12 @@ class Strategy(ABC):
         the next round, the records of the peers at our epoch, and whether a step is in
         progress."""
 
+    def overdue(self) -> None:
+        """A training micro-batch waited the longest a stage holds one (the server admits it
+        anyway). Gradient mode: nothing changes (the next one is held again, since a step's
+        batch must be computed on the parameters it updates)."""
+        return None
+
     @abstractmethod
     def on_accumulated_locked(self, alone: bool) -> bool:
         """After a micro-batch's gradients landed in ``.grad``. ``alone``: no other peer of
@@ -345,9 +351,16 @@ class DiLoCoStrategy(Strategy):
 
     def admission(self, mine: int, same: Sequence[Progress], busy: bool) -> Admission:
         """Inner steps are this copy's own batches: FULL while one is complete and not yet
-        stepped on, or (without overlap) an outer round is in flight."""
+        stepped on, or (without overlap) an outer round is in flight, until that round is
+        overdue."""
         admits = self._rounds.admits(mine - self.pending(), self.batch)
         return Admission.OPEN if admits else Admission.FULL
+
+    def overdue(self) -> None:
+        """The outer round in flight held a micro-batch too long: admit every one until it
+        ends (``OuterRound.overdue``)."""
+        with self.lock:
+            self._rounds.overdue()
 
     def on_accumulated_locked(self, alone: bool) -> bool:
         if self._rounds.may_step(self.optimizer.samples, self.batch):
