@@ -264,3 +264,23 @@ def test_an_overlapped_copy_that_loads_a_state_drops_its_inner_progress():
     s.apply_state(stage_state.parse(metadata, tensors, s.module, mode="diloco"))
     assert s.pending() == 0 and _equal(_params(s), donor.digest_tensors())
     assert not s.in_flight and s.begin().weight == 0
+
+
+def test_a_diloco_round_that_held_a_micro_batch_too_long_admits_the_rest():
+    s = _strategy("diloco")
+    _feed(s, range(s.target // MICRO))
+    contribution = s.begin()
+
+    def admission():
+        return s.admission(s.pending() + s.optimizer.samples, [], busy=True)
+
+    assert admission() is Admission.FULL
+    s.overdue()
+    _feed(s, range(100, 100 + 2 * s.batch // MICRO))  # more than an inner step's batch
+    assert admission() is Admission.OPEN and s.stats.inner_steps == INNER_STEPS
+    s.finish(contribution.tensors, contribution)
+    assert s.stats.inner_steps == INNER_STEPS + 1  # what came during the round: one step
+    gradient = _strategy("gradient")
+    _feed(gradient, range(gradient.target // MICRO))
+    gradient.overdue()  # gradient mode holds the next one again
+    assert gradient.admission(gradient.optimizer.samples, [], busy=True) is Admission.FULL

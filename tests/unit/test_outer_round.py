@@ -100,3 +100,23 @@ def test_run_create_sets_overlap_and_refuses_it_in_gradient_mode_in_one_line(tmp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "overlap" in err and "pydantic" not in err, err
     assert not (tmp_path / "no.json").exists()
+
+
+def test_an_overdue_round_admits_every_micro_batch_until_it_ends():
+    rounds = OuterRound()
+    rounds.overdue()  # no round in flight: nothing changes
+    assert not rounds.admits(BATCH, BATCH)
+    _steps(rounds, 2)
+    weight = rounds.begin()
+    assert not rounds.admits(0, BATCH)  # held for the round
+    rounds.overdue()  # one waited as long as a stage holds one
+    assert rounds.admits(0, BATCH) and rounds.admits(5 * BATCH, BATCH)
+    assert not rounds.may_step(5 * BATCH, BATCH)  # they wait for the round's step
+    rounds.finished()
+    assert not rounds.admits(BATCH, BATCH)  # the next round holds again
+    rounds.begin()
+    assert not rounds.admits(0, BATCH)
+    rounds.overdue()
+    rounds.given_back(weight)
+    rounds.begin()
+    assert not rounds.admits(0, BATCH)
