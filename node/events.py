@@ -51,7 +51,8 @@ fields:
   seconds, how long the stage server's compute thread served no request: the pipeline's
   idle time in the round; absent without a server) and, in DiLoCo, ``inner_steps`` (the
   copy's inner steps meanwhile: without ``AveragingSpec.overlap``, at most the one that
-  waited for the round); ``digest`` (``hash``: 8 hex
+  waited for the round, unless the round held a micro-batch for ``HOLD_S`` and went on
+  overlapped); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means

@@ -38,9 +38,9 @@ across that step recomputes its forward for its backward (the parameters changed
 
 Holding (DiLoCo without overlap). While an outer round runs the server holds new training
 micro-batches, each at most ``node.pipeline.server.HOLD_S``. Once one has waited that long
-the round is overdue, and the server admits every micro-batch until it ends
-(``protocol.averaging.OuterRound.overdue``): they accumulate for the inner step that
-follows the round, so a long round (a slow link, a loaded machine, a fallback at its
+the round is overdue and overlapped from then on (``protocol.averaging.OuterRound.overdue``,
+``Strategy.overdue``): the copy admits micro-batches and takes inner steps, and the outer
+step keeps them, so a long round (a slow link, a loaded machine, a fallback at its
 timeout) does not cut the pipeline down to one micro-batch per hold.
 
 Events. After every epoch it reaches, and after a round that failed without a step, the

@@ -42,8 +42,8 @@ at this stage make up the next step's batch (``_admission``; an averaging stage 
 peers' too), new training micro-batches wait, on the event loop and before any compute,
 until that step is applied: every step then averages gradients of exactly the parameters
 it updates, and the kept graphs stay valid. The wait is bounded (``HOLD_S``): past it the
-micro-batch is admitted anyway, and its gradient may be one step stale (a DiLoCo stage then
-admits every micro-batch until its outer round ends: ``on_overdue``). A trainer waits
+micro-batch is admitted anyway, and its gradient may be one step stale (a DiLoCo stage's
+outer round then goes on overlapped: ``on_overdue``). A trainer waits
 ``HOLD_S`` longer for a training call than for others (``node.pipeline.trainer``), so a
 held call is late, not failed. A request whose caller left while it was held or queued
 (its session closed: the caller timed out) is dropped before it is computed, counted in

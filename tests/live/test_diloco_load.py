@@ -23,6 +23,7 @@ from node.averaging.process import StageAveragerProcess
 from node.pipeline import client as stage_client
 from node.pipeline.client import StageTimeout
 from node.pipeline.server import HOLD_S
+from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
 from protocol.stage_messages import StageContract
 from tests.averaging_peer import CFG, LOOPBACK, STAGE, Peer, batch, make_spec, start_dht
@@ -30,7 +31,7 @@ from tests.averaging_peer import CFG, LOOPBACK, STAGE, Peer, batch, make_spec, s
 SLOW_S = 8.0  # how long each all-reduce waits before it starts: rounds of 2-3 holds
 FEEDERS = 4  # training calls in flight at once (a trainer's ``in_flight``)
 # A trainer's timeout for a training call: its floor (``min_call_timeout_s``) plus a hold.
-TRAINER_TIMEOUT_S = 5.0 + HOLD_S
+TRAINER_TIMEOUT_S = TrainerSettings().min_call_timeout_s + HOLD_S
 IMPATIENT_S = 1.0  # a caller that gives up on a call long before its hold ends
 LONG_ROUNDS = 2  # per peer, fed throughout
 
@@ -53,9 +54,10 @@ async def _until(condition: Callable[[], bool], timeout: float, what: str) -> No
 
 def test_a_long_outer_round_holds_micro_batches_once_and_counts_each_once(tmp_path):
     """Fed by ``FEEDERS`` callers with a trainer's timeout through ``LONG_ROUNDS`` rounds of
-    each peer: no call times out; the stages keep serving during the rounds (after the
-    first hold of a round, micro-batches enter at once: far more answers per round than
-    one per hold per caller); the samples the stages computed are those answered. Then a
+    each peer: no call times out; the stages keep training during the rounds (after the
+    first hold of a round it goes on overlapped: far more answers per round than one per
+    hold per caller, and inner steps); the samples the stages computed are those
+    answered. Then a
     caller that gives up on a held call: the stage drops it uncomputed (``abandoned``, a
     ``stage.abandoned`` event naming it)."""
     spec = make_spec(
@@ -135,6 +137,7 @@ def test_a_long_outer_round_holds_micro_batches_once_and_counts_each_once(tmp_pa
                 if e["event"] == "averaging.round" and e["how"] in ("averaged", "fallback")
             ]  # fmt: skip
             assert rounds and all(e["seconds"] >= SLOW_S for e in rounds), rounds
+            assert all(e["inner_steps"] >= 1 for e in rounds), rounds
             # Answers during each round, after its first hold: the stage kept serving.
             for e in rounds:
                 start, end = e["t"] - e["seconds"] + HOLD_S + 0.5, e["t"] - 0.5
@@ -151,13 +154,13 @@ def test_a_long_outer_round_holds_micro_batches_once_and_counts_each_once(tmp_pa
             await _until(lambda: all(not p.averager.busy for p in peers), 60, "rounds end")
             before = [s.counters.backward for s in servers]
             index = 10**6
-            while not any(p.averager.strategy.in_flight for p in peers):
+            while not any(p.averager.strategy.holding for p in peers):
                 index += 1
                 await call(index, TRAINER_TIMEOUT_S, servers[index % 2])
                 answered.append(time.time())
                 await asyncio.sleep(0.05)
             holding = next(
-                s for s, p in zip(servers, peers, strict=True) if p.averager.strategy.in_flight
+                s for s, p in zip(servers, peers, strict=True) if p.averager.strategy.holding
             )
             held_before = holding.counters.held
             try:

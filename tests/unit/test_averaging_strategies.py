@@ -266,20 +266,27 @@ def test_an_overlapped_copy_that_loads_a_state_drops_its_inner_progress():
     assert not s.in_flight and s.begin().weight == 0
 
 
-def test_a_diloco_round_that_held_a_micro_batch_too_long_admits_the_rest():
-    s = _strategy("diloco")
-    _feed(s, range(s.target // MICRO))
-    contribution = s.begin()
-
-    def admission():
-        return s.admission(s.pending() + s.optimizer.samples, [], busy=True)
-
-    assert admission() is Admission.FULL
-    s.overdue()
-    _feed(s, range(100, 100 + 2 * s.batch // MICRO))  # more than an inner step's batch
-    assert admission() is Admission.OPEN and s.stats.inner_steps == INNER_STEPS
-    s.finish(contribution.tensors, contribution)
-    assert s.stats.inner_steps == INNER_STEPS + 1  # what came during the round: one step
+def test_a_diloco_round_that_held_a_micro_batch_too_long_goes_on_overlapped():
+    """Overdue, a round without ``overlap`` admits and steps as an overlapped one does, and
+    its outer step keeps those inner steps: the parameters end where an overlapped copy's
+    do on the same micro-batches."""
+    late, overlapped = _strategy("diloco"), _strategy("diloco", overlap=True)
+    for s in (late, overlapped):
+        _feed(s, range(s.target // MICRO))
+    taken = [s.begin() for s in (late, overlapped)]
+    assert late.admission(late.pending() + late.optimizer.samples, [], busy=True) is (
+        Admission.FULL
+    )
+    late.overdue()
+    during = range(100, 100 + 2 * late.batch // MICRO)  # two inner steps' batches
+    for s in (late, overlapped):
+        assert s.admission(s.pending() + s.optimizer.samples, [], busy=True) is Admission.OPEN
+        _feed(s, during)
+        assert s.stats.inner_steps == INNER_STEPS + 2
+    for s, contribution in zip((late, overlapped), taken, strict=True):
+        s.finish(contribution.tensors, contribution)
+    assert _equal(_params(late), _params(overlapped), atol=1e-6)
+    assert late.pending() == overlapped.pending() == 2 * late.batch  # toward the next round
     gradient = _strategy("gradient")
     _feed(gradient, range(gradient.target // MICRO))
     gradient.overdue()  # gradient mode holds the next one again

@@ -102,21 +102,24 @@ def test_run_create_sets_overlap_and_refuses_it_in_gradient_mode_in_one_line(tmp
     assert not (tmp_path / "no.json").exists()
 
 
-def test_an_overdue_round_admits_every_micro_batch_until_it_ends():
+def test_an_overdue_round_goes_on_overlapped_until_it_ends():
     rounds = OuterRound()
-    rounds.overdue()  # no round in flight: nothing changes
+    assert not rounds.overdue()  # no round in flight: nothing changes
     assert not rounds.admits(BATCH, BATCH)
     _steps(rounds, 2)
     weight = rounds.begin()
-    assert not rounds.admits(0, BATCH)  # held for the round
-    rounds.overdue()  # one waited as long as a stage holds one
-    assert rounds.admits(0, BATCH) and rounds.admits(5 * BATCH, BATCH)
-    assert not rounds.may_step(5 * BATCH, BATCH)  # they wait for the round's step
+    assert not rounds.admits(0, BATCH) and not rounds.may_step(BATCH, BATCH)  # held
+    assert rounds.overdue()  # one waited as long as a stage holds one: overlapped now
+    assert not rounds.overdue()  # once per round
+    assert rounds.admits(0, BATCH) and not rounds.admits(BATCH, BATCH)  # batches as usual
+    _steps(rounds, 1)  # toward the next round
+    assert rounds.pending == weight + BATCH
     rounds.finished()
-    assert not rounds.admits(BATCH, BATCH)  # the next round holds again
+    assert rounds.pending == BATCH
+    rounds.begin()
+    assert not rounds.admits(0, BATCH)  # the next round holds again
+    assert rounds.overdue()
+    rounds.given_back(BATCH)
     rounds.begin()
     assert not rounds.admits(0, BATCH)
-    rounds.overdue()
-    rounds.given_back(weight)
-    rounds.begin()
-    assert not rounds.admits(0, BATCH)
+    assert not OuterRound(overlap=True).overdue()  # overlapped already
