@@ -268,7 +268,7 @@ class StageAverager:
 
     def overdue(self) -> None:
         """The server admitted a micro-batch it held for the longest it holds one
-        (``Strategy.overdue``)."""
+        (``Strategy.overdue``). Blocking: takes the stage's lock."""
         self.strategy.overdue()
 
     def _gate_changed(self) -> None:
@@ -634,5 +634,6 @@ class AveragedStageServer(StageServer):
     def on_admitted(self) -> None:
         self.averager.progress_changed()
 
-    def on_overdue(self) -> None:
-        self.averager.overdue()
+    async def on_overdue(self) -> None:
+        # takes the stage's lock, which the compute thread holds while it computes
+        await asyncio.to_thread(self.averager.overdue)

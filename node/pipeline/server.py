@@ -416,7 +416,7 @@ class StageServer(NodeServicer):
                         self._overdue += 1
                         logger.info("admitted micro-batch %s after %.0f s without the step",
                                     key, HOLD_S)  # fmt: skip
-                        self.on_overdue()
+                        await self.on_overdue()
                         self.gate_changed()  # the others held may enter now
                         break
                     changed = self._gate_changed
@@ -442,7 +442,7 @@ class StageServer(NodeServicer):
     def on_admitted(self) -> None:
         """A training micro-batch was admitted (on the event loop)."""
 
-    def on_overdue(self) -> None:
+    async def on_overdue(self) -> None:
         """A training micro-batch is admitted after ``HOLD_S`` without the step it waited
         for (on the event loop)."""
 

@@ -27,7 +27,7 @@ class _Server(StageServer):
 
     overdue_calls = 0
 
-    def on_overdue(self) -> None:
+    async def on_overdue(self) -> None:
         self.overdue_calls += 1
 
 
