@@ -26,7 +26,7 @@ demo: $(STAMP)
 # averager child now and then never started. The floods
 # (a thousand requests, thousands of streams and records) run apart too: beside them, other
 # tests' timeouts measured the flood, not the code.
-FORKS_AVERAGERS := tests/live/test_averaging.py
+FORKS_AVERAGERS := tests/live/test_averaging.py tests/live/test_diloco_load.py
 FLOODS := tests/live/test_flood.py tests/live/test_sybil.py
 APART := $(FORKS_AVERAGERS) $(FLOODS)
 test: $(STAMP)

@@ -54,7 +54,8 @@ fields:
   seconds, how long the stage server's compute thread served no request: the pipeline's
   idle time in the round; absent without a server) and, in DiLoCo, ``inner_steps`` (the
   copy's inner steps meanwhile: without ``AveragingSpec.overlap``, at most the one that
-  waited for the round); ``digest`` (``hash``: 8 hex
+  waited for the round, unless the round held a micro-batch for ``HOLD_S`` and went on
+  overlapped); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means
@@ -78,6 +79,10 @@ fields:
 - ``route.out_of_reach``: ``count``, ``peers`` (their ids), ``reason``: peers that serve
   through a relay, which this node's trainer cannot dial (``--no-relay``), so routes no
   call to; emitted when their number changes.
+- ``stage.abandoned``: ``stage``, ``peer`` (the caller), ``micro_batch``, ``kind``,
+  ``train``: a request received whole was dropped uncomputed because its caller left (its
+  session closed, as a trainer's timed-out call does) while it waited for a step or for
+  the compute thread; nothing of it was counted.
 - ``peer.banned``: ``peer``, ``service`` (the ``service_name`` whose refusal banned it): a
   caller refused too often; every service of this node refuses it for a while.
 - ``rpc.refused``: ``service``, ``peer`` (the caller), ``reason`` (a

@@ -103,12 +103,20 @@ class OuterRound:
     copy goes on stepping, and what it steps on from ``begin`` on counts toward the next
     round. A round that ends with a step (``finished``) consumes its weight; one that fails
     (``given_back``) returns it, so that the next round takes those samples too: no sample
-    is lost or counted twice."""
+    is lost or counted twice.
+
+    A round without ``overlap`` that has held a micro-batch for as long as a stage holds
+    one (``overdue``: a slow link, a loaded machine, a round falling back to its timeout)
+    is overlapped from then on: the copy admits micro-batches and takes inner steps as with
+    ``overlap``, so the pipeline keeps training instead of passing one micro-batch per
+    hold. Short rounds still hold (their step lands on exactly the parameters they
+    averaged); only long ones pay overlap's one-round-late pseudo-gradient."""
 
     overlap: bool = False
     inner: int = 0  # samples stepped on that no round took yet
     in_round: int = 0  # the weight of the round in flight
     in_flight: bool = False
+    late: bool = False  # the round in flight held a micro-batch too long: overlapped now
 
     @property
     def pending(self) -> int:
@@ -120,15 +128,30 @@ class OuterRound:
     def may_begin(self) -> bool:
         return not self.in_flight
 
+    @property
+    def overlapped(self) -> bool:
+        """Whether the copy goes on (admits, steps) now: no round in flight, ``overlap``,
+        or the round in flight is ``overdue``."""
+        return self.overlap or not self.in_flight or self.late
+
     def may_step(self, accumulated: int, batch: int) -> bool:
         """Whether an inner step on ``accumulated`` samples is due now."""
-        return accumulated >= batch and (self.overlap or not self.in_flight)
+        return accumulated >= batch and self.overlapped
 
     def admits(self, committed: int, batch: int) -> bool:
         """Whether a new micro-batch may enter, ``committed`` samples (accumulated and in
         flight) toward the next inner step: not once they make up its batch (they wait for
-        the step), nor during a round without ``overlap``."""
-        return committed < batch and (self.overlap or not self.in_flight)
+        the step), nor during a round without ``overlap`` until that round is ``overdue``."""
+        return committed < batch and self.overlapped
+
+    def overdue(self) -> bool:
+        """A micro-batch waited as long as a stage holds one. True if that turns the round
+        in flight overlapped now: the caller keeps the parameters as they are, which are
+        those the round's delta was taken from (no inner step ran since ``begin``)."""
+        if not self.in_flight or self.overlap or self.late:
+            return False
+        self.late = True
+        return True
 
     def stepped(self, samples: int) -> None:
         self.inner += samples
@@ -138,16 +161,18 @@ class OuterRound:
         if self.in_flight:
             raise RuntimeError("an outer round is in flight already")
         self.in_flight, self.in_round, self.inner = True, self.inner, 0
+        self.late = False
         return self.in_round
 
     def finished(self) -> None:
         """The round's step was applied."""
-        self.in_flight, self.in_round = False, 0
+        self.in_flight, self.in_round, self.late = False, 0, False
 
     def given_back(self, weight: int) -> None:
         """The round failed; ``weight`` of its samples go back (0: its contribution was
         dropped, as unfit to send)."""
         self.in_flight, self.in_round, self.inner = False, 0, self.inner + weight
+        self.late = False
 
     def loaded(self) -> None:
         """A downloaded state replaced the copy's: its inner steps are gone."""

@@ -36,6 +36,13 @@ progress made meanwhile is kept, and it counts toward the next round
 (``protocol.averaging.OuterRound``: at most one round in flight). A micro-batch in flight
 across that step recomputes its forward for its backward (the parameters changed).
 
+Holding (DiLoCo without overlap). While an outer round runs the server holds new training
+micro-batches, each at most ``node.pipeline.server.HOLD_S``. Once one has waited that long
+the round is overdue and overlapped from then on (``protocol.averaging.OuterRound.overdue``,
+``Strategy.overdue``): the copy admits micro-batches and takes inner steps, and the outer
+step keeps them, so a long round (a slow link, a loaded machine, a fallback at its
+timeout) does not cut the pipeline down to one micro-batch per hold.
+
 Events. After every epoch it reaches, and after a round that failed without a step, the
 averager emits ``averaging.round`` (``node.events``); with digests on
 (``digests.digests_wanted``) the event carries a digest of the tensors the copies agreed
@@ -265,6 +272,11 @@ class StageAverager:
         """The server admitted a micro-batch: publish our progress now (on the event loop),
         so that our peers count it before they admit more."""
         self._publish_now.set()
+
+    def overdue(self) -> None:
+        """The server admitted a micro-batch it held for the longest it holds one
+        (``Strategy.overdue``). Blocking: takes the stage's lock."""
+        self.strategy.overdue()
 
     def _gate_changed(self) -> None:
         if self.server is not None:
@@ -648,3 +660,7 @@ class AveragedStageServer(StageServer):
 
     def on_admitted(self) -> None:
         self.averager.progress_changed()
+
+    async def on_overdue(self) -> None:
+        # takes the stage's lock, which the compute thread holds while it computes
+        await asyncio.to_thread(self.averager.overdue)

@@ -17,7 +17,9 @@
   holds a snapshot of the parameters its delta was taken from, and the outer step adds
   the new anchor (minus the residual) less that snapshot to the parameters, so the inner
   steps taken meanwhile carry over into the next round's delta
-  (``protocol.averaging.OuterRound`` counts their samples).
+  (``protocol.averaging.OuterRound`` counts their samples). Without ``overlap`` a round
+  that held a micro-batch too long (``overdue``) goes on the same way, from a snapshot
+  taken then (the parameters have not moved since its delta was taken).
 
 A strategy holds the copy's state: parameters and inner optimizer (the stage's), its
 epoch (rounds behind the parameters) and, for DiLoCo, the anchor and outer optimizer. The
@@ -148,6 +150,12 @@ class Strategy(ABC):
         """Whether the server admits a new training micro-batch, given our samples toward
         the next round, the records of the peers at our epoch, and whether a step is in
         progress."""
+
+    def overdue(self) -> None:
+        """A training micro-batch waited the longest a stage holds one (the server admits it
+        anyway). Gradient mode: nothing changes (the next one is held again, since a step's
+        batch must be computed on the parameters it updates)."""
+        return None
 
     @abstractmethod
     def on_accumulated_locked(self, alone: bool) -> bool:
@@ -319,6 +327,9 @@ class DiLoCoStrategy(Strategy):
         self._size = sum(p.numel() for p in self.params)
         # What this copy did not send yet (flat, float32): its own, never shipped.
         self._residual = torch.zeros(self._size if self.compressed else 0)
+        # The parameters the round in flight took its delta from, once it is overdue
+        # (``overdue``): its outer step keeps the inner steps taken since.
+        self._late_snapshot: list[torch.Tensor] | None = None
 
     @property
     def residual(self) -> torch.Tensor:
@@ -343,11 +354,27 @@ class DiLoCoStrategy(Strategy):
         """An outer round took its contribution and has not ended."""
         return self._rounds.in_flight
 
+    @property
+    def holding(self) -> bool:
+        """An outer round is in flight and holds new micro-batches (no ``overlap``, not
+        overdue yet)."""
+        return not self._rounds.overlapped
+
     def admission(self, mine: int, same: Sequence[Progress], busy: bool) -> Admission:
         """Inner steps are this copy's own batches: FULL while one is complete and not yet
-        stepped on, or (without overlap) an outer round is in flight."""
+        stepped on, or (without overlap) an outer round is in flight and not overdue."""
         admits = self._rounds.admits(mine - self.pending(), self.batch)
         return Admission.OPEN if admits else Admission.FULL
+
+    def overdue(self) -> None:
+        """The outer round in flight held a micro-batch too long: it is overlapped from now
+        on (``OuterRound.overdue``), from a snapshot of the parameters taken now (still
+        those its delta was taken from); a complete batch that waited for it steps now."""
+        with self.lock:
+            if self._rounds.overdue():
+                self._late_snapshot = [p.detach().clone() for p in self.params]
+                if self._rounds.may_step(self.optimizer.samples, self.batch):
+                    self._inner_step_locked()
 
     def on_accumulated_locked(self, alone: bool) -> bool:
         if self._rounds.may_step(self.optimizer.samples, self.batch):
@@ -418,12 +445,15 @@ class DiLoCoStrategy(Strategy):
         # Each copy goes on from the new anchor, plus (compressed) its unsent progress, plus
         # (overlap) what it stepped on since the round took its delta.
         kept = self._residual.split(self._numels()) if self.compressed else None
+        late = self._late_snapshot
+        snapshot = late if contribution.snapshot is None else contribution.snapshot
         for i, (p, a) in enumerate(zip(self.params, self._anchor, strict=True)):
             target = a if kept is None else a - kept[i].reshape(a.shape).to(a.device, a.dtype)
-            if contribution.snapshot is None:
+            if snapshot is None:
                 p.copy_(target)
             else:
-                p.add_(target - contribution.snapshot[i])
+                p.add_(target - snapshot[i])
+        self._late_snapshot = None
         self._rounds.finished()
         if self._rounds.may_step(self.optimizer.samples, self.batch):  # what waited meanwhile
             self._inner_step_locked()
@@ -450,6 +480,7 @@ class DiLoCoStrategy(Strategy):
     def _give_back_locked(self, contribution: Contribution) -> None:
         # The anchor and residual are unchanged: the next delta holds all of this one, and
         # (overlap) the progress since its snapshot.
+        self._late_snapshot = None
         self._rounds.given_back(contribution.weight)
 
     def _shipped_params(self) -> list[torch.Tensor] | None:
@@ -464,6 +495,7 @@ class DiLoCoStrategy(Strategy):
             for a, m in zip(self._anchor, state.momentum, strict=True):
                 self._outer.state[a] = {"momentum_buffer": m.to(a.device, a.dtype).clone()}
         self._rounds.loaded()
+        self._late_snapshot = None
         self._residual.zero_()  # deltas from an anchor we left: the state holds our rounds
 
 

@@ -42,11 +42,17 @@ at this stage make up the next step's batch (``_admission``; an averaging stage 
 peers' too), new training micro-batches wait, on the event loop and before any compute,
 until that step is applied: every step then averages gradients of exactly the parameters
 it updates, and the kept graphs stay valid. The wait is bounded (``HOLD_S``): past it the
-micro-batch is admitted anyway, and its gradient may be one step stale. Backward requests,
-evaluation forwards and inference forwards (generation) never wait. Without this, a
-pipeline with micro-batches in flight (and a stage averaging in rounds) trains on stale
-gradients (``python -m scripts.bench_parity`` measures both settings; BENCHMARKS.md, "Loss
-per sample").
+micro-batch is admitted anyway, and its gradient may be one step stale (a DiLoCo stage's
+outer round then goes on overlapped: ``on_overdue``). A trainer waits
+``HOLD_S`` longer for a training call than for others (``node.pipeline.trainer``), so a
+held call is late, not failed. A request whose caller left while it was held or queued
+(its session closed: the caller timed out) is dropped before it is computed, counted in
+``StageCounters.abandoned`` and a ``stage.abandoned`` event: the caller sends the
+micro-batch again, maybe elsewhere, and only the copy it gets an answer for is counted.
+Backward requests, evaluation forwards and inference forwards (generation) never wait.
+Without this, a pipeline with micro-batches in flight (and a stage averaging in rounds)
+trains on stale gradients (``python -m scripts.bench_parity`` measures both settings;
+BENCHMARKS.md, "Loss per sample").
 
 Every request is checked (``protocol.stage_messages``) before it touches any state, and
 gradients are computed into fresh tensors and checked finite before they are added, so a
@@ -91,7 +97,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from models.stages import Stage
 from models.training import StageOptimizer
-from node import limits
+from node import events, limits
 from node.pipeline.executor import StageExecutor
 from node.pipeline.wire import (
     FAILED,
@@ -134,9 +140,8 @@ from protocol.stage_messages import (
 logger = logging.getLogger(__name__)
 
 # A held training micro-batch is admitted after this long even if the step it waits for has
-# not come (a round that falls back to its timeout, a lost peer): below a trainer's
-# shortest call timeout (``TrainerSettings.min_call_timeout_s``), so a held call is late,
-# never failed and rerouted.
+# not come (a round that falls back to its timeout, a lost peer). A trainer adds it to its
+# timeout for a training call, on top of what the call's compute takes (``CallTimer``).
 HOLD_S = 3.0
 # A peer that has admitted its share of the step's batch (the target over the stage's peers
 # at the epoch) waits this long for its peers to admit theirs before it takes more: two
@@ -186,6 +191,7 @@ class StageCounters:
     inferred: int = 0  # inference forwards served (generation), not counted in ``forward``
     shed: int = 0  # requests this server shed for load or for arriving too slowly
     sessions: int = 0  # sessions opened (each serves requests one after another)
+    abandoned: int = 0  # requests dropped uncomputed: their caller left while they waited
 
 
 def stage_namespace(stage: int) -> str:
@@ -260,7 +266,7 @@ class StageServer(NodeServicer):
         self._open: dict[tuple[str, int], tuple[int, float]] = {}
         self._gate_changed: asyncio.Event | None = None
         self._gate_loop: asyncio.AbstractEventLoop | None = None
-        self._held = self._overdue = self._waiting = 0
+        self._held = self._overdue = self._waiting = self._abandoned = 0
         # Sessions open now: caller -> how many, and their writers (closed on detach).
         self._sessions: dict[str, int] = {}
         self._session_writers: set[asyncio.StreamWriter] = set()
@@ -327,6 +333,7 @@ class StageServer(NodeServicer):
             inferred=self.executor.inferred,
             shed=sum(self.shed_tally.totals.values()) if self.shed_tally else 0,
             sessions=self._sessions_opened,
+            abandoned=self._abandoned,
         )
 
     @property
@@ -382,10 +389,13 @@ class StageServer(NodeServicer):
             return Admission.FULL
         return Admission.OPEN
 
-    async def _admit(self, key: tuple[str, int], samples: int) -> None:
+    async def _admit(
+        self, key: tuple[str, int], samples: int, gone: Callable[[], bool] = lambda: False
+    ) -> None:
         """Wait until the stage takes a new training micro-batch (at most ``HOLD_S``), then
         count it open. On the event loop: nothing else admits between the check and the
-        count."""
+        count. ``CallerGone`` (nothing counted) if ``gone()`` says the caller left while the
+        micro-batch waited."""
         if not self.gated:
             return
         if self._gate_changed is None:
@@ -406,6 +416,8 @@ class StageServer(NodeServicer):
                         self._overdue += 1
                         logger.info("admitted micro-batch %s after %.0f s without the step",
                                     key, HOLD_S)  # fmt: skip
+                        await self.on_overdue()
+                        self.gate_changed()  # the others held may enter now
                         break
                     changed = self._gate_changed
                     # The timeout also catches what nothing announces (the clock of OPEN_S),
@@ -417,6 +429,8 @@ class StageServer(NodeServicer):
                     state = self._admission()
             finally:
                 self._waiting -= 1
+            if gone():
+                raise CallerGone()
         with self._gate_lock:
             self._open[key] = (samples, time.monotonic())
         self.on_admitted()
@@ -427,6 +441,10 @@ class StageServer(NodeServicer):
 
     def on_admitted(self) -> None:
         """A training micro-batch was admitted (on the event loop)."""
+
+    async def on_overdue(self) -> None:
+        """A training micro-batch is admitted after ``HOLD_S`` without the step it waited
+        for (on the event loop)."""
 
     def _release(self, key: tuple[str, int]) -> None:
         with self._gate_lock:
@@ -495,8 +513,9 @@ class StageServer(NodeServicer):
             meta = StageMeta.decode(metadata)
             check_meta(self.contract, meta, run_id=self.run_id, kind=kind)
             if kind == FORWARD and meta.train and tensors and tensors[0].size:
-                admitted = (caller, meta.micro_batch)
-                await self._admit(admitted, int(tensors[0].size[0]))  # as a remote caller's
+                key = (caller, meta.micro_batch)
+                await self._admit(key, int(tensors[0].size[0]))  # as a remote caller's
+                admitted = key
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(self._thread, self._compute, meta, tensors, caller)
             admitted = None
@@ -600,7 +619,7 @@ class StageServer(NodeServicer):
         try:
             admitted = admitted_ticket.set(ticket)
             try:
-                responses = await self._serve(kind, requests(), context)
+                responses = await self._serve(kind, requests(), context, reader.at_eof)
             except CallerGone:
                 return False
             except Exception as e:  # refused, shed or failed: the session ends as a stream does
@@ -617,11 +636,19 @@ class StageServer(NodeServicer):
             limits.PURPOSE.reset(purpose)
 
     async def _serve(
-        self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+        self,
+        kind: str,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        context: P2PContext,
+        gone: Callable[[], bool] = lambda: False,
     ) -> list[runtime_pb2.ExpertResponse]:
+        """Receive, admit, compute and answer one request. ``gone``: whether the caller has
+        left (its session ended) since it sent the request, polled before the request is
+        computed: if so, ``CallerGone``, and nothing is counted."""
         cause = ""  # of a refusal, for the caller's ban count
         admitted: tuple[str, int] | None = None  # stays open only if it was served
         loaded = False  # received whole: counted in ``load``
+        computed = False
         limits = self.in_flight.limits
         deadline = min(
             self.receive_timeout,
@@ -650,11 +677,15 @@ class StageServer(NodeServicer):
             loaded = True
             caller = context.remote_id.to_base58()
             if kind == FORWARD and meta.train and serialized:
-                admitted = (caller, meta.micro_batch)
-                await self._admit(admitted, int(serialized[0].size[0]))  # size: checked
+                key = (caller, meta.micro_batch)
+                await self._admit(key, int(serialized[0].size[0]), gone)  # size: checked
+                admitted = key
             outputs = await loop.run_in_executor(
-                self._thread, self._compute, meta, serialized, caller
+                self._thread, self._compute, meta, serialized, caller, gone
             )
+            computed = True
+            if gone() and admitted is not None:
+                raise CallerGone()  # nobody takes its outputs: it holds no step back
             admitted = None
         except Shed as e:
             reason = self.shed(context, e.refusal)
@@ -672,6 +703,8 @@ class StageServer(NodeServicer):
             self.refused(context, f"a {kind} request", str(e), cause)
             raise StageRequestError(REFUSED + str(e)) from None
         except CallerGone:
+            if loaded and not computed:  # received whole, then dropped uncomputed
+                self._abandon(context, meta)
             raise
         except Exception as e:
             logger.exception(f"failed to serve a {kind} request from {context.remote_id}")
@@ -751,12 +784,34 @@ class StageServer(NodeServicer):
             if received > self.contract.max_message_bytes:
                 return
 
+    def _abandon(self, context: P2PContext, meta: StageMeta) -> None:
+        """A request received whole whose caller left before its answer: count it, say so."""
+        self._abandoned += 1
+        caller = context.remote_id.to_base58()
+        logger.info("dropped micro-batch %d of %s: the caller left while it waited",
+                    meta.micro_batch, caller[-8:])  # fmt: skip
+        events.emit(
+            "stage.abandoned",
+            stage=self.contract.stage_index,
+            peer=caller,
+            micro_batch=meta.micro_batch,
+            kind=meta.kind,
+            train=meta.train,
+        )
+
     def _compute(
-        self, meta: StageMeta, serialized: list[runtime_pb2.Tensor], caller: str
+        self,
+        meta: StageMeta,
+        serialized: list[runtime_pb2.Tensor],
+        caller: str,
+        gone: Callable[[], bool] = lambda: False,
     ) -> list[runtime_pb2.Tensor]:
-        """On the compute thread: decode, check, and only then run the stage. A loss (or
+        """On the compute thread: decode, check, and only then run the stage, unless the
+        caller left while the request was queued (``gone``: ``CallerGone``). A loss (or
         the logits) travels exact; activations and gradients with the server's
         compression."""
+        if gone():
+            raise CallerGone()
         with self._busy_lock:
             self._busy_since = time.monotonic()
         try:

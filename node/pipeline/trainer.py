@@ -8,6 +8,9 @@ times out or errs on its side is retried on another peer of the same stage, and 
 is banned for a while (events ``call.failed``, then ``call.rerouted``). The timeout
 follows how long the stage's calls take (``protocol.routing.CallTimer``): a peer cut off
 mid-call holds its micro-batches for a few typical calls, not for ``call_timeout_s``.
+A training forward (and the last stage's training call) may wait at its stage for a step
+(``node.pipeline.server.HOLD_S`` at most) before it is computed: its timeout is that much
+longer, so a held call is late, never failed and sent again.
 A peer's record is only a claim: a peer gets probes until a call of ours succeeds there,
 then a share of calls that grows as they keep succeeding (``protocol.routing.Probation``),
 and a stage's view keeps at most ``max_unproven`` peers not proven yet, so that a flood
@@ -48,7 +51,7 @@ from node.pipeline.client import (
     StageTimeout,
     StageUnavailable,
 )
-from node.pipeline.server import StageServer
+from node.pipeline.server import HOLD_S, StageServer
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
 from node.rpc.relay import connect_relayed
@@ -292,6 +295,7 @@ class StageRouter:
             lambda peer, opts: self._calls.forward(
                 self.p2p, peer, x, stage=stage, micro_batch=index, train=train, infer=infer, **opts
             ),
+            held=train,
         )
 
     async def _loss(self, x: torch.Tensor, y: torch.Tensor, index: int, train: bool):
@@ -302,14 +306,22 @@ class StageRouter:
             lambda peer, opts: self._calls.loss(
                 self.p2p, peer, x, y, stage=last, train=train, micro_batch=index, **opts
             ),
+            held=train,
         )
 
     async def _call(
-        self, stage: int, call: Callable[[PeerID, dict], Awaitable[R]], prefer: str = ""
+        self,
+        stage: int,
+        call: Callable[[PeerID, dict], Awaitable[R]],
+        prefer: str = "",
+        held: bool = False,
     ) -> tuple[R, str]:
         """``call(peer, opts)`` on a peer of ``stage`` (``prefer`` first, if it is there
         and not banned; ``opts``: ``_opts``'s keywords); on a peer failure, ban it and try
-        another. Each failure is a ``call.failed`` event, each retry a ``call.rerouted``."""
+        another. Each failure is a ``call.failed`` event, each retry a ``call.rerouted``.
+        ``held``: the stage may hold the call for a step first (a training call), so it
+        gets ``HOLD_S`` more than the stage's call timeout."""
+        extra_s = HOLD_S if held else 0.0
         deadline = time.monotonic() + self.settings.stage_wait_s
         retry = False
         while True:
@@ -337,7 +349,7 @@ class StageRouter:
             try:
                 await self._present(peer)
                 started = time.monotonic()
-                opts = self._opts(stage, peer, self._timer.timeout(stage))
+                opts = self._opts(stage, peer, self._timer.timeout(stage) + extra_s)
                 result = await call(PeerID.from_base58(peer), opts)
                 self._timer.succeeded(stage, time.monotonic() - started)
                 self._probation.succeeded(peer)

@@ -264,3 +264,30 @@ def test_an_overlapped_copy_that_loads_a_state_drops_its_inner_progress():
     s.apply_state(stage_state.parse(metadata, tensors, s.module, mode="diloco"))
     assert s.pending() == 0 and _equal(_params(s), donor.digest_tensors())
     assert not s.in_flight and s.begin().weight == 0
+
+
+def test_a_diloco_round_that_held_a_micro_batch_too_long_goes_on_overlapped():
+    """Overdue, a round without ``overlap`` admits and steps as an overlapped one does, and
+    its outer step keeps those inner steps: the parameters end where an overlapped copy's
+    do on the same micro-batches."""
+    late, overlapped = _strategy("diloco"), _strategy("diloco", overlap=True)
+    for s in (late, overlapped):
+        _feed(s, range(s.target // MICRO))
+    taken = [s.begin() for s in (late, overlapped)]
+    assert late.admission(late.pending() + late.optimizer.samples, [], busy=True) is (
+        Admission.FULL
+    )
+    late.overdue()
+    during = range(100, 100 + 2 * late.batch // MICRO)  # two inner steps' batches
+    for s in (late, overlapped):
+        assert s.admission(s.pending() + s.optimizer.samples, [], busy=True) is Admission.OPEN
+        _feed(s, during)
+        assert s.stats.inner_steps == INNER_STEPS + 2
+    for s, contribution in zip((late, overlapped), taken, strict=True):
+        s.finish(contribution.tensors, contribution)
+    assert _equal(_params(late), _params(overlapped), atol=1e-6)
+    assert late.pending() == overlapped.pending() == 2 * late.batch  # toward the next round
+    gradient = _strategy("gradient")
+    _feed(gradient, range(gradient.target // MICRO))
+    gradient.overdue()  # gradient mode holds the next one again
+    assert gradient.admission(gradient.optimizer.samples, [], busy=True) is Admission.FULL

@@ -100,3 +100,26 @@ def test_run_create_sets_overlap_and_refuses_it_in_gradient_mode_in_one_line(tmp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "overlap" in err and "pydantic" not in err, err
     assert not (tmp_path / "no.json").exists()
+
+
+def test_an_overdue_round_goes_on_overlapped_until_it_ends():
+    rounds = OuterRound()
+    assert not rounds.overdue()  # no round in flight: nothing changes
+    assert not rounds.admits(BATCH, BATCH)
+    _steps(rounds, 2)
+    weight = rounds.begin()
+    assert not rounds.admits(0, BATCH) and not rounds.may_step(BATCH, BATCH)  # held
+    assert rounds.overdue()  # one waited as long as a stage holds one: overlapped now
+    assert not rounds.overdue()  # once per round
+    assert rounds.admits(0, BATCH) and not rounds.admits(BATCH, BATCH)  # batches as usual
+    _steps(rounds, 1)  # toward the next round
+    assert rounds.pending == weight + BATCH
+    rounds.finished()
+    assert rounds.pending == BATCH
+    rounds.begin()
+    assert not rounds.admits(0, BATCH)  # the next round holds again
+    assert rounds.overdue()
+    rounds.given_back(BATCH)
+    rounds.begin()
+    assert not rounds.admits(0, BATCH)
+    assert not OuterRound(overlap=True).overdue()  # overlapped already

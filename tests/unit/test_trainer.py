@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 
 from node import events
 from node.pipeline.client import StageCallError, StageRefused, StageUnavailable
+from node.pipeline.server import HOLD_S
 from node.pipeline.trainer import StageCalls, StageRouter, Trainer, TrainerError, TrainerSettings
 from protocol.identity import peer_id_of
 from protocol.records import PeerInfo
@@ -183,3 +184,39 @@ def test_an_inference_pass_names_the_stage_that_has_no_peer(event_log: Path) -> 
     with pytest.raises(TrainerError, match="stage 1 has had no serving peer"):
         asyncio.run(router.logits(torch.randint(256, (1, 5))))
     assert [kind for kind, _, _ in stages.served] == ["forward"]
+
+
+@dataclass
+class _TimedStages(_Stages):
+    """``_Stages`` that record each call's kind, whether it trains, and its timeout."""
+
+    timeouts: list[tuple[str, bool, float]] = field(default_factory=list)
+
+    async def forward(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        self.timeouts.append(("forward", kw["train"], kw["timeout"]))
+        return await super().forward(p2p, peer, x, **kw)
+
+    async def loss(self, p2p: Any, peer: PeerID, x: torch.Tensor, y: torch.Tensor, **kw: Any):
+        self.timeouts.append(("loss", kw["train"], kw["timeout"]))
+        return await super().loss(p2p, peer, x, y, **kw)
+
+    async def backward(self, p2p: Any, peer: PeerID, x: torch.Tensor, g: torch.Tensor, **kw: Any):
+        self.timeouts.append(("backward", False, kw["timeout"]))
+        return await super().backward(p2p, peer, x, g, **kw)
+
+
+def test_a_training_call_that_a_stage_may_hold_gets_the_hold_on_top_of_its_timeout() -> None:
+    stages = _TimedStages(failing_stage=-1, error=StageUnavailable)
+    trainer, _ = _trainer(stages, [0, 1])
+    settings = trainer.settings
+    asyncio.run(trainer.train(3))
+    trainer.corpus.val = trainer.corpus.train
+    asyncio.run(trainer.evaluate(1))
+    floor, ceiling = settings.min_call_timeout_s, settings.call_timeout_s
+    for kind, train, timeout in stages.timeouts:
+        if train:  # a stage may hold it for a step: HOLD_S more than its stage's timeout
+            assert timeout in (floor + HOLD_S, ceiling + HOLD_S), (kind, timeout)
+        else:  # backwards and evaluations are never held
+            assert timeout in (floor, ceiling), (kind, timeout)
+    trained = [t for _, train, t in stages.timeouts if train]
+    assert len(trained) == 6 and trained[-2:] == [floor + HOLD_S] * 2  # fast calls: the floor

@@ -1,0 +1,71 @@
+"""A stage server's hold of training micro-batches (``max_staleness`` 0), driven without a
+network: a micro-batch held past ``HOLD_S`` is admitted and says so (``on_overdue``), and
+one whose caller left while it was held is dropped before it is computed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+
+from models.stages import Stage
+from models.training import StageOptimizer
+from node import events
+from node.pipeline import server as server_module
+from node.pipeline.server import CallerGone, StageServer
+from node.pipeline.wire import serialize, split_message
+from protocol.identity import peer_id_of
+from protocol.stage_messages import FORWARD, StageContract, StageMeta
+from tests.stage_rig import CFG, MAX_TOKENS, OPT, RUN, TWO, _batch, _run
+
+
+class _Server(StageServer):
+    """Counts the overdue holds it is told of."""
+
+    overdue_calls = 0
+
+    async def on_overdue(self) -> None:
+        self.overdue_calls += 1
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setattr(server_module, "HOLD_S", 0.2)  # the unit tier stays fast
+    stage = Stage(CFG, TWO[0])
+    contract = StageContract.for_stage(CFG, TWO[0], 0, max_tokens=MAX_TOKENS)
+    server = _Server(stage, StageOptimizer(stage, OPT), contract, RUN)
+    yield server
+    _run(server.shutdown())
+
+
+def _serve(server: StageServer, micro_batch: int, gone) -> object:
+    caller = PeerID.from_base58(peer_id_of(Ed25519PrivateKey.generate().public_key()))
+    context = P2PContext(handle_name="test", local_id=caller, remote_id=caller)
+    x, _ = _batch()
+
+    async def requests():
+        meta = StageMeta(RUN, 0, FORWARD, micro_batch, train=True).encode()
+        for message in split_message(runtime_pb2.ExpertRequest, meta, [serialize(x)]):
+            yield message
+
+    return _run(server._serve(FORWARD, requests(), context, gone))
+
+
+def test_a_held_micro_batch_whose_caller_left_is_not_computed(server, event_log: Path):
+    server.optimizer.accumulated(OPT.target_batch_size)  # the step's batch is in: hold
+    with pytest.raises(CallerGone):
+        _serve(server, 7, gone=lambda: True)
+    counters = server.counters
+    assert counters.held == 1 and counters.overdue == 1 and server.overdue_calls == 1
+    assert counters.abandoned == 1 and counters.forward == 0  # dropped uncomputed
+    assert server.open_samples() == 0  # and it holds no step back
+    (dropped,) = events.read_events(event_log, "stage.abandoned")
+    assert dropped["micro_batch"] == 7 and dropped["stage"] == 0 and dropped["train"]
+
+    _serve(server, 8, gone=lambda: False)  # a caller still there: served late
+    counters = server.counters
+    assert counters.held == 2 and counters.overdue == 2 and counters.forward == 1
+    assert counters.abandoned == 1 and server.open_samples() == _batch()[0].shape[0]
