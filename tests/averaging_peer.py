@@ -72,6 +72,14 @@ def start_dht(keys_dir: str, name: str, initial_peers: list[str], run: str = "av
     return dht
 
 
+def start_pair(keys_dir: str, spec: RunSpec, prefix: str) -> tuple[list[SwarmDHT], list[Peer]]:
+    """Two DHTs of their own (the second bootstrapped from the first; the caller shuts them
+    down) and a peer of ``spec``'s stage on each."""
+    first = start_dht(keys_dir, f"{prefix}0", [])
+    second = start_dht(keys_dir, f"{prefix}1", first.visible_maddrs())
+    return [first, second], [Peer(SwarmDHT(d.dht, spec.run), spec) for d in (first, second)]
+
+
 def make_spec(name: str, **averaging) -> RunSpec:
     """A run of ``CFG`` cut in two, owned by ``OWNER``, with ``FAST`` averaging settings."""
     optim = OptimizerConfig(micro_batch_size=MICRO, target_batch_size=TARGET, warmup_steps=0)

@@ -59,6 +59,7 @@ from tests.averaging_peer import (
     make_spec,
     noise_sender,
     start_dht,
+    start_pair,
 )
 from tests.records import peer_info
 from tests.streams import flood
@@ -841,9 +842,7 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
     copies agreed on have equal digests. Its own DHTs: a stage server's handlers on the
     module's daemons would meet those an earlier test's server left there."""
     spec = make_spec("avg-overlap", mode="diloco", inner_steps=2, overlap=True)
-    first = start_dht(str(tmp_path), "o0", [])
-    second = start_dht(str(tmp_path), "o1", first.visible_maddrs())
-    peers = [Peer(SwarmDHT(d.dht, spec.run), spec) for d in (first, second)]
+    own, peers = start_pair(str(tmp_path), spec, "o")
     contract = StageContract.for_stage(CFG, spec.stage_range(STAGE), STAGE)
     servers: list[AveragedStageServer] = []
     rounds: list[dict] = []
@@ -908,5 +907,5 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
     try:
         _run(body(), timeout=150)
     finally:
-        first.shutdown()
-        second.shutdown()
+        for dht in own:
+            dht.shutdown()

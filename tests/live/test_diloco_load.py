@@ -24,9 +24,8 @@ from node.pipeline import client as stage_client
 from node.pipeline.client import StageTimeout
 from node.pipeline.server import HOLD_S
 from node.pipeline.trainer import TrainerSettings
-from node.rpc.dht import SwarmDHT
 from protocol.stage_messages import StageContract
-from tests.averaging_peer import CFG, LOOPBACK, STAGE, Peer, batch, make_spec, start_dht
+from tests.averaging_peer import CFG, LOOPBACK, STAGE, batch, make_spec, start_pair
 
 SLOW_S = 8.0  # how long each all-reduce waits before it starts: rounds of 2-3 holds
 FEEDERS = 4  # training calls in flight at once (a trainer's ``in_flight``)
@@ -67,9 +66,7 @@ def test_a_long_outer_round_holds_micro_batches_once_and_counts_each_once(tmp_pa
         round_timeout_s=3 * SLOW_S,
         allreduce_timeout_s=2 * SLOW_S,
     )
-    first = start_dht(str(tmp_path), "l0", [])
-    second = start_dht(str(tmp_path), "l1", first.visible_maddrs())
-    peers = [Peer(SwarmDHT(d.dht, spec.run), spec) for d in (first, second)]
+    own, peers = start_pair(str(tmp_path), spec, "l")
     contract = StageContract.for_stage(CFG, spec.stage_range(STAGE), STAGE)
     servers: list[AveragedStageServer] = []
     seen: list[dict] = []
@@ -187,5 +184,5 @@ def test_a_long_outer_round_holds_micro_batches_once_and_counts_each_once(tmp_pa
     try:
         uvloop.run(asyncio.wait_for(body(), 240))
     finally:
-        first.shutdown()
-        second.shutdown()
+        for dht in own:
+            dht.shutdown()

@@ -7,27 +7,14 @@ Skipped, saying why, where the emulated network cannot be built
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from node.harness.local_swarm import NodeProcess
-from scripts.netem.network import Home, Host, NetemUnavailable, Network
-from scripts.netem.profiles import profile
+from scripts.netem.network import Home, Host, Network
+from tests.live import test_relay
 from tests.live.test_nat import ANY, _maddr_at, _reachability
-from tests.live.test_relay import PUBLIC_SUBNET, _served
+from tests.live.test_relay import _served
 from tests.swarm import launch_node, stop_all, wait_until
 
-
-@pytest.fixture
-def net() -> Iterator[Network]:
-    """Two public hosts, and two homes each behind a router of its own."""
-    public, home = [profile("datacenter")] * 2, [profile("home")] * 2
-    try:
-        with Network(public, home, subnet=PUBLIC_SUBNET) as n:
-            yield n
-    except NetemUnavailable as e:
-        pytest.skip(f"cannot build the emulated network here: {e}")
+net = test_relay.net  # two public hosts, and two homes each behind a router of its own
 
 
 def _trained(node: NodeProcess) -> int:

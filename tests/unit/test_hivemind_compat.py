@@ -415,8 +415,9 @@ class _Picky(_Stage):
         return {FRIEND}
 
 
-@pytest.mark.parametrize(("cls", "asked"), [(_Stage, STRANGER), (_Picky, FRIEND)])
-def test_a_state_download_tries_only_the_state_sources(cls, asked):
+def _state_download(cls: type) -> tuple[compat.AveragerCompat, _StateServer]:
+    """An averager of ``cls`` whose DHT lists a stranger (priority 2) and a friend (1) as
+    state sources, both served by the returned server."""
     expires = get_dht_time() + 60
     priorities = {STRANGER.to_bytes(): 2.0, FRIEND.to_bytes(): 1.0}  # the stranger first
     declared = {k: ValueWithExpiration(v, expires) for k, v in priorities.items()}
@@ -425,6 +426,12 @@ def test_a_state_download_tries_only_the_state_sources(cls, asked):
     averager._matchmaking = types.SimpleNamespace(
         group_key_manager=types.SimpleNamespace(prefix="p")
     )
+    return averager, server
+
+
+@pytest.mark.parametrize(("cls", "asked"), [(_Stage, STRANGER), (_Picky, FRIEND)])
+def test_a_state_download_tries_only_the_state_sources(cls, asked):
+    averager, server = _state_download(cls)
     future: concurrent.futures.Future = concurrent.futures.Future()
     asyncio.run(averager._load_state_from_peers(future))
     metadata, tensors, source = future.result()
@@ -435,14 +442,7 @@ def test_a_state_download_tries_only_the_state_sources(cls, asked):
 
 
 def test_a_state_download_asks_only_the_peers_named():
-    expires = get_dht_time() + 60
-    priorities = {STRANGER.to_bytes(): 2.0, FRIEND.to_bytes(): 1.0}  # the stranger first
-    declared = {k: ValueWithExpiration(v, expires) for k, v in priorities.items()}
-    averager = _averager(_Stage, get=lambda key, latest: ValueWithExpiration(declared, expires))
-    averager._p2p = server = _StateServer(torch.arange(3.0))
-    averager._matchmaking = types.SimpleNamespace(
-        group_key_manager=types.SimpleNamespace(prefix="p")
-    )
+    averager, server = _state_download(_Stage)
     for only, asked in (([FRIEND.to_base58()], [FRIEND]), ([], [])):
         server.asked.clear()
         future: concurrent.futures.Future = concurrent.futures.Future()
