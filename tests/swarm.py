@@ -108,9 +108,9 @@ class StatusWatch:
         except queue.Empty:
             raise TimeoutError(f"timed out waiting for {what}") from None
         if view is None:
-            raise RuntimeError(
-                f"status --watch exited {self.proc.wait()}: {self.proc.stderr.read()}"
-            )
+            code = self.proc.wait()
+            self._stderr.seek(0)
+            raise RuntimeError(f"status --watch exited {code}:\n{self._stderr.read()[-3000:]}")
         return view
 
     def next(self, timeout: float = 60) -> dict:

@@ -36,15 +36,12 @@ def test_a_stage_whose_peers_all_died_comes_back_from_the_archive(tmp_path):
                 tmp_path, name, run, initial_peers=peers, extra=["--stage", "1"], train=True,
                 wait=False,
             ))  # fmt: skip
-        # The archive starts with them: it pulls each stage every period, once it is served.
+        for n in nodes:
+            n.wait_serving(120)
         directory = tmp_path / "archive"
         extra = ["--archive", str(directory), "--checkpoint-every", str(EVERY_S)]
-        archive = launch_node(tmp_path, "archive", run, initial_peers=peers, extra=extra,
-                              wait=False)  # fmt: skip
+        archive = launch_node(tmp_path, "archive", run, initial_peers=peers, extra=extra)
         nodes.append(archive)
-        for n in nodes[:3]:
-            n.wait_serving(120)
-        archive.wait_started()
 
         # The nodes train (as the README starts them); the archive pulls stage 1 as it goes.
         wait_until(lambda: _archived_step(archive, 1) >= STEPS, 120, "stage 1 trained")

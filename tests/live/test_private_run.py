@@ -40,8 +40,12 @@ from protocol.run_spec import (
 from tests.records import peer_info
 from tests.swarm import LOCAL, StatusWatch, cli_error, launch_node, stop_all, wait_until
 
+# A command's deadline: run create and run invite take seconds idle, and ran past 60 s at
+# load 20-25 on two cores; the deadline only bounds a hung command.
+CLI_TIMEOUT_S = 300
 
-def _cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+
+def _cli(*args, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "node.cli", *map(str, args)],
         capture_output=True,
@@ -250,7 +254,7 @@ def test_a_bearer_invite_admits_one_peer_even_when_two_use_it_at_once(tmp_path):
         stop_all(nodes)
 
 
-def _cli_in(home, *args, timeout: float = 60) -> subprocess.CompletedProcess:
+def _cli_in(home, *args, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``swarmtrain ARGS`` as run by the user whose HOME is ``home``."""
     proc = subprocess.run(
         [sys.executable, "-m", "node.cli", *map(str, args)],
