@@ -32,6 +32,7 @@ SECONDS = {
     "test_archive.py": 105,
     "test_parity_live.py": 105,
     "test_chaos.py": 104,
+    "test_no_relay.py": 120,
     "test_relay.py": 90,
     "test_llama_swarm.py": 88,
     "test_node.py": 85,
