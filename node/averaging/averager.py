@@ -594,6 +594,7 @@ class StageAverager:
         measured: dict[str, float | int] | None = None,
     ) -> None:
         self._patience_until = time.monotonic() + self.settings.round_timeout_s
+        self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()
         await self._announce(how=how, peers=peers, ok=ok, measured=measured)
