@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import P2P
 
 from models.config import ModelConfig, OptimizerConfig
 from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer
-from node.averaging.averager import StageAverager
+from node.averaging.averager import AveragedStageServer, StageAverager
 from node.averaging.process import StageAveragerProcess
 from node.files import load_or_create_key
 from node.harness.attackers import ReversingReducer  # noqa: F401  (re-exported for the tests)
@@ -78,6 +79,19 @@ def start_pair(keys_dir: str, spec: RunSpec, prefix: str) -> tuple[list[SwarmDHT
     first = start_dht(keys_dir, f"{prefix}0", [])
     second = start_dht(keys_dir, f"{prefix}1", first.visible_maddrs())
     return [first, second], [Peer(SwarmDHT(d.dht, spec.run), spec) for d in (first, second)]
+
+
+async def stop_serving(
+    servers: list[AveragedStageServer], client: P2P | None, peers: list[Peer]
+) -> None:
+    """Shut down the stage servers, the callers' P2P (if started) and the peers' averagers."""
+    for server in servers:
+        await server.shutdown()
+    if client is not None:
+        await client.shutdown()
+    for peer in peers:
+        if peer.averager is not None:
+            await peer.averager.shutdown()
 
 
 def make_spec(name: str, **averaging) -> RunSpec:

@@ -60,6 +60,7 @@ from tests.averaging_peer import (
     noise_sender,
     start_dht,
     start_pair,
+    stop_serving,
 )
 from tests.records import peer_info
 from tests.streams import flood
@@ -242,11 +243,7 @@ def test_stage_servers_average_through_their_hook(dhts):
             assert _close(peers[0].params(), peers[1].params())
             assert _close(peers[0].params(), _reference(seeds[0], seeds[1]))
         finally:
-            for server in servers:
-                await server.shutdown()
-            if client is not None:
-                await client.shutdown()
-            await _shutdown(*peers)
+            await stop_serving(servers, client, peers)
 
     _run(body())
 
@@ -898,11 +895,7 @@ def test_overlapped_diloco_peers_keep_serving_during_a_round_and_agree_on_the_an
             assert digests[0].distance(digests[1]) < EQUAL_DISTANCE, digests
         finally:
             stop_listening()
-            for server in servers:
-                await server.shutdown()
-            if client is not None:
-                await client.shutdown()
-            await _shutdown(*peers)
+            await stop_serving(servers, client, peers)
 
     try:
         _run(body(), timeout=150)

@@ -25,7 +25,7 @@ from node.pipeline.client import StageTimeout
 from node.pipeline.server import HOLD_S
 from node.pipeline.trainer import TrainerSettings
 from protocol.stage_messages import StageContract
-from tests.averaging_peer import CFG, LOOPBACK, STAGE, batch, make_spec, start_pair
+from tests.averaging_peer import CFG, LOOPBACK, STAGE, batch, make_spec, start_pair, stop_serving
 
 SLOW_S = 8.0  # how long each all-reduce waits before it starts: rounds of 2-3 holds
 FEEDERS = 4  # training calls in flight at once (a trainer's ``in_flight``)
@@ -173,13 +173,7 @@ def test_a_long_outer_round_holds_micro_batches_once_and_counts_each_once(tmp_pa
             assert sum(after) - sum(before) == index - 10**6, (before, after)
         finally:
             stop_listening()
-            for server in servers:
-                await server.shutdown()
-            if client is not None:
-                await client.shutdown()
-            for peer in peers:
-                if peer.averager is not None:
-                    await peer.averager.shutdown()
+            await stop_serving(servers, client, peers)
 
     try:
         uvloop.run(asyncio.wait_for(body(), 240))
