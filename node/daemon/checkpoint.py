@@ -206,7 +206,7 @@ def data_position(root: Path, spec: RunSpec, stream: int) -> int:
             try:
                 meta = _header(path)
             except (OSError, ValueError, KeyError, TypeError):
-                continue  # ``resume_stage`` and ``newest`` say why
+                continue  # ``kept_stages`` and ``newest`` say why
             data = meta.get("data")
             if (
                 meta.get("run") == spec.run
