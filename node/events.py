@@ -79,7 +79,8 @@ fields:
 - ``route.out_of_reach``: ``count``, ``peers`` (their ids), ``reason``: peers that serve
   through a relay, which this node's trainer cannot dial (``--no-relay``), so routes no
   call to; emitted when their number changes.
-- ``stage.abandoned``: ``stage``, ``peer`` (the caller), ``micro_batch``, ``kind``,
+- ``stage.abandoned``: ``stage``, ``peer`` (the caller), ``micro_batch`` (its id: the
+  micro-batch's place in the caller's data stream, unique over its trainer's life), ``kind``,
   ``train``: a request received whole was dropped uncomputed because its caller left (its
   session closed, as a trainer's timed-out call does) while it waited for a step or for
   the compute thread; nothing of it was counted.

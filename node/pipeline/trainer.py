@@ -92,7 +92,7 @@ class TrainerStats:
 
 @dataclass(frozen=True)
 class MicroBatchResult:
-    index: int
+    index: int  # its id: its place in the data stream, unique over the trainer's life
     loss: float
     samples: int
     route: tuple[str, ...]  # the peer of each stage that served the forward
@@ -541,7 +541,11 @@ class Trainer(StageRouter):
         counter = iter(range(n_micro_batches))
 
         async def worker() -> None:
-            for index in counter:
+            for _ in counter:
+                # Its id is its place in the data stream: unique and increasing over the
+                # trainer's life (every ``train`` call goes on from the last), and over a
+                # restart that resumes the stream; the stage servers key by it per caller.
+                index = self.data_position
                 x, y = next(self._data)
                 self._drawn += 1
                 result = await self._micro_batch(index, x, y)

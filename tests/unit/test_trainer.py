@@ -57,6 +57,7 @@ class _Stages:
     failed: list[str] = field(default_factory=list)
     flags: list[dict[str, Any]] = field(default_factory=list)  # each forward's train, infer
     inputs: list[torch.Tensor] = field(default_factory=list)  # of each stage-0 forward
+    ids: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, stage, micro_batch)
 
     def calls(self) -> StageCalls:
         return StageCalls(
@@ -71,6 +72,7 @@ class _Stages:
 
     async def forward(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any) -> torch.Tensor:
         self._serve("forward", peer, kw["stage"])
+        self.ids.append(("forward", kw["stage"], kw.get("micro_batch", 0)))
         self.flags.append({"train": kw["train"], "infer": kw["infer"]})
         if kw["stage"] == 0:
             self.inputs.append(x)
@@ -82,21 +84,26 @@ class _Stages:
 
     async def loss(self, p2p: Any, peer: PeerID, x: torch.Tensor, y: torch.Tensor, **kw: Any):
         self._serve("loss", peer, kw["stage"])
+        self.ids.append(("loss", kw["stage"], kw.get("micro_batch", 0)))
         return torch.tensor(1.0), torch.zeros_like(x)
 
     async def backward(self, p2p: Any, peer: PeerID, x: torch.Tensor, g: torch.Tensor, **kw: Any):
         self._serve("backward", peer, kw["stage"])
+        self.ids.append(("backward", kw["stage"], kw["micro_batch"]))
         return None if kw["stage"] == 0 else torch.zeros_like(x)
 
 
-def _trainer(stages: _Stages, stage_of_peers: list[int]) -> tuple[Trainer, list[str]]:
+def _trainer(
+    stages: _Stages, stage_of_peers: list[int], start: int = 0
+) -> tuple[Trainer, list[str]]:
     peers = [_peer_id() for _ in stage_of_peers]
     dht = _DHT(
         [peer_info(SPEC.run, p, stage=s) for p, s in zip(peers, stage_of_peers, strict=True)]
     )
     p2p = SimpleNamespace(peer_id=PeerID.from_base58(_peer_id()))
     corpus = SimpleNamespace(train=torch.randint(256, (4 * SPEC.model.block_size,)))
-    settings = TrainerSettings(in_flight=1, refresh_s=60.0)  # the view: as the test leaves it
+    # the view: as the test leaves it
+    settings = TrainerSettings(in_flight=1, refresh_s=60.0, start=start)
     trainer = Trainer(dht, p2p, SPEC, corpus, settings, calls=stages.calls())  # type: ignore[arg-type]
     return trainer, peers
 
@@ -111,6 +118,22 @@ def test_a_trainer_pointed_at_other_data_goes_on_at_its_position() -> None:
     assert trainer.data_position == 5
     assert all(bool((x == 7).all()) for x in stages.inputs[2:])
     assert not any(bool((x == 7).all()) for x in stages.inputs[:2])
+
+
+@pytest.mark.parametrize("start", [0, 7])
+def test_micro_batch_ids_go_on_across_train_calls_as_the_data_stream_does(start: int) -> None:
+    """The node's trainer loop calls ``train`` again and again: the stage servers key a
+    caller's micro-batches by their ids, which must not repeat over the trainer's life."""
+    stages = _Stages(failing_stage=-1, error=StageUnavailable)
+    trainer, _ = _trainer(stages, [0, 1], start=start)
+    asyncio.run(trainer.train(2))
+    asyncio.run(trainer.train(3))
+
+    ids = list(range(start, start + 5))  # each micro-batch's place in the data stream
+    assert [i for kind, _, i in stages.ids if kind == "forward"] == ids
+    assert [i for kind, _, i in stages.ids if kind == "loss"] == ids
+    assert [i for kind, _, i in stages.ids if kind == "backward"] == ids
+    assert trainer.data_position == start + 5
 
 
 @pytest.mark.parametrize("failing_stage", [0, 1])
