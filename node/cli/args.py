@@ -93,6 +93,22 @@ non_negative_int = _at_least(int, 0, equal_ok=True, why="must be 0 or more")
 stage_number = _at_least(int, 0, equal_ok=True, why="stages are numbered from 0")
 
 
+def _within(kind: type, low: float, high: float):
+    """An argument type: a finite ``kind`` in [``low``, ``high``]."""
+
+    def parse(text: str):
+        value = _number(text, kind)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
+        return value
+
+    return parse
+
+
+MAX_RESUME_HOLD_S = 86400.0  # a day: a swarm stopped as a whole is back within it, or gone
+resume_hold_seconds = _within(float, 0.0, MAX_RESUME_HOLD_S)
+
+
 def _maddr(check: str, text: str) -> str:
     import node.cli.maddrs  # multiaddr's parser: only when there is an address to check
 
@@ -360,6 +376,14 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         default=300.0,
         metavar="SECONDS",
         help="checkpoint the stages held this often (0: only when the node stops)",
+    )
+    p.add_argument(
+        "--resume-hold",
+        type=resume_hold_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="a node restarted on the stage of its checkpoint holds it this long (no move), "
+        "and waits as long for a peer with a stage nobody serves before taking it from scratch",
     )
     p.add_argument(
         "--checkpoint-dir",

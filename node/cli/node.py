@@ -72,6 +72,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         two_stage=not args.one_stage,
         rebalance=not args.no_rebalance,
         rebalance_period_s=args.rebalance_period,
+        resume_hold_s=args.resume_hold,
         preset=args.preset,
         n_stages=args.stages,
         compression=args.compression,

@@ -66,7 +66,6 @@ from node.rpc.membership import MembershipGate
 from node.rpc.reach import DialBack
 from node.rpc.service import BAN_AFTER, BAN_S, BAN_WINDOW_S, p2pd_running
 from protocol.admission import InFlight
-from protocol.assignment import Params
 from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.routing import BanList
@@ -300,7 +299,7 @@ class Node:
                 self.spec,
                 self.offer.throughput,
                 update_period_s=self.settings.update_period_s,
-                params=Params(mean_period_s=self.settings.rebalance_period_s),
+                params=self.settings.placement_params,
             )
         except GossipUnavailable as e:
             raise NodeError(f"cannot use the run's gossip topic: {e}") from None

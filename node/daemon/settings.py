@@ -13,6 +13,7 @@ from node.files import default_identity_path
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.relay import RelaySettings
 from protocol.admission import AdmissionLimits
+from protocol.assignment import DEFAULT_PARAMS, Params
 
 HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
 
@@ -39,6 +40,8 @@ class NodeSettings:
     two_stage: bool = True
     rebalance: bool = True  # move to another stage when that raises the swarm's bottleneck
     rebalance_period_s: float = 60.0  # mean time between rebalancing checks
+    # How long a node restarted on the stage of its checkpoint holds it (``Params``).
+    resume_hold_s: float = DEFAULT_PARAMS.resume_hold_s
     spec_file: Path | None = None  # the run's signed spec (``swarmtrain run create``)
     invite: str | None = None  # private runs: the invite token from the run's owner
     # Runs started from a Hugging Face checkpoint: this machine's copy of it.
@@ -73,6 +76,12 @@ class NodeSettings:
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
     # Caps on stage requests in flight and how fast they must arrive (protocol.admission).
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+
+    @property
+    def placement_params(self) -> Params:
+        """The assignment rule's settings for this node: the rule's defaults, with the
+        node's own timing (``--rebalance-period``, ``--resume-hold``)."""
+        return Params(mean_period_s=self.rebalance_period_s, resume_hold_s=self.resume_hold_s)
 
     @property
     def record_ttl_s(self) -> float:
