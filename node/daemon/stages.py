@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,14 @@ from protocol.run_spec import RunSpec
 from protocol.stage_messages import StageContract
 
 logger = logging.getLogger(__name__)
+
+
+async def import_optimizer_code() -> None:
+    """Import, in a thread, what torch imports when the first optimizer is built:
+    ``torch.optim.Optimizer`` imports ``torch._dynamo`` on first use, a heavy import of
+    torch's own that every stage's optimizer needs. Done while the node chooses its stage,
+    it is off the path to serving and off the event loop."""
+    await asyncio.to_thread(importlib.import_module, "torch._dynamo")
 
 
 @dataclass
@@ -118,21 +127,30 @@ class StageLifecycle:
         self.stages.second = await self._second_choice()
 
     async def _take_stage(self) -> None:
-        """Choose a stage (``--stage`` pins it; a node that kept a checkpoint takes that
-        checkpoint's stage again) and load it."""
-        if self.settings.stage is not None:
-            self.stages.stage = self.settings.stage
-        else:
-
-            def on_choice(stage: int) -> None:
-                self.stages.stage = stage
-                self.set_state(PeerState.JOINING)  # the record and the gossip carry the intent
-
-            kept = await asyncio.to_thread(checkpoint.kept_stages, self.checkpoints, self.spec)
-            await self.placement.join(on_choice, kept)
+        """Choose a stage and load it; torch's optimizer code is imported meanwhile."""
+        imported = asyncio.create_task(import_optimizer_code(), name="import-optimizer-code")
+        try:
+            await self._choose_stage()
+            await imported
+        finally:
+            imported.cancel()  # it stops being waited for; the import ends in its thread
         self.set_state(PeerState.LOADING)
         await self.hold(self.stages.stage, "first")
         self.set_state(PeerState.SERVING)
+
+    async def _choose_stage(self) -> None:
+        """Choose a stage (``--stage`` pins it; a node that kept a checkpoint takes that
+        checkpoint's stage again)."""
+        if self.settings.stage is not None:
+            self.stages.stage = self.settings.stage
+            return
+
+        def on_choice(stage: int) -> None:
+            self.stages.stage = stage
+            self.set_state(PeerState.JOINING)  # the record and the gossip carry the intent
+
+        kept = await asyncio.to_thread(checkpoint.kept_stages, self.checkpoints, self.spec)
+        await self.placement.join(on_choice, kept)
 
     async def _second_choice(self) -> int | None:
         """The second stage this node takes as well, if any: pinned, or (for a node that
