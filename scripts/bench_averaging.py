@@ -445,7 +445,7 @@ def _profile(
 
 
 @dataclass
-class _Trained:
+class Trained:
     label: str
     samples: int
     seconds: float
@@ -521,7 +521,7 @@ def outer_steps_due(averaging: AveragingSpec, target_batch: int, peers: int, sam
 
 async def _train(
     spec: RunSpec, dhts: list[SwarmDHT], corpus: Corpus, micro_batches: int, label: str
-) -> _Trained:
+) -> Trained:
     model, optim = spec.model, spec.optim
     copies: list[list[StageAverager]] = []
     try:
@@ -571,7 +571,7 @@ async def _train(
         sizes = [sum(p.numel() for p in row[0].module.parameters()) for row in copies]
         width = 2 if spec.averaging.compression == "float16" else 4
         dense = spec.averaging.density == 1 and spec.averaging.compression != "uint8"
-        return _Trained(
+        return Trained(
             label=label,
             samples=micro_batches * optim.micro_batch_size,
             seconds=seconds,
@@ -646,7 +646,7 @@ def _runs(args: argparse.Namespace, repeat: int) -> list[tuple[str, RunSpec, int
     return runs
 
 
-def _dense_of(r: _Trained, results: list[_Trained]) -> _Trained | None:
+def _dense_of(r: Trained, results: list[Trained]) -> Trained | None:
     """The uncompressed DiLoCo run at ``r``'s H (None for gradient mode)."""
     h = r.label.removeprefix("diloco ").split()[0]
     return next((d for d in results if d.label == f"diloco {h}"), None)
@@ -673,7 +673,7 @@ class _Figures:
     epochs: int  # the least over the stages
 
 
-def figures(results: list[_Trained]) -> dict[str, _Figures]:
+def figures(results: list[Trained]) -> dict[str, _Figures]:
     """Each run's figures against the gradient run (``results[0]``) and the dense DiLoCo
     run at its H, all from one repeat."""
     base = results[0]
@@ -705,7 +705,7 @@ def spread(values: list[float], fmt: str = ",.0f") -> str:
     return f"{m:{fmt}} [{lo:{fmt}}-{hi:{fmt}}]"
 
 
-def _print_run(args: argparse.Namespace, results: list[_Trained], repeat: int) -> None:
+def _print_run(args: argparse.Namespace, results: list[Trained], repeat: int) -> None:
     gradient = args.gradient_micro_batches or args.micro_batches
     print(f"3. gradient vs DiLoCo (run {repeat + 1} of {args.repeats}): tiny, 2 stages x "
           f"{PEERS} peers in this process, {args.micro_batches} micro-batches (gradient "
@@ -728,7 +728,7 @@ def _print_run(args: argparse.Namespace, results: list[_Trained], repeat: int) -
               f"{r.samples / r.seconds:>9.0f} {max(r.distance):>7.1e}")  # fmt: skip
 
 
-def _print_summary(args: argparse.Namespace, runs: list[list[_Trained]]) -> None:
+def _print_summary(args: argparse.Namespace, runs: list[list[Trained]]) -> None:
     tables = [figures(results) for results in runs]
     print(f"3. summary over {len(runs)} runs: median [least-largest]")
     print(f"  {'mode':<22} {'bytes/peer-round':>24} {'bytes/sample due':>24} "
@@ -786,7 +786,7 @@ async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
 MIN_OUTER_STEPS = 4  # per stage, in every DiLoCo run of the comparison
 
 
-def _check_outer_steps(args: argparse.Namespace) -> None:
+def check_outer_steps(args: argparse.Namespace) -> None:
     """Refuse a comparison whose DiLoCo runs are due fewer than ``MIN_OUTER_STEPS``."""
     optim = _spec("check", "tiny").optim
     samples = args.micro_batches * optim.micro_batch_size
@@ -836,7 +836,7 @@ def main() -> None:
     for key in ("matchmaking_s", "round_timeout_s", "allreduce_timeout_s"):
         if getattr(args, key) is not None:
             ROUND_SETTINGS[key] = getattr(args, key)
-    _check_outer_steps(args)
+    check_outer_steps(args)
     limits.install()  # count the averaging frames of the processes forked from here on
     torch.set_num_threads(1)
     n_dhts = max([PEERS * 2 if args.micro_batches else 0, PEERS, *args.allreduce_peers])

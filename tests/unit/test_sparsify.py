@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from models.training import StageOptimizer
 from node.averaging import state as stage_state
+from node.averaging.process import StageAveragerProcess
 from node.averaging.strategies import AveragingStats, DiLoCoStrategy, make_strategy
 from node.averaging.transport import BlockCodec, process_settings
 from node.rpc.hivemind_compat import use_compression
@@ -73,6 +74,8 @@ def test_values_on_the_grid_travel_in_about_a_byte_each_and_exactly():
         lambda d: d[:-1],  # short
         lambda d: d + b"\0",  # long
         lambda d: bytes([9]) + d[1:],  # an unknown block kind
+        lambda d: d[:5] + bytes([0x81]) + d[6:],  # block 0's exponent -127: out of range
+        lambda d: bytes([3]) + d[1:],  # block 0 said float32: the size no longer matches
         lambda d: b"",
     ],
 )
@@ -100,6 +103,21 @@ def test_the_codec_takes_a_hivemind_slot_and_refuses_a_wrong_dtype():
     wire.dtype = "float64"
     with pytest.raises(sparsify.CodecError):
         codec.extract(wire)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[float("nan"), 1.0], [float("inf"), 1.0], [0.5, 2e4]],
+)
+def test_a_part_that_decodes_to_non_finite_or_huge_values_is_refused_by_the_screen(values):
+    """The codec carries any float32 exactly (a sender may send NaN): the stage averager's
+    screen refuses such a groupmate's part as it refuses an uncompressed one."""
+    x = torch.tensor(values * 40)
+    part = sparsify.decode(sparsify.encode(x), len(x))
+    assert torch.equal(part.isnan(), x.isnan()) and torch.equal(part.nan_to_num(), x.nan_to_num())
+    assert StageAveragerProcess.check_part(None, part, 1.0) is not None  # uses no state
+    ok = sparsify.decode(sparsify.encode(sparsify.round_to_grid(x.nan_to_num(0, 0, 0))), len(x))
+    assert StageAveragerProcess.check_part(None, ok.clamp(-1, 1), 1.0) is None
 
 
 @pytest.mark.parametrize(
@@ -191,6 +209,22 @@ def test_stepping_alone_applies_everything_and_a_downloaded_state_clears_the_res
 def _state_of(s: DiLoCoStrategy) -> stage_state.StageState:
     metadata, tensors = s.capture("donor")
     return stage_state.parse(metadata, tensors, s.module, mode=s.mode)
+
+
+def test_a_joiner_downloads_the_anchor_never_the_donors_residual():
+    donor = _compressed(0.25)
+    _inner(donor, 0)
+    c = donor.begin()
+    donor.finish(c.tensors, c)
+    assert float(donor.residual.abs().sum()) > 0  # the donor holds unsent progress
+    joiner = _compressed(0.25)
+    joiner.apply_state(_state_of(donor))
+    # What travels is the anchor all copies agreed on: the joiner starts from it, with an
+    # empty residual of its own; the donor's unsent progress stays the donor's.
+    assert torch.equal(_flat(joiner.params), _flat(donor.digest_tensors()))
+    assert torch.equal(_flat(joiner.digest_tensors()), _flat(donor.digest_tensors()))
+    assert float(joiner.residual.abs().sum()) == 0
+    assert not torch.equal(_flat(joiner.params), _flat(donor.params))
 
 
 def test_two_copies_that_average_their_sparse_parts_agree_on_the_anchor():
