@@ -2,8 +2,8 @@
 
     python -m scripts.bench_averaging [--preset tiny] [--rounds 20] [--compression none]
         [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
-        [--compressed 0.1:uint8 ...] [--matchmaking-s S] [--round-timeout-s S]
-        [--stagger-s 0.2] [--allreduce-timeout-s S]
+        [--gradient-micro-batches N] [--compressed 0.1:uint8 ...] [--repeats N]
+        [--matchmaking-s S] [--round-timeout-s S] [--stagger-s 0.2] [--allreduce-timeout-s S]
     python -m scripts.bench_averaging --profile [--part-kib 512 2048] [--profile-repeats 5]
         [--small-kb 482] [--rounds 20] [--allreduce-mb 100] [--allreduce-peers 2 4]
 
@@ -43,6 +43,15 @@ round by round; (P2) a small round of 2 peers (``--small-kb``) split into matchm
    runs: the bytes computed from the rounds (per successful round each of a stage's 2
    peers sends half of the stage's tensors and returns the averaged half), and loopback
    bytes (every process on this machine, DHT traffic included) as a cross-check.
+   Load-independent figures: counted bytes per successful peer-round, times the
+   peer-rounds the schedule makes due per sample (``rounds_due``: gradient mode one round
+   per target batch of a stage, DiLoCo one per H target batches of each peer), is the
+   bytes per sample as if every due round succeeded; the ratio against gradient mode
+   (``--gradient-micro-batches``: its run may be shorter, only its bytes per round count)
+   is computed that way for both, next to the counted one, with the failed rounds (steps
+   alone, fallbacks, discarded attempts). Every DiLoCo run must be due at least
+   ``MIN_OUTER_STEPS`` outer steps per stage. ``--repeats N`` runs every mode N times, in
+   turn, and ends with each figure as median [range] over the runs.
 """
 
 from __future__ import annotations
