@@ -68,12 +68,12 @@ def _run(label: str, *, rounds: int, sent: int, val: float, due: float, **kw) ->
 
 
 def test_figures_compare_bytes_as_scheduled_and_loss_against_dense_diloco_at_the_same_h():
+    # 3,200 samples: 400 peer-rounds due in gradient mode, 4 in DiLoCo; half of the sparse
+    # run's failed (stepped alone): its counted bytes halve, the scheduled ones do not.
     gradient_due, diloco_due = 4 / 32, 4 / 3200
     results = [
         _run("gradient", rounds=400, sent=400 * 500_000, val=3.0, due=gradient_due),
         _run("diloco H=50", rounds=4, sent=4 * 500_000, val=2.0, due=diloco_due),
-        # 3,200 samples: 400 peer-rounds due in gradient mode, 4 in DiLoCo; half of the
-    # sparse run's failed (stepped alone): its counted bytes halve, scheduled ones do not.
         _run(
             "H=50 d=0.1 uint8",
             rounds=2,
