@@ -49,7 +49,7 @@ round by round; (P2) a small round of 2 peers (``--small-kb``) split into matchm
    bytes per sample as if every due round succeeded; the ratio against gradient mode
    (``--gradient-micro-batches``: its run may be shorter, only its bytes per round count)
    is computed that way for both, next to the counted one, with the failed rounds (steps
-   alone, fallbacks, discarded attempts). Every DiLoCo run must be due at least
+   alone, fallbacks, discarded attempts). A note says where a DiLoCo run is due fewer than
    ``MIN_OUTER_STEPS`` outer steps per stage. ``--repeats N`` runs every mode N times, in
    turn, and ends with each figure as median [range] over the runs.
 """
@@ -792,23 +792,25 @@ async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
         _print_summary(args, runs)
 
 
-MIN_OUTER_STEPS = 4  # per stage, in every DiLoCo run of the comparison
+MIN_OUTER_STEPS = 4  # per stage, in a DiLoCo run whose figures are a headline
 
 
-def check_outer_steps(args: argparse.Namespace) -> None:
-    """Refuse a comparison whose DiLoCo runs are due fewer than ``MIN_OUTER_STEPS``."""
+def few_outer_steps(micro_batches: int, inner_steps: list[int]) -> list[str]:
+    """A line for each H at which ``micro_batches`` make fewer than ``MIN_OUTER_STEPS``
+    outer steps per stage due (its figures then rest on few rounds)."""
     optim = _spec("check", "tiny").optim
-    samples = args.micro_batches * optim.micro_batch_size
-    for h in args.inner_steps if args.micro_batches else ():
+    samples = micro_batches * optim.micro_batch_size
+    lines = []
+    for h in inner_steps if micro_batches else ():
         due = outer_steps_due(AveragingSpec(mode="diloco", inner_steps=h), optim.target_batch_size,
                               PEERS, samples)  # fmt: skip
         if due < MIN_OUTER_STEPS:
             need = MIN_OUTER_STEPS * h * optim.target_batch_size * PEERS
-            raise SystemExit(
-                f"--micro-batches {args.micro_batches} makes {due} outer steps per stage due "
-                f"at H = {h}: at least {MIN_OUTER_STEPS} need "
-                f"{math.ceil(need / optim.micro_batch_size)}"
+            lines.append(
+                f"note: --micro-batches {micro_batches} makes {due} outer steps per stage due "
+                f"at H = {h}; {MIN_OUTER_STEPS} need {math.ceil(need / optim.micro_batch_size)}"
             )
+    return lines
 
 
 def main() -> None:
@@ -845,7 +847,8 @@ def main() -> None:
     for key in ("matchmaking_s", "round_timeout_s", "allreduce_timeout_s"):
         if getattr(args, key) is not None:
             ROUND_SETTINGS[key] = getattr(args, key)
-    check_outer_steps(args)
+    for line in few_outer_steps(args.micro_batches, args.inner_steps):
+        print(line)
     limits.install()  # count the averaging frames of the processes forked from here on
     torch.set_num_threads(1)
     n_dhts = max([PEERS * 2 if args.micro_batches else 0, PEERS, *args.allreduce_peers])

@@ -4,7 +4,6 @@ gradient and dense DiLoCo runs, and the median [range] of the summary (no swarm)
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
@@ -28,12 +27,11 @@ def test_the_schedule_makes_a_round_due_per_target_batch_or_per_outer_step():
     assert bench.outer_steps_due(DILOCO, 32, 2, samples=12_799) == 3
 
 
-def test_a_comparison_with_fewer_than_four_outer_steps_due_is_refused():
-    args = argparse.Namespace(micro_batches=1500, inner_steps=[50])
-    with pytest.raises(SystemExit, match="1600"):
-        bench.check_outer_steps(args)
-    bench.check_outer_steps(argparse.Namespace(micro_batches=1600, inner_steps=[50, 20]))
-    bench.check_outer_steps(argparse.Namespace(micro_batches=0, inner_steps=[50]))  # skipped
+def test_a_comparison_with_fewer_than_four_outer_steps_due_says_so():
+    (line,) = bench.few_outer_steps(1500, [50, 20])
+    assert "3 outer steps per stage due at H = 50" in line and "need 1600" in line
+    assert bench.few_outer_steps(1600, [50, 20]) == []
+    assert bench.few_outer_steps(0, [50]) == []  # no comparison
 
 
 def test_a_peer_sends_its_groupmates_shares_in_eight_bit_blocks():
