@@ -20,6 +20,13 @@ else float16 where that is exact, else float32. It never changes a value, so the
 reducer returns (float32 differences) reach every groupmate unrounded and the copies
 stay as equal as uncompressed ones. ``decode`` refuses malformed bytes with
 ``CodecError``.
+
+``snap_mean`` is what makes those returned means cheap: the reducer rounds the mean of
+one part, per ``CODEC_BLOCK`` values, to the finest power-of-two grid on which every
+groupmate's part of that block lies, so that the mean less any part is a whole number
+of grid steps (within 127 of them when the parts share a scale: a byte each) and every
+copy still applies the same mean bitwise. The rounding (at most half a step of that grid,
+the same for every copy) is the reducer's alone.
 """
 
 from __future__ import annotations
@@ -116,6 +123,44 @@ def round_to_grid(values: torch.Tensor) -> torch.Tensor:
     scale = np.exp2(_exponents(np.abs(blocks).max(axis=1))).astype(np.float32)[:, None]
     q = np.clip(np.rint(blocks / scale), -LEVELS, LEVELS)
     return torch.from_numpy((q * scale).astype(np.float32).reshape(-1)[:n].copy())
+
+
+_NO_GRID = 1 << 20  # the grid exponent of 0: on every grid
+
+
+def grid_exponents(values: np.ndarray) -> np.ndarray:
+    """Per value (float32, finite), the largest e such that it is a whole multiple of
+    2**e (``_NO_GRID`` for 0)."""
+    mantissa, exponent = np.frexp(values.astype(np.float64))
+    m = np.abs(np.ldexp(mantissa, 24)).astype(np.int64)  # exact: float32 has 24 bits
+    low = m & -m  # the lowest set bit (0 for 0)
+    tz = np.log2(np.where(low > 0, low, 1)).astype(np.int64)
+    return np.where(m > 0, exponent.astype(np.int64) - 24 + tz, _NO_GRID)
+
+
+def snap_mean(mean: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``mean`` (of ``parts``, each of its shape) rounded to nearest, per block of
+    ``CODEC_BLOCK`` values of the flattened tensors, to the finest power-of-two grid that
+    holds every part's values of that block exactly: ``mean - part`` is then a whole
+    number of that grid's steps for every part (``encode`` carries it in a byte per value
+    if there are at most 127), and ``part + (mean - part)`` equals it exactly in float32.
+    Unchanged if a value is not finite or a block's grid is finer than float32 can hold
+    at its mean (no rounding then)."""
+    m = mean.detach().float().reshape(-1).numpy()
+    xs = [p.detach().float().reshape(-1).numpy() for p in parts]
+    if not xs or not np.isfinite(m).all() or not all(np.isfinite(x).all() for x in xs):
+        return mean
+    n = len(m)
+    pad = (-n) % CODEC_BLOCK
+    grid = np.full(math.ceil(n / CODEC_BLOCK), _NO_GRID, np.int64)
+    for x in xs:
+        e = grid_exponents(np.concatenate([x, np.zeros(pad, np.float32)]))
+        grid = np.minimum(grid, e.reshape(-1, CODEC_BLOCK).min(axis=1))
+    step = np.repeat(np.clip(grid, -1074, MAX_EXP), CODEC_BLOCK)[:n]  # float64's range
+    # In float64, m / 2**step is exact and rint rounds it to a whole number of steps; a
+    # grid finer than m's own last bit leaves m as it is.
+    snapped = np.ldexp(np.rint(np.ldexp(m.astype(np.float64), -step)), step)
+    return torch.from_numpy(snapped.astype(np.float32)).reshape(mean.shape)
 
 
 class CodecError(ValueError):

@@ -2,8 +2,8 @@
 
     python -m scripts.bench_averaging [--preset tiny] [--rounds 20] [--compression none]
         [--allreduce-mb 100] [--allreduce-peers 2 4] [--micro-batches 800] [--inner-steps 10 50]
-        [--compressed 0.1:uint8 ...] [--matchmaking-s S] [--round-timeout-s S]
-        [--stagger-s 0.2] [--allreduce-timeout-s S]
+        [--gradient-micro-batches N] [--compressed 0.1:uint8 ...] [--repeats N]
+        [--matchmaking-s S] [--round-timeout-s S] [--stagger-s 0.2] [--allreduce-timeout-s S]
     python -m scripts.bench_averaging --profile [--part-kib 512 2048] [--profile-repeats 5]
         [--small-kb 482] [--rounds 20] [--allreduce-mb 100] [--allreduce-peers 2 4]
 
@@ -43,6 +43,15 @@ round by round; (P2) a small round of 2 peers (``--small-kb``) split into matchm
    runs: the bytes computed from the rounds (per successful round each of a stage's 2
    peers sends half of the stage's tensors and returns the averaged half), and loopback
    bytes (every process on this machine, DHT traffic included) as a cross-check.
+   Load-independent figures: counted bytes per successful peer-round, times the
+   peer-rounds the schedule makes due per sample (``rounds_due``: gradient mode one round
+   per target batch of a stage, DiLoCo one per H target batches of each peer), is the
+   bytes per sample as if every due round succeeded; the ratio against gradient mode
+   (``--gradient-micro-batches``: its run may be shorter, only its bytes per round count)
+   is computed that way for both, next to the counted one, with the failed rounds (steps
+   alone, fallbacks, discarded attempts). A note says where a DiLoCo run is due fewer than
+   ``MIN_OUTER_STEPS`` outer steps per stage. ``--repeats N`` runs every mode N times, in
+   turn, and ends with each figure as median [range] over the runs.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import math
 import os
 import socket
 import statistics
@@ -75,6 +85,7 @@ from node.averaging.process import StageAveragerProcess
 from node.averaging.transport import PART_BYTES, process_settings
 from node.files import load_or_create_key
 from node.rpc.dht import SwarmDHT
+from protocol import sparsify
 from protocol.averaging import averaging_prefix
 from protocol.identity import peer_id_of
 from protocol.records import MAX_RECORD_AGE_S, PROTOCOL_VERSION, PeerInfo, PeerState
@@ -443,24 +454,83 @@ def _profile(
 
 
 @dataclass
-class _Trained:
+class Trained:
     label: str
     samples: int
     seconds: float
     val: tuple[float, float]  # before, after (through the copies of peer 0 of each stage)
     val_other: float  # after, through the copies of peer 1
     epochs: list[int]  # per stage
-    rounds: int  # successful rounds, all peers
-    alone: int  # steps alone and fallbacks, all peers
+    rounds: int  # successful peer-rounds, all peers
+    alone: int  # steps alone (no other peer at our epoch), all peers
+    fallbacks: int  # rounds that found no result in time and applied our own, all peers
+    discarded: int  # attempts whose result was thrown away (failed), all peers
     averaging_bytes: int  # counted: every averaging frame sent, all peers
     computed_bytes: int | None  # from the rounds (uncompressed runs only)
     loopback_bytes: int
     distance: list[float]  # per stage: relative distance between the copies at the end
+    due_per_sample: float  # peer-rounds the schedule makes due per sample (``rounds_due``)
+    sent_values: float  # values a peer sends per round (its groupmate's share), mean per round
+    part_bytes: float | None  # of those, in 8-bit blocks (uint8 runs only), mean per round
+
+    @property
+    def per_round(self) -> float:
+        """Counted bytes per successful peer-round (failed attempts' bytes included: an
+        upper bound); NaN without a successful round."""
+        return self.averaging_bytes / self.rounds if self.rounds else math.nan
+
+    @property
+    def scheduled(self) -> float:
+        """Bytes per sample as if every round the schedule makes due had succeeded."""
+        return self.per_round * self.due_per_sample
+
+    @property
+    def counted(self) -> float:
+        """Counted bytes per sample (rounds that failed or stepped alone sent little)."""
+        return self.averaging_bytes / self.samples
+
+    @property
+    def returned_per_value(self) -> float:
+        """Bytes per value of what a round sends besides the 8-bit parts (the returned
+        means, and framing): uint8 runs only, else NaN."""
+        if self.part_bytes is None or not self.rounds:
+            return math.nan
+        return (self.per_round - self.part_bytes) / self.sent_values
+
+
+def shares(averaging: AveragingSpec, size: int, peers: int) -> tuple[float, float | None]:
+    """What one peer of a stage of ``size`` parameters sends in a round of ``peers``, as
+    computed: the values of its groupmates' shares, and their bytes in ``sparsify.encode``'s
+    8-bit blocks (one per value, two per block of ``CODEC_BLOCK``; None unless the values
+    are rounded to 8 bits)."""
+    n = sparsify.sent_count(size, averaging.density) if averaging.mode == "diloco" else size
+    values = n * (peers - 1) / peers
+    if averaging.compression != "uint8":
+        return values, None
+    return values, values + 2 * values / sparsify.CODEC_BLOCK
+
+
+def rounds_due(averaging: AveragingSpec, target_batch: int, n_stages: int, peers: int) -> float:
+    """Peer-rounds of averaging per sample that the schedule makes due, with ``peers``
+    peers in each of ``n_stages`` stages and every sample through every stage: gradient
+    mode averages once per ``target_batch`` of a stage's samples, DiLoCo once per
+    ``inner_steps`` batches of each peer's own (``inner_steps x target_batch x peers``
+    of the stage's); each round is one peer-round per peer of the stage."""
+    if averaging.mode == "diloco":
+        per_round = averaging.inner_steps * target_batch * peers
+    else:
+        per_round = target_batch
+    return n_stages * peers / per_round
+
+
+def outer_steps_due(averaging: AveragingSpec, target_batch: int, peers: int, samples: int) -> int:
+    """Whole DiLoCo outer steps per stage that ``samples`` make due (``rounds_due``)."""
+    return samples // (averaging.inner_steps * target_batch * peers)
 
 
 async def _train(
     spec: RunSpec, dhts: list[SwarmDHT], corpus: Corpus, micro_batches: int, label: str
-) -> _Trained:
+) -> Trained:
     model, optim = spec.model, spec.optim
     copies: list[list[StageAverager]] = []
     try:
@@ -510,7 +580,7 @@ async def _train(
         sizes = [sum(p.numel() for p in row[0].module.parameters()) for row in copies]
         width = 2 if spec.averaging.compression == "float16" else 4
         dense = spec.averaging.density == 1 and spec.averaging.compression != "uint8"
-        return _Trained(
+        return Trained(
             label=label,
             samples=micro_batches * optim.micro_batch_size,
             seconds=seconds,
@@ -518,7 +588,9 @@ async def _train(
             val_other=evaluate([row[1].module for row in copies], val),
             epochs=[row[0].epoch for row in copies],
             rounds=sum(a.stats.rounds for a in everyone),
-            alone=sum(a.stats.alone + a.stats.fallbacks for a in everyone),
+            alone=sum(a.stats.alone for a in everyone),
+            fallbacks=sum(a.stats.fallbacks for a in everyone),
+            discarded=sum(a.stats.discarded for a in everyone),
             averaging_bytes=counted,
             # per round, each peer sends half the stage and returns the averaged half
             computed_bytes=sum(
@@ -535,11 +607,24 @@ async def _train(
                 )
                 for row in copies
             ],
+            due_per_sample=rounds_due(
+                spec.averaging, optim.target_batch_size, spec.n_stages, PEERS
+            ),
+            sent_values=_per_round([shares(spec.averaging, n, PEERS)[0] for n in sizes], copies),
+            part_bytes=None
+            if spec.averaging.compression != "uint8"
+            else _per_round([shares(spec.averaging, n, PEERS)[1] or 0.0 for n in sizes], copies),
         )
     finally:
         for row in copies:
             for a in row:
                 await a.shutdown()
+
+
+def _per_round(per_stage: list[float], copies: list[list[StageAverager]]) -> float:
+    """The mean over the successful peer-rounds of a per-stage figure."""
+    rounds = [sum(a.stats.rounds for a in row) for row in copies]
+    return sum(x * r for x, r in zip(per_stage, rounds, strict=True)) / max(sum(rounds), 1)
 
 
 def _compressed(text: str) -> tuple[float, str]:
@@ -548,52 +633,184 @@ def _compressed(text: str) -> tuple[float, str]:
     return float(density), compression or "none"
 
 
-async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
-    corpus = load_corpus()
-    runs = [("gradient", _spec("bench-gradient", "tiny", compression=args.compression))]
+def _runs(args: argparse.Namespace, repeat: int) -> list[tuple[str, RunSpec, int]]:
+    """(label, spec, micro-batches) of one repeat: gradient mode, then for each H dense
+    DiLoCo and each ``--compressed`` setting. Run names carry the repeat, so that no
+    repeat matches with an earlier one's records."""
+    tag = f"r{repeat}"
+    gradient = _spec(f"bench-gradient-{tag}", "tiny", compression=args.compression)
+    runs = [("gradient", gradient, args.gradient_micro_batches or args.micro_batches)]
     for h in args.inner_steps:
         dense = _spec(
-            f"bench-diloco-{h}", "tiny", mode="diloco", inner_steps=h, compression=args.compression
-        )
-        runs.append((f"diloco H={h}", dense))
+            f"bench-diloco-{h}-{tag}", "tiny", mode="diloco", inner_steps=h,
+            compression=args.compression,
+        )  # fmt: skip
+        runs.append((f"diloco H={h}", dense, args.micro_batches))
         for density, compression in args.compressed:
-            name = f"bench-zip-{h}-{density:g}-{compression}"
+            name = f"bench-zip-{h}-{density:g}-{compression}-{tag}"
             spec = _spec(
                 name, "tiny", mode="diloco", inner_steps=h, density=density, compression=compression
             )
-            runs.append((f"H={h} d={density:g} {compression}", spec))
-    results = [await _train(spec, dhts, corpus, args.micro_batches, label) for label, spec in runs]
-    print(f"3. gradient vs DiLoCo: tiny, 2 stages x {PEERS} peers in this process, "
-          f"{args.micro_batches} micro-batches, compression {args.compression} "
-          f"(where the label names none)")  # fmt: skip
-    print(f"  {'mode':<22} {'val before':>10} {'val after':>10} {'(peer 1)':>9} {'epochs':>9} "
-          f"{'rounds':>6} {'alone':>5} {'avg bytes/sample':>16} {'(computed)':>10} "
-          f"{'bytes/round':>11} "
-          f"{'vs gradient':>11} {'vs loss':>7} {'loopback/sample':>15} {'samples/s':>9} "
-          f"{'copies apart':>12}")  # fmt: skip
-    base = results[0].averaging_bytes / results[0].samples
+            runs.append((f"H={h} d={density:g} {compression}", spec, args.micro_batches))
+    return runs
+
+
+def _dense_of(r: Trained, results: list[Trained]) -> Trained | None:
+    """The uncompressed DiLoCo run at ``r``'s H (None for gradient mode)."""
+    h = r.label.removeprefix("diloco ").split()[0]
+    return next((d for d in results if d.label == f"diloco {h}"), None)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else math.nan
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """What the summary gives for one run of one mode, against the same repeat's others."""
+
+    per_round: float
+    scheduled: float  # bytes per sample, every due round succeeded
+    counted: float  # bytes per sample, counted
+    vs_gradient: float  # gradient's scheduled bytes / sample over this one's
+    vs_gradient_counted: float  # the same with counted bytes
+    val: float
+    vs_loss: float  # val after over uncompressed DiLoCo's at the same H
+    returned: float  # bytes per value sent besides the 8-bit parts (uint8 runs)
+    rounds: int
+    failed: int  # alone + fallbacks + discarded attempts
+    epochs: int  # the least over the stages
+
+
+def figures(results: list[Trained]) -> dict[str, _Figures]:
+    """Each run's figures against the gradient run (``results[0]``) and the dense DiLoCo
+    run at its H, all from one repeat."""
+    base = results[0]
+    out = {}
     for r in results:
+        dense = _dense_of(r, results)
+        out[r.label] = _Figures(
+            per_round=r.per_round,
+            scheduled=r.scheduled,
+            counted=r.counted,
+            vs_gradient=_ratio(base.scheduled, r.scheduled),
+            vs_gradient_counted=_ratio(base.counted, r.counted),
+            val=r.val[1],
+            vs_loss=_ratio(r.val[1], dense.val[1]) if dense is not None else math.nan,
+            returned=r.returned_per_value,
+            rounds=r.rounds,
+            failed=r.alone + r.fallbacks + r.discarded,
+            epochs=min(r.epochs),
+        )
+    return out
+
+
+def spread(values: list[float], fmt: str = ",.0f") -> str:
+    """``median [least-largest]`` of the finite ``values`` (``-`` if none)."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return "-"
+    m, lo, hi = statistics.median(finite), min(finite), max(finite)
+    return f"{m:{fmt}} [{lo:{fmt}}-{hi:{fmt}}]"
+
+
+def _print_run(args: argparse.Namespace, results: list[Trained], repeat: int) -> None:
+    gradient = args.gradient_micro_batches or args.micro_batches
+    print(f"3. gradient vs DiLoCo (run {repeat + 1} of {args.repeats}): tiny, 2 stages x "
+          f"{PEERS} peers in this process, {args.micro_batches} micro-batches (gradient "
+          f"mode {gradient}), compression {args.compression} (where the label names none); "
+          f"load {_load()}")  # fmt: skip
+    print(f"  {'mode':<22} {'val before':>10} {'val after':>10} {'(peer 1)':>9} {'epochs':>9} "
+          f"{'rounds':>6} {'alone':>5} {'fallb':>5} {'disc':>4} {'bytes/round':>11} "
+          f"{'B/sample due':>12} {'counted':>9} {'(computed)':>10} {'vs gradient':>11} "
+          f"{'vs loss':>7} {'ret B/v':>7} {'lo/sample':>9} {'samples/s':>9} "
+          f"{'apart':>7}")  # fmt: skip
+    table = figures(results)
+    for r in results:
+        f = table[r.label]
         computed = "-" if r.computed_bytes is None else f"{r.computed_bytes / r.samples:,.0f}"
-        per_sample = r.averaging_bytes / r.samples
-        ratio = f"{base / per_sample:,.0f}x" if per_sample else "-"
-        dense = next((d for d in results if d.label == "diloco " + r.label.split()[0]), None)
-        vs_loss = f"{r.val[1] / dense.val[1]:.3f}" if dense is not None else "-"
         print(f"  {r.label:<22} {r.val[0]:>10.3f} {r.val[1]:>10.3f} {r.val_other:>9.3f} "
-              f"{'/'.join(map(str, r.epochs)):>9} {r.rounds:>6} {r.alone:>5} "
-              f"{per_sample:>16,.1f} {computed:>10} "
-              f"{r.averaging_bytes / max(r.rounds, 1):>11,.0f} {ratio:>11} {vs_loss:>7} "
-              f"{r.loopback_bytes / r.samples:>15,.0f} {r.samples / r.seconds:>9.0f} "
-              f"{max(r.distance):>12.1e}")  # fmt: skip
-    print("  avg bytes/sample: counted, every averaging frame the averager processes sent "
-          "(parts and returned means); (computed): from\n  the rounds, uncompressed runs only "
-          "(each peer sends half of its stage's tensors and returns the averaged half);\n"
-          "  bytes/round: counted bytes per successful round of one peer (failed attempts' "
-          "bytes included); alone: steps\n  alone and fallbacks, which send nothing;\n"
-          "  vs gradient: gradient mode's counted bytes/sample over this row's; vs loss: "
-          "validation loss after over that of\n  uncompressed DiLoCo at the same H; "
-          "loopback/sample: all loopback traffic on this machine during training (DHT\n"
-          "  included); copies apart: relative distance between the two copies of a stage "
-          "at the end (DiLoCo: after the last\n  inner steps)")  # fmt: skip
+              f"{'/'.join(map(str, r.epochs)):>9} {r.rounds:>6} {r.alone:>5} {r.fallbacks:>5} "
+              f"{r.discarded:>4} {f.per_round:>11,.0f} {f.scheduled:>12,.1f} "
+              f"{f.counted:>9,.1f} {computed:>10} {f.vs_gradient:>10,.0f}x "
+              f"{f.vs_loss:>7.3f} {f.returned:>7.2f} {r.loopback_bytes / r.samples:>9,.0f} "
+              f"{r.samples / r.seconds:>9.0f} {max(r.distance):>7.1e}")  # fmt: skip
+
+
+def _print_summary(args: argparse.Namespace, runs: list[list[Trained]]) -> None:
+    tables = [figures(results) for results in runs]
+    print(f"3. summary over {len(runs)} runs: median [least-largest]")
+    print(f"  {'mode':<22} {'bytes/peer-round':>24} {'bytes/sample due':>24} "
+          f"{'vs gradient (due)':>22} {'vs gradient (counted)':>22} {'val after':>20} "
+          f"{'vs loss':>20} {'ret B/value':>18} {'rounds':>14} {'failed':>14} "
+          f"{'epochs':>10}")  # fmt: skip
+    for label in tables[0]:
+        rows = [t[label] for t in tables if label in t]
+
+        def col(name: str, fmt: str, rows: list[_Figures] = rows) -> str:
+            return spread([float(getattr(f, name)) for f in rows], fmt)
+
+        print(f"  {label:<22} {col('per_round', ',.0f'):>24} {col('scheduled', ',.1f'):>24} "
+              f"{col('vs_gradient', ',.0f'):>22} {col('vs_gradient_counted', ',.0f'):>22} "
+              f"{col('val', '.3f'):>20} {col('vs_loss', '.3f'):>20} {col('returned', '.2f'):>18} "
+              f"{col('rounds', '.0f'):>14} "
+              f"{col('failed', '.0f'):>14} {col('epochs', '.0f'):>10}")  # fmt: skip
+    print(_LEGEND)
+
+
+_LEGEND = """\
+  bytes/round: counted averaging bytes (every frame the averager processes sent: parts and
+  returned means, framing and failed attempts included) per successful peer-round;
+  B/sample due: bytes/round x the peer-rounds the schedule makes due per sample (gradient:
+  2 stages x 2 peers per target batch; DiLoCo: per H x target batch x 2 peers of a stage's
+  samples), as if every due round succeeded; counted: counted bytes / samples (rounds that
+  failed or stepped alone send little, so under load this is low); (computed): from the
+  rounds, uncompressed runs only; vs gradient: gradient mode's B/sample due over this row's
+  (the summary also gives the counted ratio); vs loss: validation loss after over that of
+  uncompressed DiLoCo at the same H; ret B/value (uint8 runs): bytes/round less the 8-bit
+  parts (computed: a byte per value sent and two per block of 64) per value sent, i.e. the
+  returned means and framing; failed: steps alone + fallbacks + discarded attempts,
+  all peers; epochs: outer steps (DiLoCo) or steps reached, least stage; lo/sample: all
+  loopback traffic on the machine during training; apart: relative distance between the
+  two copies of a stage at the end (DiLoCo: after the last inner steps)"""
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+async def _modes(args: argparse.Namespace, dhts: list[SwarmDHT]) -> None:
+    corpus = load_corpus()
+    runs = []
+    for repeat in range(args.repeats):
+        results = []
+        for label, spec, micro_batches in _runs(args, repeat):
+            results.append(await _train(spec, dhts, corpus, micro_batches, label))
+        _print_run(args, results, repeat)
+        runs.append(results)
+    if args.repeats > 1:
+        _print_summary(args, runs)
+
+
+MIN_OUTER_STEPS = 4  # per stage, in a DiLoCo run whose figures are a headline
+
+
+def few_outer_steps(micro_batches: int, inner_steps: list[int]) -> list[str]:
+    """A line for each H at which ``micro_batches`` make fewer than ``MIN_OUTER_STEPS``
+    outer steps per stage due (its figures then rest on few rounds)."""
+    optim = _spec("check", "tiny").optim
+    samples = micro_batches * optim.micro_batch_size
+    lines = []
+    for h in inner_steps if micro_batches else ():
+        due = outer_steps_due(AveragingSpec(mode="diloco", inner_steps=h), optim.target_batch_size,
+                              PEERS, samples)  # fmt: skip
+        if due < MIN_OUTER_STEPS:
+            need = MIN_OUTER_STEPS * h * optim.target_batch_size * PEERS
+            lines.append(
+                f"note: --micro-batches {micro_batches} makes {due} outer steps per stage due "
+                f"at H = {h}; {MIN_OUTER_STEPS} need {math.ceil(need / optim.micro_batch_size)}"
+            )
+    return lines
 
 
 def main() -> None:
@@ -606,6 +823,12 @@ def main() -> None:
     parser.add_argument("--allreduce-mb", type=int, default=100)
     parser.add_argument("--allreduce-peers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, default=800, help="gradient vs DiLoCo")
+    parser.add_argument("--gradient-micro-batches", type=int,
+                        help="gradient mode's micro-batches (default: --micro-batches); its "
+                        "bytes per round are what the comparison uses")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="gradient vs DiLoCo: whole runs of every mode, then each figure "
+                        "as median [range]")  # fmt: skip
     parser.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50])
     parser.add_argument("--compressed", type=_compressed, nargs="*", default=[],
                         help="density:compression of compressed DiLoCo runs at each H, "
@@ -624,6 +847,8 @@ def main() -> None:
     for key in ("matchmaking_s", "round_timeout_s", "allreduce_timeout_s"):
         if getattr(args, key) is not None:
             ROUND_SETTINGS[key] = getattr(args, key)
+    for line in few_outer_steps(args.micro_batches, args.inner_steps):
+        print(line)
     limits.install()  # count the averaging frames of the processes forked from here on
     torch.set_num_threads(1)
     n_dhts = max([PEERS * 2 if args.micro_batches else 0, PEERS, *args.allreduce_peers])

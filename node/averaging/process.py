@@ -11,7 +11,8 @@ names, the reducer, the round, the state download, the shutdown) are overridden 
   (``use_compression``: a codec of ours, in this process only);
 - a groupmate's part that is non-finite or wildly out of range, or comes with a bad
   weight, is refused, and the parts that pass are reduced by ``robust_mean`` (hivemind
-  would average a NaN into everyone's result);
+  would average a NaN into everyone's result), then, if the ``compression`` has a
+  ``snap_mean``, rounded by it;
 - what a groupmate returns for the share it reduced is checked against our own parts of
   that share (``protocol.averaging.check_returned``): a mean that cannot be one of parts
   that include ours (negated, scaled far up) fails the round, is logged and emitted as
@@ -147,8 +148,11 @@ class StageAveragerProcess(AveragerCompat):
 
     def reduce_parts(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         """``robust_mean``: a groupmate sending finite but wrong values moves the result by
-        a bounded amount (with three or more groupmates)."""
-        return robust_mean(parts, weights)
+        a bounded amount (with three or more groupmates); rounded to the parts' grid where
+        the ``compression`` says so (``BlockCodec.snap_mean``)."""
+        mean = robust_mean(parts, weights)
+        snap = getattr(self._compression, "snap_mean", None)
+        return mean if snap is None else snap(mean, parts)
 
     def check_returned(
         self, own: ReturnedShare | None, shares: dict[PeerID, ReturnedShare]

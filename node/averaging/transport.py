@@ -50,8 +50,9 @@ class BlockCodec(CompressionBase):
     """``protocol.sparsify``'s lossless wire format as a hivemind compression (of float32
     parts), in the slot of hivemind's ``BLOCKWISE_8BIT`` (which needs bitsandbytes; the
     stage pipeline's uint8 is ``UNIFORM_8BIT``), in the averager process only. Values the
-    sender rounded to 8 bits (``sparsify.round_to_grid``) travel in about a byte each, the
-    means a reducer returns in float16 or float32 where 8 bits would round them. A
+    sender rounded to 8 bits (``sparsify.round_to_grid``) travel in about a byte each, and
+    so do the means a reducer returns, once it rounds them to the parts' grid
+    (``snap_mean``; float16 or float32 blocks where that grid needs more bits). A
     malformed part raises ``sparsify.CodecError`` (the round refuses that sender, as for
     any bad part)."""
 
@@ -80,6 +81,11 @@ class BlockCodec(CompressionBase):
         # Parts sized as uncompressed ones: a part of means can be float32 all through, and
         # must stay below the frame cap.
         return 1.0
+
+    def snap_mean(self, mean: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The mean a reducer returns (``sparsify.snap_mean``): less each part, it travels
+        in about a byte per value, and every copy applies it bitwise."""
+        return sparsify.snap_mean(mean, parts)
 
 
 def process_settings(settings: AveragingSpec) -> dict[str, object]:

@@ -5,20 +5,30 @@ wire codec (``protocol.sparsify``), the spec's bounds, and the error-feedback re
 from __future__ import annotations
 
 import threading
+import types
 
+import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.compression import deserialize_torch_tensor, serialization, serialize_torch_tensor
+from hivemind.compression import (
+    NoCompression,
+    deserialize_torch_tensor,
+    serialization,
+    serialize_torch_tensor,
+)
+from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import ValidationError
 
 from models.training import StageOptimizer
 from node.averaging import state as stage_state
+from node.averaging.process import StageAveragerProcess
 from node.averaging.strategies import AveragingStats, DiLoCoStrategy, make_strategy
 from node.averaging.transport import BlockCodec, process_settings
 from node.rpc.hivemind_compat import use_compression
 from protocol import sparsify
+from protocol.averaging import robust_mean
 from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, decode_run_spec, make_run_spec, sign_run_spec
 from tests.averaging_peer import MICRO, backward, make_spec
@@ -67,12 +77,71 @@ def test_values_on_the_grid_travel_in_about_a_byte_each_and_exactly():
         assert torch.equal(sparsify.decode(sparsify.encode(values), len(values)), values)
 
 
+def _grid_parts(n: int, k: int, seed: int = 0) -> list[torch.Tensor]:
+    """``k`` groupmates' parts of ``n`` values, each rounded to its own 8-bit grid."""
+    g = torch.Generator().manual_seed(seed)
+    return [sparsify.round_to_grid(torch.randn(n, generator=g) * 1e-3) for _ in range(k)]
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1.0], [1608.0, 1600.0], [3.0, 5.0, 7.0]])
+def test_a_snapped_mean_returns_in_about_a_byte_per_value_and_the_same_to_every_copy(weights):
+    n = 6016
+    parts = _grid_parts(n, len(weights))
+    mean = sum(p * w for p, w in zip(parts, weights, strict=True)) / sum(weights)
+    snapped = sparsify.snap_mean(mean, parts)
+    for part in parts:
+        returned = snapped - part  # what the reducer sends back, as hivemind computes it
+        assert len(sparsify.encode(returned)) < 1.1 * n
+        assert torch.equal(part + returned, snapped)  # every copy holds the same mean
+    # Unequal weights: the plain mean less a part needs float32 (4 bytes a value).
+    if len(set(weights)) > 1:
+        assert len(sparsify.encode(mean - parts[0])) > 3 * n
+    # Rounded to nearest on the finest grid of the block's parts: at most half a step.
+    finest = np.stack([sparsify.grid_exponents(p.numpy()) for p in parts]).min(axis=0)
+    per_block = finest.reshape(-1, sparsify.CODEC_BLOCK).min(axis=1)  # n is a multiple
+    step = torch.from_numpy(np.exp2(np.repeat(per_block, sparsify.CODEC_BLOCK)))
+    assert bool(((snapped - mean).abs() <= step / 2).all())
+    assert float((snapped - mean).abs().max()) > 0  # it did round
+
+
+def test_snapping_leaves_what_it_cannot_round_and_zeros_alone():
+    x = torch.randn(100)  # full float32 values: their grid is finer than the mean's bits
+    assert torch.equal(sparsify.snap_mean(x, [x, x]), x)
+    bad = torch.tensor([float("nan"), 1.0])
+    assert torch.equal(sparsify.snap_mean(torch.ones(2), [bad, torch.ones(2)]), torch.ones(2))
+    zeros = torch.zeros(70)  # a groupmate with no samples: its zeros are on every grid
+    (part,) = _grid_parts(70, 1)
+    assert torch.equal(sparsify.snap_mean(part, [part, zeros]), part)  # zeros of weight 0
+    assert torch.equal(sparsify.snap_mean(zeros, [zeros, zeros]), zeros)
+    e = sparsify.grid_exponents(torch.tensor([0.75, 1.0, -6.0, 0.0, 2**-140]).numpy())
+    assert e[:3].tolist() == [-2, 0, 1] and e[3] > 1000 and e[4] == -140
+
+
+def test_the_stage_averager_snaps_the_means_of_compressed_rounds_only():
+    parts, weights = _grid_parts(600, 2), [3.0, 5.0]
+    plain = robust_mean(parts, weights)
+
+    def reduced(compression) -> torch.Tensor:
+        dht = types.SimpleNamespace(client_mode=False, peer_id=PeerID(b"me"))
+        averager = StageAveragerProcess(
+            [torch.zeros(4)], dht, start=False, prefix="p", state_source=lambda: ({}, []),
+            compression=compression,
+        )  # fmt: skip
+        return averager.reduce_parts(parts, weights)
+
+    assert torch.equal(reduced(BlockCodec()), sparsify.snap_mean(plain, parts))
+    assert not torch.equal(reduced(BlockCodec()), plain)
+    assert torch.equal(reduced(NoCompression()), plain)
+
+
 @pytest.mark.parametrize(
     "tamper",
     [
         lambda d: d[:-1],  # short
         lambda d: d + b"\0",  # long
         lambda d: bytes([9]) + d[1:],  # an unknown block kind
+        lambda d: d[:5] + bytes([0x81]) + d[6:],  # block 0's exponent -127: out of range
+        lambda d: bytes([3]) + d[1:],  # block 0 said float32: the size no longer matches
         lambda d: b"",
     ],
 )
@@ -100,6 +169,21 @@ def test_the_codec_takes_a_hivemind_slot_and_refuses_a_wrong_dtype():
     wire.dtype = "float64"
     with pytest.raises(sparsify.CodecError):
         codec.extract(wire)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[float("nan"), 1.0], [float("inf"), 1.0], [0.5, 2e4]],
+)
+def test_a_part_that_decodes_to_non_finite_or_huge_values_is_refused_by_the_screen(values):
+    """The codec carries any float32 exactly (a sender may send NaN): the stage averager's
+    screen refuses such a groupmate's part as it refuses an uncompressed one."""
+    x = torch.tensor(values * 40)
+    part = sparsify.decode(sparsify.encode(x), len(x))
+    assert torch.equal(part.isnan(), x.isnan()) and torch.equal(part.nan_to_num(), x.nan_to_num())
+    assert StageAveragerProcess.check_part(None, part, 1.0) is not None  # uses no state
+    ok = sparsify.decode(sparsify.encode(sparsify.round_to_grid(x.nan_to_num(0, 0, 0))), len(x))
+    assert StageAveragerProcess.check_part(None, ok.clamp(-1, 1), 1.0) is None
 
 
 @pytest.mark.parametrize(
@@ -191,6 +275,22 @@ def test_stepping_alone_applies_everything_and_a_downloaded_state_clears_the_res
 def _state_of(s: DiLoCoStrategy) -> stage_state.StageState:
     metadata, tensors = s.capture("donor")
     return stage_state.parse(metadata, tensors, s.module, mode=s.mode)
+
+
+def test_a_joiner_downloads_the_anchor_never_the_donors_residual():
+    donor = _compressed(0.25)
+    _inner(donor, 0)
+    c = donor.begin()
+    donor.finish(c.tensors, c)
+    assert float(donor.residual.abs().sum()) > 0  # the donor holds unsent progress
+    joiner = _compressed(0.25)
+    joiner.apply_state(_state_of(donor))
+    # What travels is the anchor all copies agreed on: the joiner starts from it, with an
+    # empty residual of its own; the donor's unsent progress stays the donor's.
+    assert torch.equal(_flat(joiner.params), _flat(donor.digest_tensors()))
+    assert torch.equal(_flat(joiner.digest_tensors()), _flat(donor.digest_tensors()))
+    assert float(joiner.residual.abs().sum()) == 0
+    assert not torch.equal(_flat(joiner.params), _flat(donor.params))
 
 
 def test_two_copies_that_average_their_sparse_parts_agree_on_the_anchor():
