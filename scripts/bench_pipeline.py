@@ -22,6 +22,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -30,6 +31,7 @@ import torch
 from models.config import preset
 from models.data import load_corpus
 from models.training import train_baseline
+from node.averaging.averager import ROUND_PARTS
 from node.cli.train import open_trainer
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
@@ -90,18 +92,31 @@ async def swarm_rates(
         await trainer.p2p.shutdown()
 
 
+# The parts of an ``averaging.round`` event's time, in order (``node.events``).
+SPLIT = ("ready", *ROUND_PARTS)
+
+
 def print_rounds(nodes: list[NodeProcess], window: tuple[float, float]) -> None:
     """Each node's averaging rounds within ``window`` (wall clock): how many, the median
-    seconds from a round's trigger to its step, and the share of the window in rounds."""
+    seconds from a round's trigger to its step, the share of the window in rounds, and the
+    median of each part of a round (``SPLIT``; ``ready``: before the trigger)."""
     start, end = window
     for node in nodes:
         rounds = [e for e in node.events("averaging.round") if start <= e["t"] <= end]
         seconds = [e["seconds"] for e in rounds if e.get("seconds") is not None]
         median = statistics.median(seconds) if seconds else float("nan")
+        hows = ", ".join(f"{h}: {n}" for h, n in Counter(e["how"] for e in rounds).most_common())
         print(
-            f"  {node.name}: {len(rounds)} averaging rounds, {median:.2f} s median from "
-            f"trigger to step, {sum(seconds) / (end - start):.2f} of the time in rounds"
+            f"  {node.name}: {len(rounds)} averaging rounds ({hows}), {median:.3f} s median "
+            f"from trigger to step, {sum(seconds) / (end - start):.2f} of the time in rounds"
         )
+        parts = []
+        for part in SPLIT:
+            values = [e[f"{part}_s"] for e in rounds if e.get(f"{part}_s") is not None]
+            if values:
+                parts.append(f"{part} {statistics.median(values) * 1000:.0f}")
+        if parts:
+            print(f"    median ms: {', '.join(parts)}")
 
 
 def spread(values: list[float], digits: int = 3) -> str:

@@ -100,6 +100,33 @@ UNPROVEN_S = 60.0
 SILENT_CATCH_UPS = 2
 
 
+# The parts of a round, in order, each from the mark before it (``averaging.round`` fields):
+# the trigger's drain of open micro-batches, taking the contribution, matchmaking (every
+# attempt until the one whose group formed), the all-reduce, applying the step.
+ROUND_PARTS = ("drain", "begin", "match", "allreduce", "finish")
+
+
+class _Timeline:
+    """The marks of one round (``time.monotonic``), from its trigger."""
+
+    def __init__(self, started: float) -> None:
+        self.marks: dict[str, float] = {"trigger": started}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        self.marks[name] = time.monotonic() if at is None else at
+
+    def fields(self) -> dict[str, float]:
+        """``PART_s`` for each part of ``ROUND_PARTS`` whose end was marked, from the last
+        mark before it."""
+        fields, last = {}, self.marks["trigger"]
+        for part in ROUND_PARTS:
+            end = self.marks.get(part)
+            if end is not None:
+                fields[f"{part}_s"] = round(max(0.0, end - last), 4)
+                last = end
+        return fields
+
+
 @dataclass(frozen=True)
 class _Window:
     """Where a step's measurements start: the time, the stage server's compute seconds
@@ -144,6 +171,7 @@ class StageAverager:
         # Until then, an epoch's step waits for peers behind us (joiners) rather than
         # stepping alone: once per epoch, at most a round's timeout.
         self._patience_until = 0.0
+        self._admitted_at = 0.0  # when (DHT time) the server last admitted a micro-batch
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._publish_now = asyncio.Event()
@@ -271,6 +299,7 @@ class StageAverager:
     def progress_changed(self) -> None:
         """The server admitted a micro-batch: publish our progress now (on the event loop),
         so that our peers count it before they admit more."""
+        self._admitted_at = get_dht_time()
         self._publish_now.set()
 
     def overdue(self) -> None:
@@ -512,9 +541,13 @@ class StageAverager:
         the result (or our own contribution alone, or catch up). ``group_size``: the peers
         at our epoch, us included; a group of that size starts at once."""
         window = self._window()
+        timeline = _Timeline(window.started)
+        ready = self._ready_s()
         deadline = window.started + self.settings.round_timeout_s
         await self._drain()
+        timeline.mark("drain")
         contribution = await asyncio.to_thread(self.strategy.begin)
+        timeline.mark("begin")
         if not within_bounds(contribution.tensors):
             # The server checks every micro-batch, so this is a bug or broken hardware: drop
             # what we hold, and still take part (weight 0) to stay in step with the others.
@@ -522,16 +555,30 @@ class StageAverager:
             contribution.settled = True
             contribution = contribution.emptied()
         try:
-            await self._average_until(contribution, window, deadline, group_size)
+            await self._average_until(contribution, window, deadline, group_size, timeline, ready)
         finally:
             await asyncio.shield(asyncio.to_thread(self.strategy.give_back, contribution))
 
+    def _ready_s(self) -> float | None:
+        """About how long ago the batch that triggers a round became complete across the
+        group: since the newest of our last admission and our peers' records at our epoch
+        (their timestamps); None if we know neither."""
+        stamps = [self._admitted_at or None, self.board.published_at(self.epoch)]
+        newest = max((s for s in stamps if s is not None), default=None)
+        return None if newest is None else round(max(0.0, get_dht_time() - newest), 4)
+
     async def _average_until(
-        self, contribution: Contribution, window: _Window, deadline: float, group_size: int
+        self,
+        contribution: Contribution,
+        window: _Window,
+        deadline: float,
+        group_size: int,
+        timeline: _Timeline,
+        ready: float | None,
     ) -> None:
         started = window.started
         epoch = self.epoch
-        averaged, mates = None, {}
+        averaged, mates, attempts = None, {}, 0
         # Attempts of a few matchmaking times each, so that a peer that fell behind (its
         # groupmates went on without it) notices and catches up early.
         last_start = deadline - self.settings.matchmaking_s - 0.5
@@ -544,14 +591,19 @@ class StageAverager:
                 deadline=min(deadline, time.monotonic() + 3 * self.settings.matchmaking_s),
                 leave=lambda: self.board.ahead_of(epoch),
             )
+            attempts += 1
             self.stats.discarded += exchange.discarded
             averaged, mates = exchange.averaged, exchange.mates
+            if averaged is not None and exchange.allreduce_began is not None:
+                timeline.mark("match", exchange.allreduce_began)
+                timeline.mark("allreduce")
             if averaged is None and mates:
                 self.board.learn(mates)  # a groupmate is ahead: we catch up
             if averaged is None and not self.board.mates_left(epoch):
                 break  # our groupmates are gone (killed mid-round): no one to wait for
         if averaged is not None:
             await asyncio.to_thread(self.strategy.finish, averaged, contribution)
+            timeline.mark("finish")
             self.board.learn(dict.fromkeys(mates, self.epoch))
             self.stats.rounds += 1
             self.stats.last_group = len(mates) + 1
@@ -564,8 +616,11 @@ class StageAverager:
                 self.epoch,
             )
             self.stats.last_round_s = time.monotonic() - started
+            measured = self._measured(window) | timeline.fields() | {"attempts": attempts}
+            if ready is not None:
+                measured["ready_s"] = ready
             await self._after_epoch(
-                how="averaged", peers=len(mates) + 1, ok=True, measured=self._measured(window)
+                how="averaged", peers=len(mates) + 1, ok=True, measured=measured
             )
             return
         await self.board.refresh()
@@ -583,7 +638,8 @@ class StageAverager:
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
         self.stats.last_round_s = time.monotonic() - started
-        await self._after_epoch(how="fallback", peers=1, ok=False, measured=self._measured(window))
+        measured = self._measured(window) | timeline.fields() | {"attempts": attempts}
+        await self._after_epoch(how="fallback", peers=1, ok=False, measured=measured)
 
     async def _after_epoch(
         self,
@@ -597,6 +653,10 @@ class StageAverager:
         self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()
+        # The step is applied: the server may admit again while we announce it (the
+        # digest reads only what this task changes).
+        self._busy = False
+        self._gate_changed()
         await self._announce(how=how, peers=peers, ok=ok, measured=measured)
 
     async def _announce(
