@@ -60,6 +60,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -67,6 +68,7 @@ from dataclasses import dataclass
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.averaging.control import StepControl
 from hivemind.utils import get_dht_time
 
 from models.stages import Stage
@@ -93,6 +95,9 @@ DRAIN_S = 2.0
 # How long the progress records of peers that claimed to be ahead, but handed over no newer
 # state when asked, are ignored (``ProgressBoard.distrust``).
 UNPROVEN_S = 60.0
+# For benchmarks of the round's path only: "0" in the environment makes a round look for
+# its group after the drain, as it did before matchmaking overlapped the drain.
+EARLY_MATCH_ENV = "SWARMTRAIN_EARLY_MATCH"
 # Catch-ups in a row in which no state came at all (a timeout proves nothing: the claimant
 # may be loaded) before the progress of claimants at most ``MAX_EPOCHS_AHEAD`` ahead of us
 # is ignored; a claim further ahead, or a state that came and is not newer, is ignored at
@@ -160,6 +165,8 @@ class StageAverager:
         self.transport = transport
         self.settings = settings
         self.digests = digests  # emit parameter digests with every averaging.round event
+        # look for the round's group from its trigger on, while the drain runs
+        self.early_match = os.environ.get(EARLY_MATCH_ENV, "1") != "0"
         self.stats = strategy.stats
         self.peer_id = board.peer_id
         self.server: StageServer | None = None  # set by the server that serves this stage
@@ -544,6 +551,26 @@ class StageAverager:
         timeline = _Timeline(window.started)
         ready = self._ready_s()
         deadline = window.started + self.settings.round_timeout_s
+        scheduled = None
+        if self.early_match:
+            scheduled = self.transport.schedule(
+                epoch=self.epoch, group_size=group_size, deadline=self._attempt_end(deadline)
+            )
+        try:
+            await self._average_from(window, timeline, ready, deadline, group_size, scheduled)
+        finally:
+            if scheduled is not None and not scheduled.done():
+                scheduled.cancel()
+
+    async def _average_from(
+        self,
+        window: _Window,
+        timeline: _Timeline,
+        ready: float | None,
+        deadline: float,
+        group_size: int,
+        scheduled: StepControl | None,
+    ) -> None:
         await self._drain()
         timeline.mark("drain")
         contribution = await asyncio.to_thread(self.strategy.begin)
@@ -555,9 +582,17 @@ class StageAverager:
             contribution.settled = True
             contribution = contribution.emptied()
         try:
-            await self._average_until(contribution, window, deadline, group_size, timeline, ready)
+            await self._average_until(
+                contribution, window, deadline, group_size, timeline, ready, scheduled
+            )
         finally:
             await asyncio.shield(asyncio.to_thread(self.strategy.give_back, contribution))
+
+    def _attempt_end(self, deadline: float) -> float:
+        """The deadline of an attempt at averaging that starts now: a few matchmaking
+        times, so that a peer that fell behind (its groupmates went on without it) notices
+        and catches up early; at most the round's ``deadline``."""
+        return min(deadline, time.monotonic() + 3 * self.settings.matchmaking_s)
 
     def _ready_s(self) -> float | None:
         """About how long ago the batch that triggers a round became complete across the
@@ -575,12 +610,11 @@ class StageAverager:
         group_size: int,
         timeline: _Timeline,
         ready: float | None,
+        scheduled: StepControl | None,
     ) -> None:
         started = window.started
         epoch = self.epoch
-        averaged, mates, attempts = None, {}, 0
-        # Attempts of a few matchmaking times each, so that a peer that fell behind (its
-        # groupmates went on without it) notices and catches up early.
+        averaged, mates, attempts, early = None, {}, 0, False
         last_start = deadline - self.settings.matchmaking_s - 0.5
         while averaged is None and time.monotonic() < last_start and not self.board.ahead_of(epoch):
             exchange = await self.transport.exchange(
@@ -588,9 +622,11 @@ class StageAverager:
                 contribution.weight,
                 epoch=epoch,
                 group_size=group_size,
-                deadline=min(deadline, time.monotonic() + 3 * self.settings.matchmaking_s),
+                deadline=self._attempt_end(deadline),
                 leave=lambda: self.board.ahead_of(epoch),
+                scheduled=scheduled if attempts == 0 else None,
             )
+            early = attempts == 0 and scheduled is not None and exchange.averaged is not None
             attempts += 1
             self.stats.discarded += exchange.discarded
             averaged, mates = exchange.averaged, exchange.mates
@@ -616,7 +652,8 @@ class StageAverager:
                 self.epoch,
             )
             self.stats.last_round_s = time.monotonic() - started
-            measured = self._measured(window) | timeline.fields() | {"attempts": attempts}
+            measured = self._measured(window) | timeline.fields()
+            measured |= {"attempts": attempts, "early_match": early}
             if ready is not None:
                 measured["ready_s"] = ready
             await self._after_epoch(

@@ -214,6 +214,22 @@ class HivemindTransport:
         """Download no state from ``peer`` for ``for_s`` seconds (its state was refused)."""
         self.process.refuse_source(peer, for_s)
 
+    def schedule(self, *, epoch: int, group_size: int, deadline: float) -> StepControl:
+        """Start looking for a group of the peers at ``epoch`` now, before our contribution
+        is ready (so that matchmaking overlaps what comes before it: the drain); a group
+        that forms waits (hivemind's ``require_trigger``) until ``exchange(scheduled=)``
+        hands over the tensors, or the step's ``deadline`` (monotonic) passes. The caller
+        cancels a step it does not hand to ``exchange``."""
+        self.process.set_round(epoch, group_size)
+        return self.process.step(
+            gather=[epoch],
+            weight=0.0,
+            timeout=deadline - time.monotonic(),
+            allow_retries=False,
+            require_trigger=True,
+            wait=False,
+        )
+
     async def exchange(
         self,
         tensors: Tensors,
@@ -223,10 +239,13 @@ class HivemindTransport:
         group_size: int,
         deadline: float,
         leave: Callable[[], bool],
+        scheduled: StepControl | None = None,
     ) -> Exchange:
         """One try at averaging ``tensors`` (weighted by ``weight``) with the peers at
         ``epoch``, before ``deadline`` (monotonic). ``leave`` is polled while the group
-        forms: True (a peer got ahead of us) ends the try."""
+        forms: True (a peer got ahead of us) ends the try. ``scheduled``: a step from
+        ``schedule`` at this epoch, which this try completes (it is cancelled if the try
+        ends early)."""
         started = time.monotonic()
         timeout = deadline - started
         if self._outgoing is not None:
@@ -234,15 +253,24 @@ class HivemindTransport:
         try:
             await asyncio.to_thread(self._write, tensors, timeout)
         except TimeoutError:
+            if scheduled is not None:
+                scheduled.cancel()
             return Exchange(None)
-        self.process.set_round(epoch, group_size)
-        control = self.process.step(
-            gather=[epoch, weight],
-            weight=float(weight),
-            timeout=timeout,
-            allow_retries=False,
-            wait=False,
-        )
+        if scheduled is None or scheduled.done():
+            if scheduled is not None:
+                started = time.monotonic()  # the scheduled step failed: a new one
+            self.process.set_round(epoch, group_size)
+            control = self.process.step(
+                gather=[epoch],
+                weight=float(weight),
+                timeout=timeout,
+                allow_retries=False,
+                wait=False,
+            )
+        else:
+            control = scheduled
+            control.weight = float(weight)
+            control.allow_allreduce()
         try:
             gathered = await self._wait(
                 control, timeout + self.settings.allreduce_timeout_s + 5.0, leave
