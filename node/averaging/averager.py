@@ -121,14 +121,14 @@ class _Timeline:
         self.marks[name] = time.monotonic() if at is None else at
 
     def fields(self) -> dict[str, float]:
-        """``PART_s`` for each part of ``ROUND_PARTS`` whose end was marked, from the last
-        mark before it."""
+        """``PART_s`` for each part of ``ROUND_PARTS`` whose end was marked, from the latest
+        mark before it (0 for an end marked before that)."""
         fields, last = {}, self.marks["trigger"]
         for part in ROUND_PARTS:
             end = self.marks.get(part)
             if end is not None:
                 fields[f"{part}_s"] = round(max(0.0, end - last), 4)
-                last = end
+                last = max(last, end)
         return fields
 
 
