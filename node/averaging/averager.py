@@ -305,9 +305,11 @@ class StageAverager:
 
     def progress_changed(self) -> None:
         """The server admitted a micro-batch: publish our progress now (on the event loop),
-        so that our peers count it before they admit more."""
+        so that our peers count it before they admit more, and see whether it completes
+        the batch (a round then starts at once, not after our next read)."""
         self._admitted_at = get_dht_time()
         self._publish_now.set()
+        self._wake.set()  # our samples may complete the batch: no need to wait for a read
 
     def overdue(self) -> None:
         """The server admitted a micro-batch it held for the longest it holds one
@@ -675,7 +677,8 @@ class StageAverager:
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
         self.stats.last_round_s = time.monotonic() - started
-        measured = self._measured(window) | timeline.fields() | {"attempts": attempts}
+        measured = self._measured(window) | timeline.fields()
+        measured |= {"attempts": attempts, "early_match": early}
         await self._after_epoch(how="fallback", peers=1, ok=False, measured=measured)
 
     async def _after_epoch(
