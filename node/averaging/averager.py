@@ -43,8 +43,16 @@ the round is overdue and overlapped from then on (``protocol.averaging.OuterRoun
 step keeps them, so a long round (a slow link, a loaded machine, a fallback at its
 timeout) does not cut the pipeline down to one micro-batch per hold.
 
+Matchmaking. A round looks for its group from its trigger on (``transport.schedule``),
+while it waits for the backwards of the micro-batches it admitted: at stage 0 that wait
+is a whole trip through the later stages, and hivemind's matchmaking (DHT declarations and
+reads) fits in it. The group that forms waits for our tensors, which the first attempt
+hands over once they are taken; a later attempt matches afresh. ``EARLY_MATCH_ENV`` "0"
+matches after the wait, as before (for benchmarks that compare the two).
+
 Events. After every epoch it reaches, and after a round that failed without a step, the
-averager emits ``averaging.round`` (``node.events``); with digests on
+averager emits ``averaging.round`` (``node.events``), a timed round with its parts
+(``ROUND_PARTS``); with digests on
 (``digests.digests_wanted``) the event carries a digest of the tensors the copies agreed
 on, which ``digests.compare_copies`` compares across peers.
 
