@@ -55,7 +55,16 @@ fields:
   idle time in the round; absent without a server) and, in DiLoCo, ``inner_steps`` (the
   copy's inner steps meanwhile: without ``AveragingSpec.overlap``, at most the one that
   waited for the round, unless the round held a micro-batch for ``HOLD_S`` and went on
-  overlapped); ``digest`` (``hash``: 8 hex
+  overlapped); for ``"averaged"`` and ``"fallback"``, the parts of ``seconds`` in order
+  (``node.averaging.averager.ROUND_PARTS``), each present once its end was reached:
+  ``drain_s`` (waiting for the backwards of the micro-batches admitted at the epoch),
+  ``begin_s`` (taking the contribution), ``match_s`` (until the all-reduce of the attempt
+  that averaged began: the group had formed), ``allreduce_s``, ``finish_s`` (applying the
+  step), with ``attempts`` (tries at averaging) and ``early_match`` (true: the group
+  formed in the matchmaking started at the trigger, while the drain ran); for
+  ``"averaged"`` also ``ready_s`` (about how long the batch had been complete across the
+  group when the round was triggered: since the newest of this peer's last admission and
+  its groupmates' progress records); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means

@@ -12,16 +12,28 @@ stream per call), alternating in one swarm so that both see the same machine; it
 each way's median [range] and their ratio round by round. The baseline runs
 ``--baselines`` times before the swarm starts.
 
+With ``--rounds`` it compares the two paths of an averaging round instead: matchmaking
+from the round's trigger on, overlapping the drain (``early``, the nodes' default), or
+after it (``late``; ``node.averaging.averager.EARLY_MATCH_ENV``). ``--swarms`` swarms per
+path start and stop in ABBA order; it prints each path's samples/s, swarm / one process,
+and each stage's round split (median ms of ``ready``, before the trigger; ``drain``,
+``begin``, ``match``, ``allreduce``, ``finish``, from the trigger to the step; ``idle``:
+the time in rounds in which the stage served nothing). The rounds' split is also printed
+per node in the default mode.
+
     python -m scripts.bench_pipeline --preset tiny --micro-batches 100 --repeats 5
+    python -m scripts.bench_pipeline --preset tiny --micro-batches 100 --repeats 1 --rounds
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -30,6 +42,7 @@ import torch
 from models.config import preset
 from models.data import load_corpus
 from models.training import train_baseline
+from node.averaging.averager import EARLY_MATCH_ENV, ROUND_PARTS
 from node.cli.train import open_trainer
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
@@ -90,18 +103,114 @@ async def swarm_rates(
         await trainer.p2p.shutdown()
 
 
-def print_rounds(nodes: list[NodeProcess], window: tuple[float, float]) -> None:
-    """Each node's averaging rounds within ``window`` (wall clock): how many, the median
-    seconds from a round's trigger to its step, and the share of the window in rounds."""
+# The parts of an ``averaging.round`` event's time, in order (``node.events``): ``ready``
+# comes before the trigger, the others from the trigger to the step; ``idle`` overlaps them.
+SPLIT = ("ready", *ROUND_PARTS, "idle")
+# How a round looks for its group (``node.averaging.averager.EARLY_MATCH_ENV``): from its
+# trigger on, while the drain runs (the default), or after the drain.
+PATHS = {"early": "1", "late": "0"}
+
+
+def round_events(nodes: list[NodeProcess], window: tuple[float, float]) -> dict[str, list[dict]]:
+    """Each node's ``averaging.round`` events within ``window`` (wall clock)."""
     start, end = window
-    for node in nodes:
-        rounds = [e for e in node.events("averaging.round") if start <= e["t"] <= end]
-        seconds = [e["seconds"] for e in rounds if e.get("seconds") is not None]
+    return {
+        node.name: [e for e in node.events("averaging.round") if start <= e["t"] <= end]
+        for node in nodes
+    }
+
+
+def split_line(rounds: list[dict]) -> str:
+    """The median milliseconds of each part of ``SPLIT`` in ``rounds``."""
+    parts = []
+    for part in SPLIT:
+        values = [e[f"{part}_s"] for e in rounds if e.get(f"{part}_s") is not None]
+        if values:
+            parts.append(f"{part} {statistics.median(values) * 1000:.0f}")
+    return ", ".join(parts)
+
+
+def print_rounds(rounds: dict[str, list[dict]], window: tuple[float, float]) -> None:
+    """Each node's averaging rounds: how many (by ``how``), the median seconds from a
+    round's trigger to its step, the share of ``window`` in rounds, and the median of each
+    part of a round (``SPLIT``)."""
+    start, end = window
+    for name, events in rounds.items():
+        seconds = [e["seconds"] for e in events if e.get("seconds") is not None]
         median = statistics.median(seconds) if seconds else float("nan")
+        hows = ", ".join(f"{h}: {n}" for h, n in Counter(e["how"] for e in events).most_common())
         print(
-            f"  {node.name}: {len(rounds)} averaging rounds, {median:.2f} s median from "
-            f"trigger to step, {sum(seconds) / (end - start):.2f} of the time in rounds"
+            f"  {name}: {len(events)} averaging rounds ({hows}), {median:.3f} s median "
+            f"from trigger to step, {sum(seconds) / (end - start):.2f} of the time in rounds"
         )
+        print(f"    median ms: {split_line(events)}")
+
+
+def run_swarm(
+    args: argparse.Namespace, ways: tuple[str, ...], path: str | None = None
+) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[dict]], tuple[float, float]]:
+    """Start the swarm (its rounds on ``path`` of ``PATHS``; None: the nodes' default),
+    measure ``swarm_rates`` and stop it: the rates, each node's rounds, and their window."""
+    nodes, dht = [], None
+    saved = os.environ.get(EARLY_MATCH_ENV)
+    if path is not None:
+        os.environ[EARLY_MATCH_ENV] = PATHS[path]  # the nodes inherit it
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for i in range(args.stages * args.peers):
+                stage = i % args.stages
+                extra = ["--stage", str(stage), "--preset", args.preset,
+                         "--stages", str(args.stages)]  # fmt: skip
+                peers = [nodes[0].maddr] if nodes else []
+                run = nodes[0].run_id if nodes else "bench"
+                nodes.append(launch_node(Path(tmp), f"p{i}", run, initial_peers=peers,
+                                         extra=extra))  # fmt: skip
+            for n in nodes:
+                n.wait_serving(120)
+            dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
+                                 host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
+            rates, window = asyncio.run(
+                swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats, ways)
+            )
+            return rates, round_events(nodes, window), window
+        finally:
+            if dht is not None:
+                dht.shutdown()
+            stop_all(nodes)
+            if saved is None:
+                os.environ.pop(EARLY_MATCH_ENV, None)
+            else:
+                os.environ[EARLY_MATCH_ENV] = saved
+
+
+def compare_paths(args: argparse.Namespace, base: float | None) -> None:
+    """``--swarms`` swarms per round path, in ABBA order (a drift favours neither), each
+    measured with reused streams; prints each path's samples/s, its ratio to ``base``, and
+    the round split of each stage (medians over its peers' rounds)."""
+    order = [p for i in range(args.swarms) for p in (("early", "late"), ("late", "early"))[i % 2]]
+    rates: dict[str, list[float]] = {p: [] for p in PATHS}
+    rounds: dict[str, dict[int, list[dict]]] = {p: {} for p in PATHS}
+    for path in order:
+        measured, events, window = run_swarm(args, ("reused",), path)
+        rate = statistics.median(r for r, _ in measured["reused"])
+        rates[path].append(rate)
+        print(f"{path:5s} swarm: {rate:.1f} samples/s  load average: "
+              f"{psutil.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        print_rounds(events, window)
+        for k, name in enumerate(sorted(events, key=lambda n: int(n[1:]))):
+            rounds[path].setdefault(k % args.stages, []).extend(events[name])
+    print(f"round paths, {args.swarms} swarms each (ABBA), reused streams:")
+    for path in PATHS:
+        line = f"  {path:5s}: {spread(rates[path], 1)} samples/s"
+        if base is not None:
+            line += f", swarm / one process {spread([r / base for r in rates[path]])}"
+        print(line)
+        for stage, events in sorted(rounds[path].items()):
+            seconds = [e["seconds"] for e in events if e.get("seconds") is not None]
+            median = statistics.median(seconds) * 1000 if seconds else float("nan")
+            print(f"    stage {stage}: trigger to step {median:.0f} ms; {split_line(events)}")
+    paired = [e / lt for e, lt in zip(rates["early"], rates["late"], strict=True)]
+    print(f"  ratio early / late, swarm by swarm pair: {spread(paired)}")
 
 
 def spread(values: list[float], digits: int = 3) -> str:
@@ -121,6 +230,10 @@ def main() -> None:
     p.add_argument("--in-flight", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5, help="rounds of each way of calling")
     p.add_argument("--baselines", type=int, default=1, help="runs of the baseline (0: none)")
+    p.add_argument("--rounds", action="store_true",
+                   help="compare the round paths (early and late matchmaking) instead of the "
+                        "ways of calling")  # fmt: skip
+    p.add_argument("--swarms", type=int, default=2, help="with --rounds: swarms per path")
     args = p.parse_args()
 
     corpus = load_corpus()
@@ -132,32 +245,14 @@ def main() -> None:
     bases = [baseline_rate(args.preset, args.micro_batches, corpus) for _ in range(args.baselines)]
     if bases:
         print(f"baseline (one process):         {spread(bases, 1)} samples/s", flush=True)
-
-    nodes, dht = [], None
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            for i in range(args.stages * args.peers):
-                stage = i % args.stages
-                extra = ["--stage", str(stage), "--preset", args.preset,
-                         "--stages", str(args.stages)]  # fmt: skip
-                peers = [nodes[0].maddr] if nodes else []
-                run = nodes[0].run_id if nodes else "bench"
-                nodes.append(launch_node(Path(tmp), f"p{i}", run, initial_peers=peers,
-                                         extra=extra))  # fmt: skip
-            for n in nodes:
-                n.wait_serving(120)
-            dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
-                                 host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
-            rates, window = asyncio.run(
-                swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats)
-            )
-            print_rounds(nodes, window)
-        finally:
-            if dht is not None:
-                dht.shutdown()
-            stop_all(nodes)
-
     base = statistics.median(bases) if bases else None
+    if args.rounds:
+        compare_paths(args, base)
+        print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
+        return
+
+    rates, rounds, window = run_swarm(args, WAYS)
+    print_rounds(rounds, window)
     needed = 2 * (args.stages - 1) * model.block_size * model.n_embd * 4  # fwd + bwd, float32
     print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
     for way in WAYS:

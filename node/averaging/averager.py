@@ -43,8 +43,16 @@ the round is overdue and overlapped from then on (``protocol.averaging.OuterRoun
 step keeps them, so a long round (a slow link, a loaded machine, a fallback at its
 timeout) does not cut the pipeline down to one micro-batch per hold.
 
+Matchmaking. A round looks for its group from its trigger on (``transport.schedule``),
+while it waits for the backwards of the micro-batches it admitted: at stage 0 that wait
+is a whole trip through the later stages, and hivemind's matchmaking (DHT declarations and
+reads) fits in it. The group that forms waits for our tensors, which the first attempt
+hands over once they are taken; a later attempt matches afresh. ``EARLY_MATCH_ENV`` "0"
+matches after the wait, as before (for benchmarks that compare the two).
+
 Events. After every epoch it reaches, and after a round that failed without a step, the
-averager emits ``averaging.round`` (``node.events``); with digests on
+averager emits ``averaging.round`` (``node.events``), a timed round with its parts
+(``ROUND_PARTS``); with digests on
 (``digests.digests_wanted``) the event carries a digest of the tensors the copies agreed
 on, which ``digests.compare_copies`` compares across peers.
 
@@ -60,6 +68,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -67,6 +76,7 @@ from dataclasses import dataclass
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.averaging.control import StepControl
 from hivemind.utils import get_dht_time
 
 from models.stages import Stage
@@ -93,11 +103,41 @@ DRAIN_S = 2.0
 # How long the progress records of peers that claimed to be ahead, but handed over no newer
 # state when asked, are ignored (``ProgressBoard.distrust``).
 UNPROVEN_S = 60.0
+# For benchmarks of the round's path only: "0" in the environment makes a round look for
+# its group after the drain, as it did before matchmaking overlapped the drain.
+EARLY_MATCH_ENV = "SWARMTRAIN_EARLY_MATCH"
 # Catch-ups in a row in which no state came at all (a timeout proves nothing: the claimant
 # may be loaded) before the progress of claimants at most ``MAX_EPOCHS_AHEAD`` ahead of us
 # is ignored; a claim further ahead, or a state that came and is not newer, is ignored at
 # once.
 SILENT_CATCH_UPS = 2
+
+
+# The parts of a round, in order, each from the mark before it (``averaging.round`` fields):
+# the trigger's drain of open micro-batches, taking the contribution, matchmaking (every
+# attempt until the one whose group formed), the all-reduce, applying the step.
+ROUND_PARTS = ("drain", "begin", "match", "allreduce", "finish")
+
+
+class _Timeline:
+    """The marks of one round (``time.monotonic``), from its trigger."""
+
+    def __init__(self, started: float) -> None:
+        self.marks: dict[str, float] = {"trigger": started}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        self.marks[name] = time.monotonic() if at is None else at
+
+    def fields(self) -> dict[str, float]:
+        """``PART_s`` for each part of ``ROUND_PARTS`` whose end was marked, from the latest
+        mark before it (0 for an end marked before that)."""
+        fields, last = {}, self.marks["trigger"]
+        for part in ROUND_PARTS:
+            end = self.marks.get(part)
+            if end is not None:
+                fields[f"{part}_s"] = round(max(0.0, end - last), 4)
+                last = max(last, end)
+        return fields
 
 
 @dataclass(frozen=True)
@@ -133,6 +173,8 @@ class StageAverager:
         self.transport = transport
         self.settings = settings
         self.digests = digests  # emit parameter digests with every averaging.round event
+        # look for the round's group from its trigger on, while the drain runs
+        self.early_match = os.environ.get(EARLY_MATCH_ENV, "1") != "0"
         self.stats = strategy.stats
         self.peer_id = board.peer_id
         self.server: StageServer | None = None  # set by the server that serves this stage
@@ -144,6 +186,7 @@ class StageAverager:
         # Until then, an epoch's step waits for peers behind us (joiners) rather than
         # stepping alone: once per epoch, at most a round's timeout.
         self._patience_until = 0.0
+        self._admitted_at = 0.0  # when (DHT time) the server last admitted a micro-batch
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._publish_now = asyncio.Event()
@@ -270,8 +313,11 @@ class StageAverager:
 
     def progress_changed(self) -> None:
         """The server admitted a micro-batch: publish our progress now (on the event loop),
-        so that our peers count it before they admit more."""
+        so that our peers count it before they admit more, and see whether it completes
+        the batch (a round then starts at once, not after our next read)."""
+        self._admitted_at = get_dht_time()
         self._publish_now.set()
+        self._wake.set()  # our samples may complete the batch: no need to wait for a read
 
     def overdue(self) -> None:
         """The server admitted a micro-batch it held for the longest it holds one
@@ -512,9 +558,33 @@ class StageAverager:
         the result (or our own contribution alone, or catch up). ``group_size``: the peers
         at our epoch, us included; a group of that size starts at once."""
         window = self._window()
+        timeline = _Timeline(window.started)
+        ready = self._ready_s()
         deadline = window.started + self.settings.round_timeout_s
+        scheduled = None
+        if self.early_match:
+            scheduled = self.transport.schedule(
+                epoch=self.epoch, group_size=group_size, deadline=self._attempt_end(deadline)
+            )
+        try:
+            await self._average_from(window, timeline, ready, deadline, group_size, scheduled)
+        finally:
+            if scheduled is not None and not scheduled.done():
+                scheduled.cancel()
+
+    async def _average_from(
+        self,
+        window: _Window,
+        timeline: _Timeline,
+        ready: float | None,
+        deadline: float,
+        group_size: int,
+        scheduled: StepControl | None,
+    ) -> None:
         await self._drain()
+        timeline.mark("drain")
         contribution = await asyncio.to_thread(self.strategy.begin)
+        timeline.mark("begin")
         if not within_bounds(contribution.tensors):
             # The server checks every micro-batch, so this is a bug or broken hardware: drop
             # what we hold, and still take part (weight 0) to stay in step with the others.
@@ -522,18 +592,39 @@ class StageAverager:
             contribution.settled = True
             contribution = contribution.emptied()
         try:
-            await self._average_until(contribution, window, deadline, group_size)
+            await self._average_until(
+                contribution, window, deadline, group_size, timeline, ready, scheduled
+            )
         finally:
             await asyncio.shield(asyncio.to_thread(self.strategy.give_back, contribution))
 
+    def _attempt_end(self, deadline: float) -> float:
+        """The deadline of an attempt at averaging that starts now: a few matchmaking
+        times, so that a peer that fell behind (its groupmates went on without it) notices
+        and catches up early; at most the round's ``deadline``."""
+        return min(deadline, time.monotonic() + 3 * self.settings.matchmaking_s)
+
+    def _ready_s(self) -> float | None:
+        """About how long ago the batch that triggers a round became complete across the
+        group: since the newest of our last admission and our peers' records at our epoch
+        (their timestamps); None if we know neither."""
+        stamps = [self._admitted_at or None, self.board.published_at(self.epoch)]
+        newest = max((s for s in stamps if s is not None), default=None)
+        return None if newest is None else round(max(0.0, get_dht_time() - newest), 4)
+
     async def _average_until(
-        self, contribution: Contribution, window: _Window, deadline: float, group_size: int
+        self,
+        contribution: Contribution,
+        window: _Window,
+        deadline: float,
+        group_size: int,
+        timeline: _Timeline,
+        ready: float | None,
+        scheduled: StepControl | None,
     ) -> None:
         started = window.started
         epoch = self.epoch
-        averaged, mates = None, {}
-        # Attempts of a few matchmaking times each, so that a peer that fell behind (its
-        # groupmates went on without it) notices and catches up early.
+        averaged, mates, attempts, early = None, {}, 0, False
         last_start = deadline - self.settings.matchmaking_s - 0.5
         while averaged is None and time.monotonic() < last_start and not self.board.ahead_of(epoch):
             exchange = await self.transport.exchange(
@@ -541,17 +632,24 @@ class StageAverager:
                 contribution.weight,
                 epoch=epoch,
                 group_size=group_size,
-                deadline=min(deadline, time.monotonic() + 3 * self.settings.matchmaking_s),
+                deadline=self._attempt_end(deadline),
                 leave=lambda: self.board.ahead_of(epoch),
+                scheduled=scheduled if attempts == 0 else None,
             )
+            early = attempts == 0 and scheduled is not None and exchange.averaged is not None
+            attempts += 1
             self.stats.discarded += exchange.discarded
             averaged, mates = exchange.averaged, exchange.mates
+            if averaged is not None and exchange.allreduce_began is not None:
+                timeline.mark("match", exchange.allreduce_began)
+                timeline.mark("allreduce")
             if averaged is None and mates:
                 self.board.learn(mates)  # a groupmate is ahead: we catch up
             if averaged is None and not self.board.mates_left(epoch):
                 break  # our groupmates are gone (killed mid-round): no one to wait for
         if averaged is not None:
             await asyncio.to_thread(self.strategy.finish, averaged, contribution)
+            timeline.mark("finish")
             self.board.learn(dict.fromkeys(mates, self.epoch))
             self.stats.rounds += 1
             self.stats.last_group = len(mates) + 1
@@ -564,8 +662,12 @@ class StageAverager:
                 self.epoch,
             )
             self.stats.last_round_s = time.monotonic() - started
+            measured = self._measured(window) | timeline.fields()
+            measured |= {"attempts": attempts, "early_match": early}
+            if ready is not None:
+                measured["ready_s"] = ready
             await self._after_epoch(
-                how="averaged", peers=len(mates) + 1, ok=True, measured=self._measured(window)
+                how="averaged", peers=len(mates) + 1, ok=True, measured=measured
             )
             return
         await self.board.refresh()
@@ -583,7 +685,9 @@ class StageAverager:
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
         self.stats.last_round_s = time.monotonic() - started
-        await self._after_epoch(how="fallback", peers=1, ok=False, measured=self._measured(window))
+        measured = self._measured(window) | timeline.fields()
+        measured |= {"attempts": attempts, "early_match": early}
+        await self._after_epoch(how="fallback", peers=1, ok=False, measured=measured)
 
     async def _after_epoch(
         self,
@@ -597,6 +701,10 @@ class StageAverager:
         self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()
+        # The step is applied: the server may admit again while we announce it (the
+        # digest reads only what this task changes).
+        self._busy = False
+        self._gate_changed()
         await self._announce(how=how, peers=peers, ok=ok, measured=measured)
 
     async def _announce(

@@ -28,7 +28,7 @@ from hivemind.utils import get_dht_time
 
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import Action, decide
-from protocol.progress import Progress, decode_progress, encode_progress, progress_key
+from protocol.progress import Progress, decode_progress_record, encode_progress, progress_key
 from protocol.records import MAX_RECORD_AGE_S, RecordError
 from protocol.run_spec import RunSpec
 
@@ -120,6 +120,7 @@ class ProgressBoard:
         self._in_run: set[str] = set()  # peers with a valid peer record, as last read
         self._in_run_read = -math.inf  # when (clock)
         self._cadence = ReadCadence()
+        self._stamps: dict[str, float] = {}  # peer -> its last record's timestamp (DHT time)
 
     @property
     def can_publish(self) -> bool:
@@ -170,11 +171,15 @@ class ProgressBoard:
         result, now = [], get_dht_time()
         for subkey, item in list(found.value.items())[:MAX_PEER_RECORDS]:
             try:
-                record = decode_progress(item.value, subkey=subkey, run=self.spec.run, now=now)
+                signed = decode_progress_record(
+                    item.value, subkey=subkey, run=self.spec.run, now=now
+                )
             except RecordError as e:
                 logger.warning("%s: dropped a progress record: %s", self._name, e)
                 continue
+            record = Progress(signed.peer_id, signed.epoch, signed.samples)
             if record.peer_id != self.peer_id:
+                self._stamps[record.peer_id] = signed.timestamp
                 result.append(record)
                 expires = self._expires.get(record.peer_id, -math.inf)
                 self._expires[record.peer_id] = max(expires, item.expiration_time)
@@ -218,6 +223,13 @@ class ProgressBoard:
             self._known[peer] = known
             view.append(record if record.epoch == known else Progress(peer, known, 0))
         return view
+
+    def published_at(self, epoch: int) -> float | None:
+        """When (DHT time, as the peers stamped them) the newest record of the peers in the
+        view at ``epoch`` was published; None if none is."""
+        at = [p.peer_id for p in self.view() if p.epoch == epoch]
+        stamps = [self._stamps[peer] for peer in at if peer in self._stamps]
+        return max(stamps, default=None)
 
     def learn(self, epochs: Mapping[str, int]) -> None:
         """Peers we know reached an epoch (groupmates, donors), whether or not our reads of

@@ -115,6 +115,8 @@ class Exchange:
     averaged: Tensors | None  # the result; None: the attempt gave none
     mates: dict[str, int] = field(default_factory=dict)  # groupmates' epochs, as they said
     discarded: bool = False  # a result came (or the step failed) and was thrown away
+    # When its all-reduce began (``time.monotonic``; its group had formed); None: it did not.
+    allreduce_began: float | None = None
 
 
 class HivemindTransport:
@@ -218,6 +220,22 @@ class HivemindTransport:
         """Download no state from ``peer`` for ``for_s`` seconds (its state was refused)."""
         self.process.refuse_source(peer, for_s)
 
+    def schedule(self, *, epoch: int, group_size: int, deadline: float) -> StepControl:
+        """Start looking for a group of the peers at ``epoch`` now, before our contribution
+        is ready (so that matchmaking overlaps what comes before it: the drain); a group
+        that forms waits (hivemind's ``require_trigger``) until ``exchange(scheduled=)``
+        hands over the tensors, or the step's ``deadline`` (monotonic) passes. The caller
+        cancels a step it does not hand to ``exchange``."""
+        self.process.set_round(epoch, group_size)
+        return self.process.step(
+            gather=[epoch],
+            weight=0.0,
+            timeout=deadline - time.monotonic(),
+            allow_retries=False,
+            require_trigger=True,
+            wait=False,
+        )
+
     async def exchange(
         self,
         tensors: Tensors,
@@ -227,25 +245,38 @@ class HivemindTransport:
         group_size: int,
         deadline: float,
         leave: Callable[[], bool],
+        scheduled: StepControl | None = None,
     ) -> Exchange:
         """One try at averaging ``tensors`` (weighted by ``weight``) with the peers at
         ``epoch``, before ``deadline`` (monotonic). ``leave`` is polled while the group
-        forms: True (a peer got ahead of us) ends the try."""
-        timeout = deadline - time.monotonic()
+        forms: True (a peer got ahead of us) ends the try. ``scheduled``: a step from
+        ``schedule`` at this epoch, which this try completes (it is cancelled if the try
+        ends early)."""
+        started = time.monotonic()
+        timeout = deadline - started
         if self._outgoing is not None:
             tensors = self._outgoing(tensors)
         try:
             await asyncio.to_thread(self._write, tensors, timeout)
         except TimeoutError:
+            if scheduled is not None:
+                scheduled.cancel()
             return Exchange(None)
-        self.process.set_round(epoch, group_size)
-        control = self.process.step(
-            gather=[epoch, weight],
-            weight=float(weight),
-            timeout=timeout,
-            allow_retries=False,
-            wait=False,
-        )
+        if scheduled is None or scheduled.done():
+            if scheduled is not None:
+                started = time.monotonic()  # the scheduled step failed: a new one
+            self.process.set_round(epoch, group_size)
+            control = self.process.step(
+                gather=[epoch],
+                weight=float(weight),
+                timeout=timeout,
+                allow_retries=False,
+                wait=False,
+            )
+        else:
+            control = scheduled
+            control.weight = float(weight)
+            control.allow_allreduce()
         try:
             gathered = await self._wait(
                 control, timeout + self.settings.allreduce_timeout_s + 5.0, leave
@@ -256,24 +287,26 @@ class HivemindTransport:
         except Exception as e:
             logger.info("%s: averaging attempt failed: %r", self._name, e)
             return Exchange(None, discarded=True)
+        began = self.process.allreduce_began
+        began = began if began >= started else None
         if not isinstance(gathered, dict) or len(gathered) < 2:
-            return Exchange(None)
+            return Exchange(None, allreduce_began=began)
         mates = {}
         for peer, data in gathered.items():
             their = data[0] if isinstance(data, list | tuple) and data else None
             if not isinstance(their, int) or isinstance(their, bool):
-                return Exchange(None, discarded=True)
+                return Exchange(None, discarded=True, allreduce_began=began)
             if peer.to_base58() != self.peer_id:
                 mates[peer.to_base58()] = their
         if any(e > epoch for e in mates.values()):
             # A groupmate is ahead of us: the result is theirs to apply; we catch up.
-            return Exchange(None, mates, discarded=True)
+            return Exchange(None, mates, discarded=True, allreduce_began=began)
         averaged = await asyncio.to_thread(self._read, timeout)
         if averaged is None or not within_bounds(averaged):
             # An average of in-range values is in range: this one has a faulty groupmate's.
             logger.warning("%s: discarded a non-finite or out-of-range result", self._name)
-            return Exchange(None, discarded=True)
-        return Exchange(averaged, mates)
+            return Exchange(None, discarded=True, allreduce_began=began)
+        return Exchange(averaged, mates, allreduce_began=began)
 
     async def _wait(self, control: StepControl, timeout: float, leave: Callable[[], bool]):
         """The step's gathered data. While it still looks for a group, leave (``_Left``) as

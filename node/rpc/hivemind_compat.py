@@ -65,7 +65,8 @@ What is patched or overridden, and why:
   :class:`ScreenedReducer`, an auxiliary role fails, and a round in which some part came
   back un-averaged (``TensorPartContainer.failed_size``: a groupmate died or timed out while
   reducing it) fails instead of returning a half-averaged result: hivemind fills such
-  parts with the local values, and two survivors would then hold different results.
+  parts with the local values, and two survivors would then hold different results. It
+  also notes when it began (``AveragerCompat.allreduce_began``: where matchmaking ended).
 - ``AllReduceRunner.tensor_part_reducer`` (replaced) and ``TensorPartReducer.accumulator``
   (:class:`ScreenedReducer`): a groupmate's part that ``check_part`` refuses is refused
   (``rpc_aggregate_part`` then drops that sender from the rest of the reducer's parts), and
@@ -93,6 +94,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import time
 from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from pathlib import Path
 
@@ -425,6 +428,18 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
     ``reduce_parts``, ``check_returned`` and ``split_shares`` (which run in the averager's
     process); the defaults behave as hivemind."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        # Shared with the forked process, which writes it (``allreduce_began``).
+        self._allreduce_began = multiprocessing.Value("d", 0.0, lock=False)
+        super().__init__(*args, **kwargs)
+
+    @property
+    def allreduce_began(self) -> float:
+        """When the latest all-reduce of this averager began (its group was formed), in
+        ``time.monotonic`` seconds (one clock for every process of the machine); 0 before
+        the first. Read from any process."""
+        return self._allreduce_began.value
+
     async def admits(self, peer: PeerID) -> bool:
         """Whether to join, aggregate and share state with ``peer``."""
         return True
@@ -562,6 +577,7 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         group_id: bytes | None = None,
         **kwargs,
     ) -> None:
+        self._allreduce_began.value = time.monotonic()
         group_id = group_info.group_id if group_id is None else group_id
         for peer in group_info.peer_ids:
             if not await self.admits(peer):

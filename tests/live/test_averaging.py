@@ -31,7 +31,7 @@ from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
 from models.training import StageOptimizer, evaluate
 from node import events, limits
-from node.averaging.averager import AveragedStageServer
+from node.averaging.averager import ROUND_PARTS, AveragedStageServer
 from node.averaging.digests import EQUAL_DISTANCE, ParamDigest
 from node.averaging.process import StageAveragerProcess
 from node.events import read_events
@@ -218,12 +218,19 @@ async def _serve(
 def test_stage_servers_average_through_their_hook(dhts):
     """``AveragedStageServer``: micro-batches served over P2P (a last-stage train call) reach
     the averager through the server's compute thread and lock; the two servers' stages then
-    hold the same parameters, the step a single process takes on all the micro-batches."""
+    hold the same parameters, the step a single process takes on all the micro-batches.
+    The first round looks for its group from its trigger on (``early_match``, the
+    default), the second after its drain; the ``averaging.round`` events say which, and
+    time each part of the round."""
     spec = make_spec("avg-server")
     peers = [Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2]]
     contract = StageContract.for_stage(CFG, spec.stage_range(STAGE), STAGE)
     servers: list[AveragedStageServer] = []
     client = None
+    rounds: list[dict] = []
+    stop_listening = events.listen(
+        lambda e: rounds.append(e) if e["event"] == "averaging.round" else None
+    )
 
     async def body():
         nonlocal client
@@ -231,18 +238,41 @@ def test_stage_servers_average_through_their_hook(dhts):
             await _serve(peers, contract, spec.run, servers)
             maddrs = [m for peer in peers for m in peer.dht.visible_maddrs()]
             client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+
+            async def train(seeds: dict[int, list[int]]) -> None:
+                for k, server in enumerate(servers):
+                    for seed in seeds[k]:
+                        x, y = batch(seed)
+                        await stage_client.loss(
+                            client, server.peer_id, x, y, run_id=spec.run, stage=STAGE, train=True
+                        )
+
             seeds = {0: [1, 2, 3], 1: [4]}  # 12 + 4 samples: the target only together
-            for k, server in enumerate(servers):
-                for seed in seeds[k]:
-                    x, y = batch(seed)
-                    await stage_client.loss(
-                        client, server.peer_id, x, y, run_id=spec.run, stage=STAGE, train=True
-                    )
+            await train(seeds)
             await _until(lambda: _at_epoch(1, *peers), 15, "one round")
             assert servers[0].counters.steps == servers[1].counters.steps == 1
             assert _close(peers[0].params(), peers[1].params())
             assert _close(peers[0].params(), _reference(seeds[0], seeds[1]))
+
+            for peer in peers:  # as SWARMTRAIN_EARLY_MATCH=0 sets it
+                peer.averager.early_match = False
+            await train({0: [5], 1: [6, 7, 8]})
+            await _until(lambda: _at_epoch(2, *peers), 15, "a second round")
+            assert _close(peers[0].params(), peers[1].params())
+
+            averaged = [e for e in rounds if e["how"] == "averaged"]
+            assert [(e["epoch"], e["early_match"]) for e in averaged] == [
+                (1, True),
+                (1, True),
+                (2, False),
+                (2, False),
+            ], averaged
+            for e in averaged:
+                parts = [e[f"{part}_s"] for part in ROUND_PARTS]
+                assert e["attempts"] == 1 and e["ready_s"] >= 0 and min(parts) >= 0, e
+                assert sum(parts) <= e["seconds"] + 0.01, e  # they add up to trigger -> step
         finally:
+            stop_listening()
             await stop_serving(servers, client, peers)
 
     _run(body())
@@ -280,6 +310,10 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
     survivor = Peer(SwarmDHT(dhts[0], spec.run), spec)
     maddr = SwarmDHT(dhts[0], spec.run).visible_maddrs()[0]
     victim = None
+    rounds: list[dict] = []
+    stop_listening = events.listen(
+        lambda e: rounds.append(e) if e["event"] == "averaging.round" else None
+    )
 
     async def body():
         nonlocal victim
@@ -308,6 +342,8 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
             await _until(lambda: _at_epoch(1, survivor), FAST["round_timeout_s"] + 3, "a step")
             assert time.monotonic() - killed <= FAST["round_timeout_s"] + 1
             assert s.stats.rounds == 0 and s.stats.fallbacks == 1 and s.stats.samples == 8
+            (fallback,) = [e for e in rounds if e["how"] == "fallback"]
+            assert fallback["early_match"] is False and fallback["attempts"] >= 1, fallback
             assert _finite(survivor.params())
             assert _close(survivor.params(), _reference([1, 2]))  # its own step, whole
 
@@ -318,6 +354,7 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
             _, alive = psutil.wait_procs(children, timeout=10)
             assert not alive, f"the victim's processes outlived it: {alive}"
         finally:
+            stop_listening()
             await _shutdown(survivor)
             if victim is not None and victim.poll() is None:
                 victim.kill()

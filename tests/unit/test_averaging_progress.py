@@ -96,8 +96,11 @@ def test_a_read_keeps_signed_records_of_peers_in_the_run_only():
     dht = SimpleNamespace(peer_id=ids["me"], dht=SimpleNamespace(get=get), peers=peers)
     clock = [100.0]
     board = ProgressBoard(dht, spec, 1, ttl_s=TTL, name="stage 1", clock=lambda: clock[0])
+    assert board.published_at(3) is None  # nothing read yet
     assert asyncio.run(board.refresh()) == [Progress(ids["a"], 3, 4)]
     assert not board.ahead_of(3)
+    # when a's record was stamped; the stranger's (and our own) stamps count for nothing
+    assert board.published_at(3) == now and board.published_at(2**50) is None
     asyncio.run(board.refresh())  # the stranger is still unknown: not looked up again at once
     assert len(reads) == 1
     clock[0] += PEERS_REFRESH_S

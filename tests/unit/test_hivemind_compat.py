@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import inspect
 import os
+import time
 import types
 
 # hivemind recognises stream handlers by typing.AsyncIterator, not collections.abc's.
@@ -502,8 +503,11 @@ def test_an_all_reduce_runs_with_the_screened_reducer_and_refuses_a_refused_grou
         assert isinstance(runner.tensor_part_reducer, compat.ScreenedReducer)
         assert isinstance(runner, AllReduceRunner) and runner.tensor_part_container.failed_size == 0
 
+    assert averager.allreduce_began == 0.0
+    before = time.monotonic()
     asyncio.run(main((ME,)))  # alone: our part, reduced by reduce_parts, comes back
     assert torch.equal(tensor, torch.ones(4))
+    assert before <= averager.allreduce_began <= time.monotonic()  # where matchmaking ended
     with pytest.raises(AllreduceException, match=f"includes {STRANGER}, which this averager"):
         asyncio.run(main((ME, STRANGER)))
     assert "self._running_groups[group_id].set_result(runner)" in _source(
