@@ -1,7 +1,5 @@
 """``python -m node.cli``: the ``swarmtrain`` command."""
 
-import sys
+from node.cli.main import entry
 
-from node.cli.main import main
-
-sys.exit(main())
+entry()

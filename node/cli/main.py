@@ -13,9 +13,11 @@ import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from node.cli.args import CommandParser, add_verbose, version
 from node.cli.config import ConfigError, add_config_argument, config_file_in, use_config_file
+from node.cli.exit import exit_frozen
 
 
 @dataclass(frozen=True)
@@ -206,3 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"swarmtrain {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def entry() -> NoReturn:
+    """The ``swarmtrain`` command and ``python -m node.cli``: ``main``, then exit with its
+    status (``node.cli.exit.exit_frozen``). Call ``main`` to run a command in-process."""
+    exit_frozen(main())

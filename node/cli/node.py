@@ -9,9 +9,11 @@ import logging
 import signal
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 from node import events
 from node.cli.args import parse_memory
+from node.cli.exit import exit_closed
 from node.cli.maddrs import check_can_listen
 from node.daemon.node import Node, write_maddrs
 from node.daemon.settings import NodeSettings
@@ -189,11 +191,11 @@ def check_before_start(settings: NodeSettings) -> None:
             raise ValueError(f"{flag} {stage}: the run has stages 0..{n_stages - 1}")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> NoReturn:
     import uvloop
 
     settings = settings_from(args)
     check_before_start(settings)
     node = Node.start(settings)  # opens the node's event log
     log_to_file(node.settings.log_path(node.peer_id), verbose=args.verbose)
-    return uvloop.run(serve(node, args.maddrs_file))
+    exit_closed(uvloop.run(serve(node, args.maddrs_file)))  # serve closed the node

@@ -1,8 +1,12 @@
 """Node daemons on a real local swarm: discovery, status, departure, identity."""
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from tests.swarm import StatusWatch, launch_node, stop_all
 
@@ -80,3 +84,44 @@ def test_identity_is_stable_across_restarts(tmp_path):
         assert second.stop() == 0
     finally:
         stop_all([first])
+
+
+def test_a_stopped_node_exits_with_nothing_lost(tmp_path):
+    """SIGTERM: exit status 0 at once after the node closed (it skips the interpreter's
+    teardown), with its stage checkpointed, ``node.stopped`` its last event, its log's
+    last line written, and every child process (DHT, averager, p2pd) gone."""
+    node = launch_node(tmp_path, "a", "exit", extra=["--stage", "0"])
+    try:
+        node.wait_serving(120)
+        named = {c: c.name() for c in psutil.Process(node.proc.pid).children(recursive=True)}
+        assert set(named.values()) >= {"p2pd", "python"}, named
+        sent = time.time()
+        assert node.stop(signal.SIGTERM, timeout=60) == 0
+        assert node.events()[-1]["event"] == "node.stopped"
+        assert any(e["t"] >= sent for e in node.events("checkpoint.written"))
+        log = Path(node.events("node.started")[-1]["log"]).read_text().splitlines()
+        assert "leaving the run" in "\n".join(log[-20:]), log[-20:]
+        # Reaped by the node, not by an orphan's reparenting: none outlives it for long.
+        _, alive = psutil.wait_procs(
+            [c for c, name in named.items() if name != "torch_shm_manager"], timeout=10
+        )
+        assert not alive, f"children left: {alive}"
+    finally:
+        stop_all([node])
+
+
+def test_exit_closed_runs_exit_handlers_and_flushes(tmp_path):
+    """``exit_closed`` keeps what a normal exit keeps: the atexit handlers run and
+    buffered output reaches a pipe; the status is the one given."""
+    mark = tmp_path / "handler-ran"
+    code = (
+        "import atexit, pathlib, sys\n"
+        "from node.cli.exit import exit_closed\n"
+        f"atexit.register(pathlib.Path({str(mark)!r}).write_text, 'yes')\n"
+        "print('buffered', end='')\n"
+        "sys.stderr.write('and stderr')\n"
+        "exit_closed(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "buffered", "and stderr")
+    assert mark.read_text() == "yes"
