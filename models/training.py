@@ -100,6 +100,27 @@ class StageOptimizer:
                 p.grad.add_(g)
         self.samples += samples
 
+    def snapshot(self) -> OptimizerSnapshot:
+        """A copy of the parameters, the AdamW state and the step count, for ``restore``."""
+        with torch.no_grad():
+            params = [p.detach().clone() for p in self.params]
+        state = {
+            p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for p, s in self.optimizer.state.items()
+        }
+        return OptimizerSnapshot(params, state, self.step_count)
+
+    def restore(self, snapshot: OptimizerSnapshot) -> None:
+        """Put back what ``snapshot`` copied (parameters changed in place, so kept forward
+        graphs see the change); ``.grad`` and ``samples`` are left as they are. A snapshot
+        is restored at most once: its tensors become the optimizer's."""
+        with torch.no_grad():
+            for p, saved in zip(self.params, snapshot.params, strict=True):
+                p.copy_(saved)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(snapshot.state)
+        self.step_count = snapshot.step_count
+
     def _clip_and_step(self, params: list[nn.Parameter]) -> float:
         max_norm = self.config.grad_clip or math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -109,6 +130,15 @@ class StageOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         return norm
+
+
+@dataclass
+class OptimizerSnapshot:
+    """``StageOptimizer.snapshot``: what ``restore`` puts back."""
+
+    params: list[torch.Tensor]
+    state: dict
+    step_count: int
 
 
 def pipeline_loss(stages: Sequence[Stage], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

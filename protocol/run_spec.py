@@ -139,6 +139,11 @@ class AveragingSpec(BaseModel):
     # round ends. Off by default: it trades a little loss per sample for rate (BENCHMARKS.md,
     # "Overlapped outer rounds").
     overlap: bool = False
+    # gradient mode with optimizer max_staleness 1: at a round's start a copy steps on its
+    # own gradients, serves the micro-batches that arrive during the round on those
+    # parameters, and when the round ends goes back and takes the averaged step (every copy
+    # the same step); off by default (BENCHMARKS.md, "Speculative steps").
+    speculate: bool = False
 
     def model_post_init(self, _context) -> None:
         if self.mode != "diloco" and (self.density < 1.0 or self.compression == "uint8"):
@@ -152,6 +157,11 @@ class AveragingSpec(BaseModel):
                 f"averaging.overlap needs averaging.mode diloco, got {self.mode!r}: in gradient "
                 "mode a step computed during its round would take gradients one step stale "
                 "(optimizer max_staleness 1 does that)"
+            )
+        if self.speculate and self.mode != "gradient":
+            raise ValueError(
+                f"averaging.speculate needs averaging.mode gradient, got {self.mode!r}: it "
+                "steps on a copy's own gradients while their round runs"
             )
         if self.round_timeout_s < 2 * self.matchmaking_s:
             raise ValueError(
@@ -209,6 +219,11 @@ class RunSpec(BaseModel):
                 )
         if self.dataset is not None:
             check_vocabulary(self.dataset.vocab_size, self.model.vocab_size)
+        if self.averaging.speculate and self.optim.max_staleness != 1:
+            raise ValueError(
+                "averaging.speculate needs optimizer max_staleness 1: with 0 a stage holds "
+                "micro-batches during its round, so there is nothing to serve speculatively"
+            )
 
     @property
     def model(self) -> ModelConfig:
@@ -252,7 +267,7 @@ def check_vocabulary(tokens: int, embedding: int) -> None:
 _OPTIONAL_FIELDS = ("pretrained", "dataset")
 # ``AveragingSpec`` fields added after specs were first signed, with the value that means
 # what a spec without them meant: left out of the signed bytes at that value.
-_AVERAGING_ADDED = {"density": 1.0, "overlap": False}
+_AVERAGING_ADDED = {"density": 1.0, "overlap": False, "speculate": False}
 
 
 def make_run_spec(

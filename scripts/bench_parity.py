@@ -58,7 +58,7 @@ from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
 
 DEFAULT_CONFIGS = ("2x4-gradient-s0", "2x4-gradient-s1", "2x1-gradient-s0", "1x4-gradient-s0")
-CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])(-overlap)?$")
+CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])(-overlap|-speculate)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,7 @@ class SwarmConfig:
     stages: int = 2
     inner_steps: int = 10  # diloco
     overlap: bool = False  # diloco
+    speculate: bool = False  # gradient, s1
 
     @classmethod
     def parse(cls, name: str, inner_steps: int = 10) -> SwarmConfig:
@@ -77,12 +78,12 @@ class SwarmConfig:
         if m is None:
             raise ValueError(f"configuration {name!r}: write e.g. 2x4-gradient-s0")
         return cls(int(m[1]), int(m[2]), m[3], int(m[4]), inner_steps=inner_steps,
-                   overlap=m[5] is not None)  # fmt: skip
+                   overlap=m[5] == "-overlap", speculate=m[5] == "-speculate")  # fmt: skip
 
     @property
     def name(self) -> str:
-        overlap = "-overlap" if self.overlap else ""
-        return f"{self.peers}x{self.in_flight}-{self.mode}-s{self.max_staleness}{overlap}"
+        suffix = "-overlap" if self.overlap else "-speculate" if self.speculate else ""
+        return f"{self.peers}x{self.in_flight}-{self.mode}-s{self.max_staleness}{suffix}"
 
 
 def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[str, Path]:
@@ -98,6 +99,7 @@ def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[
             inner_steps=config.inner_steps,
             # Named only when on, so that this runs on code without it.
             **({"overlap": True} if config.overlap else {}),
+            **({"speculate": True} if config.speculate else {}),
         ),
         # Named only when it is not the default, so that this runs on code without it.
         **({"max_staleness": config.max_staleness} if config.max_staleness else {}),
@@ -245,37 +247,74 @@ def baseline(checkpoints: list[int], optim: dict | None = None, n_stages: int = 
 
 
 def emulate(
-    checkpoints: list[int], batch: int = 32, delay: int = 0, n_stages: int = 2
+    checkpoints: list[int],
+    batch: int = 32,
+    delay: int = 0,
+    n_stages: int = 2,
+    *,
+    peers: int = 1,
+    speculative: bool = False,
+    seed: int = 0,
 ) -> dict[int, float]:
     """The swarm's arithmetic in one process, without the swarm: steps of ``batch`` samples
     (a round that overshoots the target takes more), each on gradients computed on the
     parameters of ``delay`` steps before (1: what micro-batches served during a round get).
-    Validation loss at ``checkpoints``, as ``baseline``."""
+    ``peers`` copies of each stage compute a batch's micro-batches (micro-batch i on copy
+    i % peers of stage 0, (i // peers) % peers of stage 1, ...) and every step is taken on
+    the sum of their gradients. ``speculative`` (with ``delay`` 1): each copy computes the
+    next batch on the parameters before the step moved by a step on its own gradients alone
+    (what a copy that steps locally while its round runs would serve on), the worst case:
+    every micro-batch of the next batch computed before the round's step lands. ``seed``:
+    of the data stream. Validation loss at ``checkpoints``, as ``baseline``."""
+    if delay not in (0, 1):
+        raise ValueError(f"delay must be 0 or 1, got {delay}")
+    if speculative and delay != 1:
+        raise ValueError("speculative steps are one step ahead of the averaged step: delay 1")
     model, opt = preset("tiny")
     opt = dataclasses.replace(opt, target_batch_size=batch)
     corpus = load_corpus()
     stages = [Stage(model, r) for r in even_boundaries(model, n_stages)]
     optimizers = [StageOptimizer(s, opt) for s in stages]
-    data = sample_batches(corpus.train, model.block_size, opt.micro_batch_size, stream_seed(0, 0))
+    data = sample_batches(
+        corpus.train, model.block_size, opt.micro_batch_size, stream_seed(seed, 0)
+    )
     val = eval_batches(corpus.val, model.block_size, opt.micro_batch_size, 8)
-    past: list[list[dict]] = []  # the stages' parameters at the last delay + 1 steps
-    losses, seen = {}, 0
+    # copies[k][c]: the (stage, optimizer) copy c of stage k computes the next batch on
+    copies = [
+        [copy.deepcopy(pair) for _ in range(peers)] for pair in zip(stages, optimizers, strict=True)
+    ]
+    losses, seen, index = {}, 0, 0
     while seen < max(checkpoints):
-        past = [*past, [copy.deepcopy(s.state_dict()) for s in stages]][-(delay + 1) :]
-        computing = stages
-        if delay:
-            computing = [Stage(model, s.range) for s in stages]
-            for c, state in zip(computing, past[0], strict=True):
-                c.load_state_dict(state)
+        samples = [[0] * peers for _ in stages]
         for _ in range(batch // opt.micro_batch_size):
             x, y = next(data)
+            route = [(index // peers**k) % peers for k in range(len(stages))]
+            index += 1
+            computing = [copies[k][c][0] for k, c in enumerate(route)]
             (pipeline_loss(computing, x, y) * len(x)).backward()
+            for k, c in enumerate(route):
+                samples[k][c] += len(x)
             seen += len(x)
-        for c, s, o in zip(computing, stages, optimizers, strict=True):
-            for pc, ps in zip(c.parameters(), s.parameters(), strict=True):
-                ps.grad = pc.grad
+        before = [copy.deepcopy(pair) for pair in zip(stages, optimizers, strict=True)]
+        for k, (s, o) in enumerate(zip(stages, optimizers, strict=True)):
+            for j, ps in enumerate(s.parameters()):
+                grads = [g for c in copies[k] if (g := list(c[0].parameters())[j].grad) is not None]
+                ps.grad = sum(grads) if grads else None
             o.accumulated(batch)
             o.step()
+        past = before if delay else list(zip(stages, optimizers, strict=True))
+        for k in range(len(stages)):
+            for c in range(peers):
+                own = copies[k][c][0]
+                nxt = copy.deepcopy(past[k])
+                if speculative and samples[k][c]:
+                    for pn, po in zip(nxt[0].parameters(), own.parameters(), strict=True):
+                        pn.grad = None if po.grad is None else po.grad.clone()
+                    nxt[1].accumulated(samples[k][c])
+                    nxt[1].step()
+                for pn in nxt[0].parameters():
+                    pn.grad = None
+                copies[k][c] = nxt
         for mark in checkpoints:
             if seen >= mark and mark not in losses:
                 losses[mark] = evaluate(stages, val)
@@ -304,18 +343,33 @@ def main() -> int:
         action="store_true",
         help="instead: the swarm's arithmetic in one process (step batch x gradient delay)",
     )
+    p.add_argument("--emulate-from", type=int, default=0, help="--emulate: skip the first rows")
+    p.add_argument("--seeds", type=int, default=1, help="--emulate: data streams per row")
     args = p.parse_args()
     configs = [SwarmConfig.parse(c, args.inner_steps) for c in args.configs]
     checkpoints = sorted(args.checkpoints)
     if args.emulate:
-        print("| stages | batch per step | gradient delay (steps) | "
+        print("| stages | copies per stage | batch per step | gradient delay (steps) | "
               + " | ".join(f"val @ {s}" for s in checkpoints) + " |")  # fmt: skip
-        print("|" + "---|" * (3 + len(checkpoints)))
-        for stages, batch, delay in [(1, 32, 0), (2, 32, 0), (2, 48, 0), (2, 64, 0),
-                                     (2, 32, 1), (2, 64, 1)]:  # fmt: skip
-            val = emulate(checkpoints, batch, delay, stages)
-            figures = " | ".join(f"{val[s]:.3f}" for s in checkpoints)
-            print(f"| {stages} | {batch} | {delay} | {figures} |", flush=True)
+        print("|" + "---|" * (4 + len(checkpoints)))
+        rows = [
+            (1, 1, 32, 0),
+            (2, 1, 32, 0),
+            (2, 1, 48, 0),
+            (2, 1, 64, 0),
+            (2, 1, 32, 1),
+            (2, 1, 64, 1),
+            (2, 2, 32, 0),
+            (2, 2, 32, 1),
+            (2, 2, 32, "1, speculative"),
+        ]
+        for stages, peers, batch, delay in rows[args.emulate_from :]:  # fmt: skip
+            speculative = delay == "1, speculative"
+            runs = [emulate(checkpoints, batch, 1 if speculative else delay, stages,
+                            peers=peers, speculative=speculative, seed=seed)
+                    for seed in range(args.seeds)]  # fmt: skip
+            figures = " | ".join(_fmt([r[s] for r in runs]) for s in checkpoints)
+            print(f"| {stages} | {peers} | {batch} | {delay} | {figures} |", flush=True)
         return 0
     base = baseline(checkpoints)
     print(json.dumps({"config": "baseline", "val": base}) if args.json else

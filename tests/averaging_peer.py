@@ -94,9 +94,12 @@ async def stop_serving(
             await peer.averager.shutdown()
 
 
-def make_spec(name: str, **averaging) -> RunSpec:
+def make_spec(name: str, max_staleness: int = 0, **averaging) -> RunSpec:
     """A run of ``CFG`` cut in two, owned by ``OWNER``, with ``FAST`` averaging settings."""
-    optim = OptimizerConfig(micro_batch_size=MICRO, target_batch_size=TARGET, warmup_steps=0)
+    optim = OptimizerConfig(
+        micro_batch_size=MICRO, target_batch_size=TARGET, warmup_steps=0,
+        max_staleness=max_staleness,
+    )  # fmt: skip
     return RunSpec(
         run=make_run_id(name, OWNER),
         owner=OWNER,

@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from models.stages import Stage
-from models.training import StageOptimizer
+from models.training import OptimizerSnapshot, StageOptimizer
 from node.averaging import state as stage_state
 from node.averaging.state import StageState
 from node.pipeline.server import Admission
@@ -241,6 +241,8 @@ class GradientStrategy(Strategy):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._round_samples = 0  # samples of the round in flight
+        # ``speculate``: the state before the local step taken at the round's start
+        self._before: OptimizerSnapshot | None = None
 
     @property
     def target(self) -> int:
@@ -281,6 +283,12 @@ class GradientStrategy(Strategy):
             torch.zeros(p.shape) if g is None or n == 0 else (g / n).float().cpu()
             for p, g in zip(self.params, sums, strict=True)
         ]
+        if self.settings.speculate and n and all(bool(m.isfinite().all()) for m in means):
+            # Serve the round's duration on our own step; ``finish`` or ``give_back``
+            # goes back to the parameters before it.
+            with self.lock:
+                self._before = self.optimizer.snapshot()
+                self.optimizer.step_with_mean(means)
         return Contribution(weight=n, tensors=means, sums=sums)
 
     def step_alone(self) -> bool:
@@ -300,12 +308,24 @@ class GradientStrategy(Strategy):
         self.stats.alone += 1
 
     def _apply_locked(self, result: Sequence[torch.Tensor], contribution: Contribution) -> None:
+        self._unspeculate_locked()
         self.optimizer.step_with_mean(result)
         self._round_samples = 0
 
     def _give_back_locked(self, contribution: Contribution) -> None:
+        self._unspeculate_locked()
         self.optimizer.restore_accumulated(contribution.weight, contribution.sums)
         self._round_samples = 0
+
+    def _loaded_locked(self, state: StageState) -> None:
+        self._before = None  # the downloaded state replaces the speculative step
+
+    def _unspeculate_locked(self) -> None:
+        """Back to the parameters and optimizer state before the speculative step (if one
+        was taken): every copy then takes the round's step from the same state."""
+        if self._before is not None:
+            self.optimizer.restore(self._before)
+            self._before = None
 
 
 class DiLoCoStrategy(Strategy):

@@ -632,6 +632,13 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         "with the progress made meanwhile (BENCHMARKS.md, 'Overlapped outer rounds')",
     )
     create.add_argument(
+        "--averaging-speculate",
+        action="store_true",
+        help="gradient mode with --max-staleness 1: a stage steps on its own gradients "
+        "while its round runs, then takes the averaged step (BENCHMARKS.md, 'Speculative "
+        "steps')",
+    )
+    create.add_argument(
         "--max-staleness",
         type=int,
         choices=[0, 1],

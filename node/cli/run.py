@@ -114,6 +114,7 @@ def _create(args: argparse.Namespace) -> int:
         compression=args.averaging_compression,
         density=args.averaging_density,
         overlap=args.averaging_overlap,
+        speculate=args.averaging_speculate,
     )
     spec = make_run_spec(
         args.name,

@@ -291,3 +291,40 @@ def test_a_diloco_round_that_held_a_micro_batch_too_long_goes_on_overlapped():
     _feed(gradient, range(gradient.target // MICRO))
     gradient.overdue()  # gradient mode holds the next one again
     assert gradient.admission(gradient.optimizer.samples, [], busy=True) is Admission.FULL
+
+
+def test_a_speculative_copy_serves_its_own_step_then_takes_the_rounds_exactly():
+    """With ``speculate`` a copy steps on its own gradients when its round begins (and
+    serves on those parameters: micro-batches then accumulate toward the next step); the
+    round's result is then applied from the state before that step, so the copy ends where
+    a copy that never speculated ends, bitwise. A failed round goes back to that state."""
+    plain, spec = _strategy("gradient"), _strategy("gradient", speculate=True, max_staleness=1)
+    seeds = range(TARGET // MICRO)
+    for s in (plain, spec):
+        _feed(s, seeds)
+    start = _params(spec)
+    contributions = [s.begin() for s in (plain, spec)]
+    assert _equal(_params(plain), start)
+    assert not _equal(_params(spec), start)  # it serves on its own step meanwhile
+    _feed(spec, [100])  # a micro-batch served during the round: the next step's
+    mean = [(a + b) / 2 for a, b in zip(*(c.tensors for c in contributions), strict=True)]
+    for s, c in zip((plain, spec), contributions, strict=True):
+        assert s.finish(mean, c)
+    assert _equal(_params(spec), _params(plain))
+    assert spec.optimizer.samples == MICRO and spec.optimizer.step_count == 1
+
+    failed = _strategy("gradient", speculate=True, max_staleness=1)
+    _feed(failed, seeds)
+    before = _params(failed)
+    c = failed.begin()
+    assert not _equal(_params(failed), before)
+    failed.give_back(c)
+    assert _equal(_params(failed), before)
+    assert failed.optimizer.samples == TARGET and failed.optimizer.step_count == 0
+
+
+def test_speculation_needs_gradient_mode_and_max_staleness_1():
+    with pytest.raises(ValueError, match="speculate needs averaging.mode gradient"):
+        make_spec("spec-diloco", mode="diloco", speculate=True, max_staleness=1)
+    with pytest.raises(ValueError, match="max_staleness 1"):
+        make_spec("spec-s0", speculate=True)
