@@ -273,11 +273,11 @@ class ReturnedShare:
     def add(self, mine: torch.Tensor, averaged: torch.Tensor) -> None:
         # float32 products, summed in Python floats: the checks compare norms, not bits.
         x, r = mine.float().reshape(-1), averaged.float().reshape(-1)
+        self.mine_sq += float(x @ x)
         if not math.isfinite(max_abs(r)):
             self.finite = False
             return
         d = r - x
-        self.mine_sq += float(x @ x)
         self.returned_sq += float(r @ r)
         self.distance_sq += float(d @ d)
         self.dot += float(r @ x)
@@ -293,7 +293,11 @@ def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> st
     parts that include ours, or None: they must be finite, lie within ``RETURN_RADIUS``
     norms of our part from it (times the spread of ``own``, the share we reduced
     ourselves, if that is more than 1), and not point against it. A contribution of zeros
-    (a groupmate with no samples of its own) tells nothing: None."""
+    (a groupmate with no samples of its own) tells nothing: None, even for non-finite
+    means, which an honest reducer returns when every sender had weight 0 (its sum over
+    a weight of 0); the caller then discards the result as out of bounds."""
+    if share.mine_sq == 0:
+        return None
     if not share.finite:
         return "it returned non-finite values"
     spread = share.spread

@@ -57,3 +57,17 @@ def test_returned_share_still_refuses_bad_means():
     assert "against" in check_returned(negated)
     assert "norms" in check_returned(scaled)
     assert "non-finite" in check_returned(broken)
+
+
+def test_non_finite_means_of_a_zero_contribution_are_not_refused():
+    """Every sender of weight 0 (no samples yet, as at a slow link's first round): an
+    honest reducer's mean is sum / 0, NaN; a sender whose part was zeros cannot tell that
+    from a faulty reducer, so it does not refuse (ban) the reducer, while a sender with a
+    nonzero part (weight > 0: the honest sum has a positive weight) still does."""
+    zeros, nonzero = ReturnedShare(), ReturnedShare()
+    zeros.add(torch.zeros(1000), torch.full((1000,), float("nan")))
+    nonzero.add(torch.zeros(500), torch.full((500,), float("nan")))
+    nonzero.add(torch.ones(500), torch.ones(500))
+    assert check_returned(zeros) is None
+    assert not zeros.finite
+    assert "non-finite" in check_returned(nonzero)
