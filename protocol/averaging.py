@@ -257,6 +257,10 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
 # its part in this round (farther when its part is small: a DiLoCo delta of fewer inner
 # steps), so another share may lie that far too. A mean negated, or scaled far up, fails.
 RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
+# An honest mean may still point a little against a part that the others outweigh and
+# that is near orthogonal to theirs (a groupmate with few samples beside many): refused
+# only below this cosine. A negated mean lies at minus the honest cosine, far below.
+AGAINST_COSINE = -0.05
 
 
 @dataclass
@@ -292,10 +296,11 @@ def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> st
     """Why the means one groupmate returned for its share (``share``) cannot be means of
     parts that include ours, or None: they must be finite, lie within ``RETURN_RADIUS``
     norms of our part from it (times the spread of ``own``, the share we reduced
-    ourselves, if that is more than 1), and not point against it. A contribution of zeros
-    (a groupmate with no samples of its own) tells nothing: None, even for non-finite
-    means, which an honest reducer returns when every sender had weight 0 (its sum over
-    a weight of 0); the caller then discards the result as out of bounds."""
+    ourselves, if that is more than 1), and not point against it (a cosine below
+    ``AGAINST_COSINE``). A contribution of zeros (a groupmate with no samples of its own)
+    tells nothing: None, even for non-finite means, which an honest reducer returns when
+    every sender had weight 0 (its sum over a weight of 0); the caller then discards the
+    result as out of bounds."""
     if share.mine_sq == 0:
         return None
     if not share.finite:
@@ -308,7 +313,8 @@ def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> st
         return f"its mean lies {spread:.3g} norms of our part from it (at most {limit:.3g})"
     if share.dot < 0:
         cosine = share.dot / math.sqrt(share.mine_sq * share.returned_sq)
-        return f"its mean points against our part (cosine {cosine:.3g})"
+        if cosine < AGAINST_COSINE:
+            return f"its mean points against our part (cosine {cosine:.3g})"
     return None
 
 

@@ -71,3 +71,22 @@ def test_non_finite_means_of_a_zero_contribution_are_not_refused():
     assert check_returned(zeros) is None
     assert not zeros.finite
     assert "non-finite" in check_returned(nonzero)
+
+
+def test_a_mean_barely_against_our_part_is_not_refused():
+    """Our part of weight 1 beside another of weight 15 nearly orthogonal to it: the honest
+    mean's cosine with ours is slightly negative and passes; that mean negated, or a mean
+    at cosine -0.5, is refused."""
+    g = torch.Generator().manual_seed(2)
+    mine = torch.randn(10_000, generator=g)
+    other = torch.randn(10_000, generator=g)
+    other -= (other @ mine + 0.08 * float(mine @ mine)) / float(mine @ mine) * mine
+    mean = (mine + 15 * other) / 16  # other @ mine = -0.08 |mine|^2: cosine about -0.013
+    honest, negated, against = ReturnedShare(), ReturnedShare(), ReturnedShare()
+    honest.add(mine, mean)
+    negated.add(mine, -mine)
+    against.add(mine, -0.5 * mine + 0.866 * other / other.norm() * mine.norm())
+    assert honest.dot < 0
+    assert check_returned(honest) is None
+    assert "against" in check_returned(negated)
+    assert "against" in check_returned(against)
