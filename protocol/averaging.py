@@ -258,9 +258,11 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
 # steps), so another share may lie that far too. A mean negated, or scaled far up, fails.
 RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
 # An honest mean may still point a little against a part that the others outweigh and
-# that is near orthogonal to theirs (a groupmate with few samples beside many): refused
-# only below this cosine. A negated mean lies at minus the honest cosine, far below.
-AGAINST_COSINE = -0.05
+# that is near orthogonal to theirs (a groupmate with few samples beside many; honest
+# swarm runs showed -0.07): refused only below this cosine, or below twice our own
+# share's cosine if that is lower (it shows how far against ours this round's true mean
+# lies). A negated mean lies at minus the honest cosine, below that.
+AGAINST_COSINE = -0.1
 
 
 @dataclass
@@ -287,6 +289,13 @@ class ReturnedShare:
         self.dot += float(r @ x)
 
     @property
+    def cosine(self) -> float | None:
+        """The cosine of the means with our parts (None: either is 0 or not finite)."""
+        if not self.finite or self.mine_sq <= 0 or self.returned_sq <= 0:
+            return None
+        return self.dot / math.sqrt(self.mine_sq * self.returned_sq)
+
+    @property
     def spread(self) -> float | None:
         """How far the means lie from our parts, in norms of ours (None: ours are 0)."""
         return math.sqrt(self.distance_sq / self.mine_sq) if self.mine_sq > 0 else None
@@ -297,10 +306,10 @@ def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> st
     parts that include ours, or None: they must be finite, lie within ``RETURN_RADIUS``
     norms of our part from it (times the spread of ``own``, the share we reduced
     ourselves, if that is more than 1), and not point against it (a cosine below
-    ``AGAINST_COSINE``). A contribution of zeros (a groupmate with no samples of its own)
-    tells nothing: None, even for non-finite means, which an honest reducer returns when
-    every sender had weight 0 (its sum over a weight of 0); the caller then discards the
-    result as out of bounds."""
+    ``AGAINST_COSINE``, or below twice that of ``own`` if lower). A contribution of zeros
+    (a groupmate with no samples of its own) tells nothing: None, even for non-finite
+    means, which an honest reducer returns when every sender had weight 0 (its sum over a
+    weight of 0); the caller then discards the result as out of bounds."""
     if share.mine_sq == 0:
         return None
     if not share.finite:
@@ -311,10 +320,10 @@ def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> st
     limit = RETURN_RADIUS * max(1.0, (own.spread if own is not None else None) or 1.0)
     if spread > limit:
         return f"its mean lies {spread:.3g} norms of our part from it (at most {limit:.3g})"
-    if share.dot < 0:
-        cosine = share.dot / math.sqrt(share.mine_sq * share.returned_sq)
-        if cosine < AGAINST_COSINE:
-            return f"its mean points against our part (cosine {cosine:.3g})"
+    cosine = share.cosine
+    floor = min(AGAINST_COSINE, 2 * ((own.cosine if own is not None else None) or 0.0))
+    if cosine is not None and cosine < floor:
+        return f"its mean points against our part (cosine {cosine:.3g}, at least {floor:.3g})"
     return None
 
 

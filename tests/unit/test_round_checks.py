@@ -76,7 +76,7 @@ def test_non_finite_means_of_a_zero_contribution_are_not_refused():
 def test_a_mean_barely_against_our_part_is_not_refused():
     """Our part of weight 1 beside another of weight 15 nearly orthogonal to it: the honest
     mean's cosine with ours is slightly negative and passes; that mean negated, or a mean
-    at cosine -0.5, is refused."""
+    at cosine -0.5, is refused, also beside a share we reduced at cosine -0.2."""
     g = torch.Generator().manual_seed(2)
     mine = torch.randn(10_000, generator=g)
     other = torch.randn(10_000, generator=g)
@@ -90,3 +90,11 @@ def test_a_mean_barely_against_our_part_is_not_refused():
     assert check_returned(honest) is None
     assert "against" in check_returned(negated)
     assert "against" in check_returned(against)
+    # Our own share's mean at cosine -0.2 (this round's true mean lies against ours):
+    # another share's at -0.3 passes; at -0.5 it is still refused.
+    own, further = ReturnedShare(), ReturnedShare()
+    own.add(mine, -0.2 * mine + 0.98 * other / other.norm() * mine.norm())
+    further.add(mine, -0.3 * mine + 0.954 * other / other.norm() * mine.norm())
+    assert check_returned(further, own) is None
+    assert "against" in check_returned(further)
+    assert "against" in check_returned(against, own)
