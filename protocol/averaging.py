@@ -257,6 +257,12 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
 # its part in this round (farther when its part is small: a DiLoCo delta of fewer inner
 # steps), so another share may lie that far too. A mean negated, or scaled far up, fails.
 RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
+# An honest mean may still point a little against a part that the others outweigh and
+# that is near orthogonal to theirs (a groupmate with few samples beside many; honest
+# swarm runs showed -0.07): refused only below this cosine, or below twice our own
+# share's cosine if that is lower (it shows how far against ours this round's true mean
+# lies). A negated mean lies at minus the honest cosine, below that.
+AGAINST_COSINE = -0.1
 
 
 @dataclass
@@ -273,14 +279,21 @@ class ReturnedShare:
     def add(self, mine: torch.Tensor, averaged: torch.Tensor) -> None:
         # float32 products, summed in Python floats: the checks compare norms, not bits.
         x, r = mine.float().reshape(-1), averaged.float().reshape(-1)
+        self.mine_sq += float(x @ x)
         if not math.isfinite(max_abs(r)):
             self.finite = False
             return
         d = r - x
-        self.mine_sq += float(x @ x)
         self.returned_sq += float(r @ r)
         self.distance_sq += float(d @ d)
         self.dot += float(r @ x)
+
+    @property
+    def cosine(self) -> float | None:
+        """The cosine of the means with our parts (None: either is 0 or not finite)."""
+        if not self.finite or self.mine_sq <= 0 or self.returned_sq <= 0:
+            return None
+        return self.dot / math.sqrt(self.mine_sq * self.returned_sq)
 
     @property
     def spread(self) -> float | None:
@@ -292,8 +305,13 @@ def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> st
     """Why the means one groupmate returned for its share (``share``) cannot be means of
     parts that include ours, or None: they must be finite, lie within ``RETURN_RADIUS``
     norms of our part from it (times the spread of ``own``, the share we reduced
-    ourselves, if that is more than 1), and not point against it. A contribution of zeros
-    (a groupmate with no samples of its own) tells nothing: None."""
+    ourselves, if that is more than 1), and not point against it (a cosine below
+    ``AGAINST_COSINE``, or below twice that of ``own`` if lower). A contribution of zeros
+    (a groupmate with no samples of its own) tells nothing: None, even for non-finite
+    means, which an honest reducer returns when every sender had weight 0 (its sum over a
+    weight of 0); the caller then discards the result as out of bounds."""
+    if share.mine_sq == 0:
+        return None
     if not share.finite:
         return "it returned non-finite values"
     spread = share.spread
@@ -302,9 +320,10 @@ def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> st
     limit = RETURN_RADIUS * max(1.0, (own.spread if own is not None else None) or 1.0)
     if spread > limit:
         return f"its mean lies {spread:.3g} norms of our part from it (at most {limit:.3g})"
-    if share.dot < 0:
-        cosine = share.dot / math.sqrt(share.mine_sq * share.returned_sq)
-        return f"its mean points against our part (cosine {cosine:.3g})"
+    cosine = share.cosine
+    floor = min(AGAINST_COSINE, 2 * ((own.cosine if own is not None else None) or 0.0))
+    if cosine is not None and cosine < floor:
+        return f"its mean points against our part (cosine {cosine:.3g}, at least {floor:.3g})"
     return None
 
 

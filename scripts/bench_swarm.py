@@ -794,6 +794,11 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=1, help="whole runs per scenario")
     p.add_argument("--seed", type=int, default=0, help="of run 1; run k uses seed + k - 1")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the work directory (the nodes' logs and events) and print its path",
+    )
     args = p.parse_args()
     if args.runs < 1:
         p.error("--runs must be at least 1")
@@ -807,7 +812,14 @@ def main() -> int:
     results: dict[str, list[dict[str, float]]] = {}
 
     def run_all(net: Network | None) -> None:
-        with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
+        keep = tempfile.mkdtemp(prefix="bench-swarm-") if args.keep else None
+        if keep:
+            print(f"work directory (kept): {keep}", flush=True)
+        with (
+            contextlib.nullcontext(keep)
+            if keep
+            else tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp
+        ):
             for name in args.scenarios:
                 for k in range(args.runs):
                     bench = Bench(args, net, seed=args.seed + k, plot=k == 0)

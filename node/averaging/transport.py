@@ -303,8 +303,10 @@ class HivemindTransport:
             return Exchange(None, mates, discarded=True, allreduce_began=began)
         averaged = await asyncio.to_thread(self._read, timeout)
         if averaged is None or not within_bounds(averaged):
-            # An average of in-range values is in range: this one has a faulty groupmate's.
-            logger.warning("%s: discarded a non-finite or out-of-range result", self._name)
+            # An average of in-range values is in range: this one has a faulty groupmate's,
+            # or (NaN, with our weight 0) every groupmate had weight 0.
+            log = logger.info if weight == 0 else logger.warning
+            log("%s: discarded a non-finite or out-of-range result", self._name)
             return Exchange(None, discarded=True, allreduce_began=began)
         return Exchange(averaged, mates, allreduce_began=began)
 

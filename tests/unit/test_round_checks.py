@@ -57,3 +57,44 @@ def test_returned_share_still_refuses_bad_means():
     assert "against" in check_returned(negated)
     assert "norms" in check_returned(scaled)
     assert "non-finite" in check_returned(broken)
+
+
+def test_non_finite_means_of_a_zero_contribution_are_not_refused():
+    """Every sender of weight 0 (no samples yet, as at a slow link's first round): an
+    honest reducer's mean is sum / 0, NaN; a sender whose part was zeros cannot tell that
+    from a faulty reducer, so it does not refuse (ban) the reducer, while a sender with a
+    nonzero part (weight > 0: the honest sum has a positive weight) still does."""
+    zeros, nonzero = ReturnedShare(), ReturnedShare()
+    zeros.add(torch.zeros(1000), torch.full((1000,), float("nan")))
+    nonzero.add(torch.zeros(500), torch.full((500,), float("nan")))
+    nonzero.add(torch.ones(500), torch.ones(500))
+    assert check_returned(zeros) is None
+    assert not zeros.finite
+    assert "non-finite" in check_returned(nonzero)
+
+
+def test_a_mean_barely_against_our_part_is_not_refused():
+    """Our part of weight 1 beside another of weight 15 nearly orthogonal to it: the honest
+    mean's cosine with ours is slightly negative and passes; that mean negated, or a mean
+    at cosine -0.5, is refused, also beside a share we reduced at cosine -0.2."""
+    g = torch.Generator().manual_seed(2)
+    mine = torch.randn(10_000, generator=g)
+    other = torch.randn(10_000, generator=g)
+    other -= (other @ mine + 0.08 * float(mine @ mine)) / float(mine @ mine) * mine
+    mean = (mine + 15 * other) / 16  # other @ mine = -0.08 |mine|^2: cosine about -0.013
+    honest, negated, against = ReturnedShare(), ReturnedShare(), ReturnedShare()
+    honest.add(mine, mean)
+    negated.add(mine, -mine)
+    against.add(mine, -0.5 * mine + 0.866 * other / other.norm() * mine.norm())
+    assert honest.dot < 0
+    assert check_returned(honest) is None
+    assert "against" in check_returned(negated)
+    assert "against" in check_returned(against)
+    # Our own share's mean at cosine -0.2 (this round's true mean lies against ours):
+    # another share's at -0.3 passes; at -0.5 it is still refused.
+    own, further = ReturnedShare(), ReturnedShare()
+    own.add(mine, -0.2 * mine + 0.98 * other / other.norm() * mine.norm())
+    further.add(mine, -0.3 * mine + 0.954 * other / other.norm() * mine.norm())
+    assert check_returned(further, own) is None
+    assert "against" in check_returned(further)
+    assert "against" in check_returned(against, own)
