@@ -58,7 +58,7 @@ from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
 
 DEFAULT_CONFIGS = ("2x4-gradient-s0", "2x4-gradient-s1", "2x1-gradient-s0", "1x4-gradient-s0")
-CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])(-overlap|-speculate)?$")
+CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])(-overlap|-spec)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +78,11 @@ class SwarmConfig:
         if m is None:
             raise ValueError(f"configuration {name!r}: write e.g. 2x4-gradient-s0")
         return cls(int(m[1]), int(m[2]), m[3], int(m[4]), inner_steps=inner_steps,
-                   overlap=m[5] == "-overlap", speculate=m[5] == "-speculate")  # fmt: skip
+                   overlap=m[5] == "-overlap", speculate=m[5] == "-spec")  # fmt: skip
 
     @property
     def name(self) -> str:
-        suffix = "-overlap" if self.overlap else "-speculate" if self.speculate else ""
+        suffix = "-overlap" if self.overlap else "-spec" if self.speculate else ""
         return f"{self.peers}x{self.in_flight}-{self.mode}-s{self.max_staleness}{suffix}"
 
 

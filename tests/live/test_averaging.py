@@ -199,6 +199,33 @@ def test_peers_average_to_one_step_and_a_joiner_downloads_the_state(dhts):
     _run(body())
 
 
+def test_speculating_peers_take_the_step_one_process_takes(dhts):
+    """With ``averaging.speculate`` each copy steps on its own gradients while the round
+    runs; the round's step is then taken from the state before that step: both copies end
+    on the step one process takes on the sample-weighted mean gradient, and the speculative
+    step leaves no trace in the parameters or the optimizer's step count."""
+    spec = make_spec("avg-spec", max_staleness=1, speculate=True)
+    a, b = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2])
+
+    async def body():
+        try:
+            for peer in (a, b):
+                await peer.start()
+                await peer.averager.load_state()
+            for seed in (1, 2, 3):
+                a.feed(seed)
+            b.feed(4)
+            await _until(lambda: _at_epoch(1, a, b), 15, "one round")
+            for peer in (a, b):
+                assert peer.averager.stats.rounds == 1 and peer.optimizer.step_count == 1
+            assert _close(a.params(), b.params())
+            assert _close(a.params(), _reference([1, 2, 3], [4]))
+        finally:
+            await _shutdown(a, b)
+
+    _run(body())
+
+
 async def _serve(
     peers: list[Peer], contract: StageContract, run: str, servers: list[AveragedStageServer]
 ) -> None:
