@@ -45,7 +45,9 @@ FLOAT_COMPRESSIONS = frozenset({"NONE", "FLOAT16", "UNIFORM_8BIT", *LOWBIT_BITS}
 UNIFORM_8BIT_BINS = 256  # codebook entries of hivemind's Uniform8BitQuantization
 
 MAX_METADATA_BYTES = 256
-MAX_RUN_ID_CHARS = 64
+# A run id: a name of up to 64 characters, '@', the owner's 24-character fingerprint
+# (``protocol.records.check_run_name``).
+MAX_RUN_ID_CHARS = 64 + 1 + 24
 MAX_STAGES = 2**16
 MAX_MICRO_BATCH_ID = 2**63 - 1
 

@@ -21,12 +21,14 @@ from node.pipeline.wire import MAX_CHUNK_BYTES, Assembler, serialize, split_mess
 from node.rpc.membership import NOT_A_MEMBER
 from node.rpc.service import BAN_AFTER
 from protocol.identity import peer_id_of
+from protocol.ownership import make_run_id
 from protocol.routing import BanList, CallTimer
 from protocol.stage_messages import (
     BACKWARD,
     FORWARD,
     GRAD_OUTPUTS,
     INPUTS,
+    MAX_MICRO_BATCH_ID,
     TARGETS,
     StageContract,
     StageMeta,
@@ -354,3 +356,13 @@ def test_idle_streams_close_on_time_without_a_call_and_with_their_peer(monkeypat
         assert sessions._timer is None
 
     asyncio.run(body())
+
+
+def test_a_run_id_with_the_longest_name_fits_a_stage_request():
+    """Any run id a spec accepts (a 64-character name and the fingerprint) travels in a
+    stage request: the metadata's own caps must not refuse a run that ``run create``
+    made."""
+    key = Ed25519PrivateKey.generate()
+    run_id = make_run_id("r" * 64, peer_id_of(key.public_key()))
+    meta = StageMeta(run_id, 0, FORWARD, MAX_MICRO_BATCH_ID, True, False)
+    assert StageMeta.decode(meta.encode()) == meta
