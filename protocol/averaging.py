@@ -259,10 +259,11 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
 RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
 # An honest mean may still point a little against a part that the others outweigh and
 # that is near orthogonal to theirs (a groupmate with few samples beside many; honest
-# swarm runs showed -0.07): refused only below this cosine, or below twice our own
-# share's cosine if that is lower (it shows how far against ours this round's true mean
-# lies). A negated mean lies at minus the honest cosine, below that.
-AGAINST_COSINE = -0.1
+# swarm runs showed -0.07 and, with max_staleness 1's unequal weights, -0.16): refused only
+# below this cosine, or below twice our own share's cosine if that is lower (it shows how
+# far against ours this round's true mean lies). A negated mean lies at minus the honest
+# cosine, below that.
+AGAINST_COSINE = -0.2
 
 
 @dataclass
