@@ -119,16 +119,6 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
         if await until_stopped(stop, node.prepare()):  # a stop meanwhile: just close
             maddrs = node.dht.visible_maddrs()
             dashboard = node.dashboard
-            events.emit(
-                "node.started",
-                run=node.spec.run,
-                peer=node.peer_id,
-                maddrs=maddrs,
-                dashboard=dashboard and dashboard.url,
-                metrics=dashboard and dashboard.metrics_url,
-                log=str(settings.log_path(node.peer_id)),
-                events=str(settings.events_path(node.peer_id)),
-            )
             print(f"node {node.peer_id} in run {settings.run!r}; others join with:", flush=True)
             for m in maddrs:
                 print(f"  --initial-peers {m}", flush=True)
@@ -142,6 +132,17 @@ async def serve(node: Node, maddrs_file: Path | None) -> int:
                 print(f"dashboard: {dashboard.url}  metrics: {dashboard.metrics_url}", flush=True)
             if maddrs_file:  # after the printout: whoever waits for this file may read it
                 write_maddrs(maddrs_file, maddrs)
+            # last: whoever waits for this event may read the printout and the file
+            events.emit(
+                "node.started",
+                run=node.spec.run,
+                peer=node.peer_id,
+                maddrs=maddrs,
+                dashboard=dashboard and dashboard.url,
+                metrics=dashboard and dashboard.metrics_url,
+                log=str(settings.log_path(node.peer_id)),
+                events=str(settings.events_path(node.peer_id)),
+            )
 
             def on_ready() -> None:
                 if settings.archive is not None:
