@@ -99,15 +99,16 @@ class NodeProcess:
         return self.stage()
 
     def wait_started(self, timeout: float = START_TIMEOUT_S) -> str:
-        """Wait until the node has written its maddrs (``launch_node`` with ``wait`` does);
-        return the first. Fails, with the node's output, if it exits first."""
+        """Wait until the node has said ``node.started``, which it says after writing its
+        maddrs (``launch_node`` with ``wait`` does); return the first. Fails, with the node's
+        output, if it exits first."""
 
         def started() -> bool:
             if not self.alive():
                 raise RuntimeError(
                     f"node {self.name} exited with {self.proc.returncode}:\n{self.output()}"
                 )
-            return self.maddrs_file.exists() and bool(self.maddrs_file.read_text().strip())
+            return bool(self.events("node.started")) and bool(self.maddrs_file.read_text().strip())
 
         wait_until(started, timeout, f"node {self.name} to start")
         return self.maddr
