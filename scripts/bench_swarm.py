@@ -5,7 +5,9 @@ trainer process, and alternates phases in one run so that the ratios compare lik
 like on this machine:
 
 - ``wiring``: one stage-1 peer declares a fifth of the others' throughput and is capped
-  at a fifth of the CPU it used; fixed wiring (GPipe-like) vs stochastic wiring.
+  at ``--slow-cores`` of CPU, a fixed amount (not a share of what it used, which depends on
+  how much routing sent it) so that runs compare; fixed wiring (GPipe-like) vs stochastic
+  wiring.
 - ``churn``: a random peer of a stage that has another is SIGKILLed every ``--kill-every``
   seconds and replaced at once, vs undisturbed; bytes on the wire per sample vs the
   activation and averaging bytes the run needs.
@@ -247,14 +249,19 @@ class Bench:
         elif kind == "val":
             rec.val = event["loss"]
 
-    def cap(self, swarm: BenchSwarm, name: str, since: float, cpu0: float) -> CpuThrottle:
+    def cap(self, swarm: BenchSwarm, name: str, cores: float) -> CpuThrottle:
+        """Cap node ``name`` (its process tree) at ``cores`` of CPU."""
+        node = next(n for n in swarm.nodes if n.name == name)
+        throttle = CpuThrottle(name)
+        throttle.apply(node.proc.pid, cores)
+        return throttle
+
+    def cap_relative(self, swarm: BenchSwarm, name: str, since: float, cpu0: float) -> CpuThrottle:
         """Cap node ``name`` at 1/SLOWDOWN of the CPU it used since ``since``."""
         node = next(n for n in swarm.nodes if n.name == name)
         used = (tree_cpu_seconds(node.proc.pid) - cpu0) / (time.time() - since)
-        throttle = CpuThrottle(name)
-        throttle.apply(node.proc.pid, used / SLOWDOWN)
         print(f"  {name} used {used:.2f} cores; capped at {used / SLOWDOWN:.3f}")
-        return throttle
+        return self.cap(swarm, name, used / SLOWDOWN)
 
     # --- scenarios -----------------------------------------------------------------
 
@@ -266,15 +273,11 @@ class Bench:
             phases += [f"fixed{i}:fixed:{a.phase}", f"stochastic{i}:stochastic:{a.phase}"]
         try:
             swarm.start({2 * a.stages - 1: ["--throughput", str(100 / SLOWDOWN)]})
-            cpu0 = {}
 
             def tick(rec: Record, phase: str, _: float) -> None:
                 nonlocal throttle
-                node = next(n for n in swarm.nodes if n.name == slow)
-                if phase == "warmup" and not cpu0:
-                    cpu0["t"], cpu0["cpu"] = time.time(), tree_cpu_seconds(node.proc.pid)
                 if phase != "warmup" and throttle is None:
-                    throttle = self.cap(swarm, slow, cpu0["t"], cpu0["cpu"])
+                    throttle = self.cap(swarm, slow, a.slow_cores)
 
             rec = self.run_worker(swarm, phases, tick)
         finally:
@@ -285,7 +288,8 @@ class Bench:
                   for i in range(a.repeat)]  # fmt: skip
         fixed = [rec.phase_rate(f"fixed{i}") for i in range(a.repeat)]
         stoch = [rec.phase_rate(f"stochastic{i}") for i in range(a.repeat)]
-        print(f"wiring, one slow peer ({slow}: declared and CPU-capped 1/{SLOWDOWN:.0f}):")
+        print(f"wiring, one slow peer ({slow}: declares 1/{SLOWDOWN:.0f} of the others' "
+              f"throughput, capped at {a.slow_cores:g} cores):")  # fmt: skip
         print(f"  fixed (GPipe-like) samples/s:  {_spread(fixed)}")
         print(f"  stochastic samples/s:          {_spread(stoch)}")
         print(f"  ratio stochastic / fixed:      {_spread(ratios, 2)}")
@@ -375,7 +379,7 @@ class Bench:
                 if phase == "run" and "t" not in state:
                     state["t"], state["cpu"] = time.time(), tree_cpu_seconds(node.proc.pid)
                 if phase == "run" and into >= at and throttle is None:
-                    throttle = self.cap(swarm, slow, state["t"], state["cpu"])
+                    throttle = self.cap_relative(swarm, slow, state["t"], state["cpu"])
                     state["throttled"] = time.time()
                     rec.events.append((state["throttled"], f"{slow} slowed 5x"))
 
@@ -782,6 +786,8 @@ def main() -> int:
     p.add_argument("--phase", type=float, default=20.0, help="seconds per measured phase")
     p.add_argument("--repeat", type=int, default=2, help="measured phase pairs per scenario")
     p.add_argument("--kill-every", type=float, default=5.0)
+    p.add_argument("--slow-cores", type=float, default=0.08,
+                   help="wiring: the CPU the slow peer is capped at, in cores")  # fmt: skip
     p.add_argument("--link", default="home", help="links: the profile to compare with loopback")
     p.add_argument("--micro-batches", type=int, default=200, help="links: measured per swarm")
     p.add_argument("--configs", nargs="+", type=_config, metavar="NAME[=JSON]",
