@@ -404,7 +404,7 @@ class _ScreenedRunner(AllReduceRunner):
             share.add(mine, mine.float() + delta.float())
         self._register_part(peer_index, part_index, delta)
 
-    def weight_share(self) -> float | None:
+    def our_weight_share(self) -> float | None:
         """Our weight's share of the group, from the weights the other senders declared to
         the share we reduced (None: we reduced none, or no part carries weight)."""
         reducer = self.tensor_part_reducer
@@ -617,7 +617,7 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)  # averaging_alpha is 1
         own = runner.returned.pop(self.peer_id, None)
-        refused = self.check_returned(own, runner.returned, runner.weight_share())
+        refused = self.check_returned(own, runner.returned, runner.our_weight_share())
         if refused:
             reducers = ", ".join(f"{peer} ({why})" for peer, why in refused.items())
             raise AllreduceException(f"refused the means returned by {reducers}")

@@ -610,8 +610,11 @@ def test_a_hostile_groupmate_leaves_the_loss_with_the_honest_peers(
             stats = [(s.rounds, s.fallbacks, s.catch_ups, s.discarded) for s in stats]
             assert all(abs(loss - expected) < 0.1 for loss in losses), (expected, losses, stats)
             assert expected < before - 0.3, (before, expected)
-            rejected = {e["reducer"] for e in read_events(log, "averaging.part_rejected")}
+            events_rejected = read_events(log, "averaging.part_rejected")
+            rejected = {e["reducer"] for e in events_rejected}
             assert rejected == ({hostile.dht.peer_id} if fault == "reducer" else set()), rejected
+            # -100 x the mean is far out: refused at once, not after strikes
+            assert all(e["refused"] for e in events_rejected), events_rejected
         finally:
             events.close_log()
             await _shutdown(*honest, hostile)
