@@ -257,11 +257,11 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
 # reduces itself shows how far the true mean lies from its part in this round (farther
 # when its part is small: a DiLoCo delta of fewer inner steps), so another share may lie
 # that far too. A part of little weight says little about the mean: one sample's gradient
-# beside 31 others' is sparse in the embeddings (the mean lies tens of its norms away) and
-# may point against theirs (cosines down to -0.86 where copies took speculative steps), so
-# its checks are lenient in proportion, and the groupmates of most weight judge strictly.
-# A mean scaled far up fails for nearly everyone; a negated one for the groupmates of most
-# weight.
+# beside 31 others' is sparse in the embeddings (the mean may lie tens of its norms away)
+# and, where copies took speculative steps, may point against theirs
+# (``tests/unit/test_averaging_refusal.py``), so its checks are lenient in proportion, and
+# the groupmates of most weight judge strictly. A mean scaled far up fails for nearly
+# everyone; a negated one for the groupmates of most weight.
 RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
 FAR_RADIUS = 4.0  # beyond this many times the radius, a mean is refused at once
 # A mean is refused as against our part below this cosine, or below twice our own share's
