@@ -69,8 +69,9 @@ fields:
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means
   it returned for the share it reduced cannot be a mean of parts that include ours
-  (``protocol.averaging.check_returned``): the round fails, and the groupmate is refused
-  for a while (written by the averager's process).
+  (``protocol.averaging.check_returned``): the round fails; ``refused``: the groupmate is
+  refused for a while from now on (at once for non-finite or far-out means, else after
+  refusals in several rounds) (written by the averager's process).
 - ``averaging.state_refused``: ``averager`` (its name in log lines: stage and peer),
   ``source`` (the peer the state came from, as the transport knows it), ``reason``: a
   downloaded state did not fit the stage, or claimed an epoch far ahead of the others;

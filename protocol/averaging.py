@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
@@ -250,20 +250,54 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torc
 
 # What a reducer returns. Every groupmate reduces a share of the vector: it gets every
 # groupmate's part of that share and returns the (robust) mean to each. A sender cannot
-# see the other parts, but it knows its own, and the mean of parts that include it lies
-# near it and along it: within about the parts' spread (of the order of their norms) and
-# with a positive dot product (ours is one of the parts, and the others share the signal
-# ours carries). The share a sender reduces itself shows how far the true mean lies from
-# its part in this round (farther when its part is small: a DiLoCo delta of fewer inner
-# steps), so another share may lie that far too. A mean negated, or scaled far up, fails.
+# see the other parts, but it knows its own and its weight's share of the group: an honest
+# mean is a positive combination of its part and the others' mean, so it lies within about
+# the parts' spread of ours (of the order of their norms), and its cosine with ours is at
+# least the others' mean's, higher the more of the weight is ours. The share a sender
+# reduces itself shows how far the true mean lies from its part in this round (farther
+# when its part is small: a DiLoCo delta of fewer inner steps), so another share may lie
+# that far too. A part of little weight says little about the mean: one sample's gradient
+# beside 31 others' is sparse in the embeddings (the mean may lie tens of its norms away)
+# and, where copies took speculative steps, may point against theirs
+# (``tests/unit/test_averaging_refusal.py``), so its checks are lenient in proportion, and
+# the groupmates of most weight judge strictly. A mean scaled far up fails for nearly
+# everyone; a negated one for the groupmates of most weight.
 RETURN_RADIUS = 4.0  # in norms of our part, times our own share's spread (at least 1)
-# An honest mean may still point a little against a part that the others outweigh and
-# that is near orthogonal to theirs (a groupmate with few samples beside many; honest
-# swarm runs showed -0.07 and, with max_staleness 1's unequal weights, -0.16): refused only
-# below this cosine, or below twice our own share's cosine if that is lower (it shows how
-# far against ours this round's true mean lies). A negated mean lies at minus the honest
-# cosine, below that.
+FAR_RADIUS = 4.0  # beyond this many times the radius, a mean is refused at once
+# A mean is refused as against our part below this cosine, or below twice our own share's
+# cosine if that is lower (it shows how far against ours this round's true mean lies), or
+# below ``honest_cosine`` of our weight's share if that is lower. A negated mean lies at
+# minus the honest cosine.
 AGAINST_COSINE = -0.2
+OTHERS_COSINE = -0.9  # how far against ours the others' mean may point (``honest_cosine``)
+
+
+def weight_share(mine: float, others: Sequence[float]) -> float | None:
+    """Our weight's share of a reducer's mean: ``mine`` over the summed weights of the
+    parts that carry weight (ours and ``others``, the weights the groupmates declared to
+    the reducer we run), each counting at most ``CLIP_WEIGHT`` times their median once
+    three or more carry weight, as ``robust_mean`` counts them. None when no part carries
+    weight. A groupmate claiming a huge weight makes our share small (and the check of
+    its mean lenient) only up to that clip; with two parts it dictates the plain mean as a
+    sender anyway."""
+    weights = [float(w) for w in (mine, *others) if check_weight(w) and w > 0]
+    if not weights:
+        return None
+    if len(weights) >= 3:
+        cap = CLIP_WEIGHT * float(torch.tensor(weights).median())
+        weights = [min(w, cap) for w in weights]
+        mine = min(mine, cap)
+    return max(0.0, float(mine)) / sum(weights)
+
+
+def honest_cosine(share: float) -> float:
+    """The lowest cosine an honest mean has with our part when our weight's share is
+    ``share`` and the others' mean lies at ``OTHERS_COSINE`` from ours, each part's norm
+    scaling as sampling noise (1 / sqrt(weight)): ``OTHERS_COSINE`` when our share is 0,
+    rising to 1 as it nears 1."""
+    a = min(1.0, max(0.0, share))
+    c = OTHERS_COSINE
+    return (math.sqrt(a) + c * math.sqrt(1 - a)) / math.sqrt(1 + 2 * c * math.sqrt(a * (1 - a)))
 
 
 @dataclass
@@ -302,30 +336,99 @@ class ReturnedShare:
         return math.sqrt(self.distance_sq / self.mine_sq) if self.mine_sq > 0 else None
 
 
-def check_returned(share: ReturnedShare, own: ReturnedShare | None = None) -> str | None:
+@dataclass(frozen=True)
+class Refusal:
+    """Why a reducer's means were refused. ``ban``: they cannot be an honest mean (not
+    finite, or ``FAR_RADIUS`` times beyond the radius): refuse the reducer at once; else
+    the share is discarded and the refusal counts as a strike (``ReducerRecord``)."""
+
+    reason: str
+    ban: bool
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def check_returned(
+    share: ReturnedShare, own: ReturnedShare | None = None, weight: float | None = None
+) -> Refusal | None:
     """Why the means one groupmate returned for its share (``share``) cannot be means of
-    parts that include ours, or None: they must be finite, lie within ``RETURN_RADIUS``
-    norms of our part from it (times the spread of ``own``, the share we reduced
-    ourselves, if that is more than 1), and not point against it (a cosine below
-    ``AGAINST_COSINE``, or below twice that of ``own`` if lower). A contribution of zeros
-    (a groupmate with no samples of its own) tells nothing: None, even for non-finite
-    means, which an honest reducer returns when every sender had weight 0 (its sum over a
-    weight of 0); the caller then discards the result as out of bounds."""
+    parts that include ours, or None. ``own``: the share we reduced ourselves; ``weight``:
+    our weight's share of the group (``weight_share``; None: unknown, taken as half).
+
+    They must be finite; lie within ``RETURN_RADIUS`` norms of our part from it, times the
+    spread of ``own`` if that is more than 1, times 1 / sqrt(2 ``weight``) if that is more
+    than 1 (a part of less than half the weight is a poorer yardstick); and not point
+    against it: a cosine below ``AGAINST_COSINE``, below twice that of ``own`` and below
+    ``honest_cosine(weight)``. A contribution of zeros (a groupmate with no samples of its
+    own) tells nothing: None, even for non-finite means, which an honest reducer returns
+    when every sender had weight 0 (its sum over a weight of 0); the caller then discards
+    the result as out of bounds."""
     if share.mine_sq == 0:
         return None
     if not share.finite:
-        return "it returned non-finite values"
+        return Refusal("it returned non-finite values", ban=True)
     spread = share.spread
     if spread is None:
         return None
     limit = RETURN_RADIUS * max(1.0, (own.spread if own is not None else None) or 1.0)
+    if weight is not None:
+        limit *= max(1.0, 1 / math.sqrt(2 * weight)) if weight > 0 else math.inf
     if spread > limit:
-        return f"its mean lies {spread:.3g} norms of our part from it (at most {limit:.3g})"
+        return Refusal(
+            f"its mean lies {spread:.3g} norms of our part from it (at most {limit:.3g})",
+            ban=spread > FAR_RADIUS * limit,
+        )
     cosine = share.cosine
     floor = min(AGAINST_COSINE, 2 * ((own.cosine if own is not None else None) or 0.0))
+    if weight is not None:
+        floor = min(floor, honest_cosine(weight))
     if cosine is not None and cosine < floor:
-        return f"its mean points against our part (cosine {cosine:.3g}, at least {floor:.3g})"
+        return Refusal(
+            f"its mean points against our part (cosine {cosine:.3g}, at least {floor:.3g})",
+            ban=False,
+        )
     return None
+
+
+# A reducer whose means were refused in ``STRIKES`` of the last ``STRIKE_ROUNDS`` rounds it
+# reduced for us (for their direction, or as a little beyond the radius) is refused for
+# ``REFUSED_S``: an honest one is refused now and then, a hostile one every round.
+STRIKES = 3
+STRIKE_ROUNDS = 10
+REFUSED_S = 600.0  # how long a reducer is refused (as a leader, a follower, a sender)
+
+
+@dataclass
+class ReducerRecord:
+    """One groupmate's record as a reducer, as one peer keeps it (events in: ``reduced``;
+    no clock: the caller passes the time). A refusal that bans, or refusals in
+    ``STRIKES`` of the last ``STRIKE_ROUNDS`` rounds, refuse the groupmate until
+    ``until``; the attempts of one round (its retries) count as one round, refused if
+    any was."""
+
+    rounds: dict[str, bool] = field(default_factory=dict)  # round -> refused, oldest first
+    until: float = -math.inf
+
+    def reduced(self, round_key: str, refusal: Refusal | None, now: float) -> bool:
+        """It reduced a share for us in round ``round_key`` (at ``now``), and its means
+        were refused (``refusal``) or not (None); whether the groupmate is refused from
+        now on."""
+        refused = self.rounds.pop(round_key, False) or refusal is not None
+        self.rounds[round_key] = refused
+        for old in list(self.rounds)[:-STRIKE_ROUNDS]:
+            del self.rounds[old]
+        if (refusal is not None and refusal.ban) or sum(self.rounds.values()) >= STRIKES:
+            self.until, self.rounds = now + REFUSED_S, {}
+        return self.refuses(now)
+
+    def refuses(self, now: float) -> bool:
+        """Whether the groupmate is refused at ``now``."""
+        return now < self.until
+
+    def idle(self, now: float) -> bool:
+        """Nothing to remember at ``now``: not refused, and no refusal among its rounds."""
+        return not self.refuses(now) and not any(self.rounds.values())
 
 
 def reducer_shares(clients: Sequence[bool]) -> tuple[float, ...]:

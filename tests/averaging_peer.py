@@ -193,7 +193,7 @@ class Uncritical(StageAveragerProcess):
     """A groupmate that applies whatever its reducers return (a hostile one need not check:
     the noise sender's own checks would refuse honest means, far from its noise)."""
 
-    def check_returned(self, own, shares) -> dict:
+    def check_returned(self, own, shares, weight=None) -> dict:
         return {}
 
 

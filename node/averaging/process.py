@@ -14,10 +14,12 @@ names, the reducer, the round, the state download, the shutdown) are overridden 
   would average a NaN into everyone's result), then, if the ``compression`` has a
   ``snap_mean``, rounded by it;
 - what a groupmate returns for the share it reduced is checked against our own parts of
-  that share (``protocol.averaging.check_returned``): a mean that cannot be one of parts
-  that include ours (negated, scaled far up) fails the round, is logged and emitted as
-  ``averaging.part_rejected``, and that groupmate is refused (as a leader, a follower, a
-  sender) for ``REJECTED_S``;
+  that share and our weight's share of the group (``protocol.averaging.check_returned``):
+  a mean that cannot be one of parts that include ours (negated, scaled up) fails the
+  round, is logged and emitted as ``averaging.part_rejected``; a non-finite or far-out
+  mean refuses that groupmate (as a leader, a follower, a sender) for ``REJECTED_S`` at
+  once, one refused for its direction (or a little beyond the radius) only once refused in
+  ``STRIKES`` of its last rounds (``protocol.averaging.ReducerRecord``);
 - the vector is split into equal shares among the groupmates that reduce
   (``protocol.averaging.reducer_shares``), whatever bandwidth they claim;
 - in a private run, it averages with members only: it refuses to admit, aggregate for,
@@ -55,6 +57,8 @@ from node.rpc.child_process import die_with_parent
 from node.rpc.hivemind_compat import AveragerCompat, cap_frames, use_compression
 from protocol.averaging import (
     MAX_ABS_CONTRIBUTION,
+    REFUSED_S,
+    ReducerRecord,
     ReturnedShare,
     check_returned,
     check_weight,
@@ -67,7 +71,7 @@ from protocol.membership import MembershipPolicy
 logger = logging.getLogger(__name__)
 
 MEMBERS_REFRESH_S = 2.0  # a peer we do not know yet is looked up at most this often
-REJECTED_S = 600.0  # how long a groupmate whose returned means we refused is refused
+REJECTED_S = REFUSED_S  # how long a groupmate whose returned means we refused is refused
 
 EPOCH_BITS = 16  # epochs that differ by a multiple of 2**16 share a group key
 
@@ -95,7 +99,8 @@ class StageAveragerProcess(AveragerCompat):
         self._membership = membership if membership is not None and membership.private else None
         self._members: set[PeerID] = set()
         self._members_read = -float("inf")
-        self._rejected: dict[PeerID, float] = {}  # reducer -> refused until (monotonic)
+        self._reducers: dict[PeerID, ReducerRecord] = {}  # refusals of their means (monotonic)
+        self._round = ""  # the group bits of the round we match for (``set_round``)
         self._bad_sources: dict[PeerID, float] = {}  # state source -> refused until
         self._compression = kwargs.get("compression")
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -133,6 +138,10 @@ class StageAveragerProcess(AveragerCompat):
         ``step``."""
         self.set_matchmaking(epoch_bits(epoch), size)
 
+    async def _set_matchmaking(self, group_bits: str, target_group_size: int | None) -> None:
+        self._round = group_bits  # refusals of one round's means count once
+        await super()._set_matchmaking(group_bits, target_group_size)
+
     def get_current_state(self):
         metadata, tensors = self._state_source()
         return metadata, tensors, None
@@ -155,24 +164,38 @@ class StageAveragerProcess(AveragerCompat):
         return mean if snap is None else snap(mean, parts)
 
     def check_returned(
-        self, own: ReturnedShare | None, shares: dict[PeerID, ReturnedShare]
+        self,
+        own: ReturnedShare | None,
+        shares: dict[PeerID, ReturnedShare],
+        weight: float | None = None,
     ) -> dict[PeerID, str]:
-        """``protocol.averaging.check_returned`` for each groupmate's share; a refused one
-        is logged, emitted as ``averaging.part_rejected`` and refused for ``REJECTED_S``."""
+        """``protocol.averaging.check_returned`` for each groupmate's share, ``weight``
+        our weight's share of the group; each outcome goes to the reducer's
+        ``ReducerRecord``, and a refused share is logged and emitted as
+        ``averaging.part_rejected``."""
         refused = {}
+        now = time.monotonic()
         for reducer, share in shares.items():
-            why = check_returned(share, own)
-            if why is None:
+            refusal = check_returned(share, own, weight)
+            record = self._reducers.setdefault(reducer, ReducerRecord())
+            banned = record.reduced(self._round, refusal, now)
+            if record.idle(now):
+                del self._reducers[reducer]
+            if refusal is None:
                 continue
-            refused[reducer] = why
-            self._rejected[reducer] = time.monotonic() + REJECTED_S
+            refused[reducer] = refusal.reason
             logger.warning(
-                "discarded the share %s reduced (%s): it is refused for %.0f s",
+                "discarded the share %s reduced (%s)%s",
                 reducer,
-                why,
-                REJECTED_S,
+                refusal.reason,
+                f": it is refused for {REJECTED_S:.0f} s" if banned else "",
             )
-            events.emit("averaging.part_rejected", reducer=reducer.to_base58(), reason=why)
+            events.emit(
+                "averaging.part_rejected",
+                reducer=reducer.to_base58(),
+                reason=refusal.reason,
+                refused=banned,
+            )
         return refused
 
     def split_shares(self, clients: list[bool]) -> tuple[float, ...]:
@@ -184,11 +207,13 @@ class StageAveragerProcess(AveragerCompat):
         of the run (always, in a public run: its record in the DHT must show a valid
         invite). Unknown peers are looked up at most every ``MEMBERS_REFRESH_S``, so a
         flood of strangers costs one DHT read per period."""
-        until = self._rejected.get(peer)
-        if until is not None:
-            if time.monotonic() < until:
+        record = self._reducers.get(peer)
+        if record is not None:
+            now = time.monotonic()
+            if record.refuses(now):
                 return False
-            del self._rejected[peer]
+            if record.idle(now):
+                del self._reducers[peer]
         if self._membership is None or peer in self._members or peer == self.peer_id:
             return True
         if time.monotonic() - self._members_read >= MEMBERS_REFRESH_S:
@@ -203,12 +228,8 @@ class StageAveragerProcess(AveragerCompat):
         a reducer we refused lately (its own copy took what it returned), nor a peer whose
         state we refused lately (``refuse_source``)."""
         now = time.monotonic()
-        refused = {
-            peer
-            for refusals in (self._rejected, self._bad_sources)
-            for peer, until in refusals.items()
-            if until > now
-        }
+        refused = {peer for peer, until in self._bad_sources.items() if until > now}
+        refused |= {peer for peer, record in self._reducers.items() if record.refuses(now)}
         if self._membership is None:
             return _AllBut(refused) if refused else None
         await self._read_members()

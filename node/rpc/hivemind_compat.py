@@ -75,8 +75,9 @@ What is patched or overridden, and why:
   per round by ``_ScreenedRunner``), reading ``_input_parts_by_peer``: the means each
   groupmate returned for its share are summed up against our own parts of it, and once
   all are in, ``check_returned`` may refuse some: the round then fails (our tensors, which
-  took the means in place, are written afresh by the next round). hivemind applies
-  whatever a reducer returns.
+  took the means in place, are written afresh by the next round), given our weight's share
+  of the group (``protocol.averaging.weight_share`` of our weight and those the groupmates
+  declared to the share we reduced). hivemind applies whatever a reducer returns.
 - The ``peer_fractions`` hivemind's ``_aggregate_with_group`` passes to
   ``_run_allreduce_inplace_`` (replaced there by ``split_shares``, from the modes the
   groupmates declared): hivemind splits the vector by the bandwidth each groupmate claims.
@@ -118,7 +119,7 @@ from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from hivemind.utils.mpfuture import MPFuture
 from multiaddr import Multiaddr
 
-from protocol.averaging import ReturnedShare
+from protocol.averaging import ReturnedShare, weight_share
 
 logger = logging.getLogger(__name__)
 
@@ -349,6 +350,7 @@ class ScreenedReducer(TensorPartReducer):
     ) -> None:
         self.local = local
         self.screen = screen
+        self.declared: dict[int, float] = {}  # sender -> the weight it declared (accepted)
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -370,6 +372,7 @@ class ScreenedReducer(TensorPartReducer):
             refused = self.screen.check_part(tensor_part, weight)
             if refused is not None:
                 raise AllreduceException(f"sender {sender_index}, part {part_index}: {refused}")
+            self.declared.setdefault(sender_index, weight)
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
 
 
@@ -400,6 +403,14 @@ class _ScreenedRunner(AllReduceRunner):
             share = self.returned.setdefault(reducer, ReturnedShare())
             share.add(mine, mine.float() + delta.float())
         self._register_part(peer_index, part_index, delta)
+
+    def our_weight_share(self) -> float | None:
+        """Our weight's share of the group, from the weights the other senders declared to
+        the share we reduced (None: we reduced none, or no part carries weight)."""
+        reducer = self.tensor_part_reducer
+        if reducer.local is None or not reducer.declared:
+            return None
+        return weight_share(self.weight, list(reducer.declared.values()))
 
     def _reducer_failed(self, peer_index: int) -> None:
         self._failed.add(peer_index)  # the rest of its share is ours, unaveraged
@@ -458,10 +469,14 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         return sum(p * (w / total) for p, w in zip(parts, weights, strict=True))
 
     def check_returned(
-        self, own: ReturnedShare | None, shares: dict[PeerID, ReturnedShare]
+        self,
+        own: ReturnedShare | None,
+        shares: dict[PeerID, ReturnedShare],
+        weight: float | None = None,
     ) -> dict[PeerID, str]:
         """The groupmates whose returned means (``shares``: sums over each one's share;
-        ``own``: over the share we reduced, if any) are refused, and why."""
+        ``own``: over the share we reduced, if any) are refused, and why; ``weight``: our
+        weight's share of the group (None: unknown)."""
         return {}
 
     def split_shares(self, clients: list[bool]) -> Sequence[float] | None:
@@ -602,7 +617,7 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)  # averaging_alpha is 1
         own = runner.returned.pop(self.peer_id, None)
-        refused = self.check_returned(own, runner.returned)
+        refused = self.check_returned(own, runner.returned, runner.our_weight_share())
         if refused:
             reducers = ", ".join(f"{peer} ({why})" for peer, why in refused.items())
             raise AllreduceException(f"refused the means returned by {reducers}")

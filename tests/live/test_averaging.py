@@ -610,11 +610,72 @@ def test_a_hostile_groupmate_leaves_the_loss_with_the_honest_peers(
             stats = [(s.rounds, s.fallbacks, s.catch_ups, s.discarded) for s in stats]
             assert all(abs(loss - expected) < 0.1 for loss in losses), (expected, losses, stats)
             assert expected < before - 0.3, (before, expected)
-            rejected = {e["reducer"] for e in read_events(log, "averaging.part_rejected")}
+            events_rejected = read_events(log, "averaging.part_rejected")
+            rejected = {e["reducer"] for e in events_rejected}
             assert rejected == ({hostile.dht.peer_id} if fault == "reducer" else set()), rejected
+            # -100 x the mean is far out: refused at once, not after strikes
+            assert all(e["refused"] for e in events_rejected), events_rejected
         finally:
             events.close_log()
             await _shutdown(*honest, hostile)
+
+    _run(body(), timeout=240)
+
+
+def test_peers_of_very_unequal_weights_never_refuse_each_other(dhts, corpus, tmp_path):
+    """Two honest peers holding a small model (the whole of ``CFG``) on text, one feeding 1
+    sample per round and the other 31, with speculative steps (``max_staleness`` 1,
+    ``speculate``): each round's micro-batches are fed once the previous round has begun,
+    so they are computed on copies a little apart. Every round averages, and neither peer
+    refuses the other's means (no ``averaging.part_rejected``, no discarded attempt), though
+    the peer of one sample sees honest means far from its part and pointing against it."""
+    rounds, log = 12, tmp_path / "events.jsonl"
+    spec = make_run_spec(
+        "avg-unequal",
+        "tiny",
+        1,
+        owner=OWNER,
+        model=CFG,
+        averaging=AveragingSpec(**FAST, speculate=True),
+        warmup_steps=0,
+        lr=1e-2,
+        micro_batch_size=1,
+        target_batch_size=32,
+        max_staleness=1,
+    )
+    few, many = (Peer(SwarmDHT(d, spec.run), spec, stage_index=0) for d in dhts[:2])
+    data = sample_batches(corpus.train, CFG.block_size, 32, stream_seed(0, 2))
+
+    def feed() -> None:
+        x, y = next(data)
+        few.feed_tokens(x[:1], y[:1])
+        many.feed_tokens(x[1:], y[1:])
+
+    async def body():
+        events.open_log(log)  # before the averagers fork: they emit into it
+        try:
+            for peer in (few, many):
+                await peer.start()
+                await peer.averager.load_state()
+            await _until(lambda: few.averager.peers == many.averager.peers == 1, 10, "in sight")
+            await asyncio.to_thread(feed)
+            for epoch in range(1, rounds + 1):
+                began = lambda e=epoch: all(  # noqa: E731
+                    p.averager.busy or p.averager.epoch >= e for p in (few, many)
+                )
+                await _until(began, 30, f"round {epoch} to begin")
+                await asyncio.to_thread(feed)  # on the speculative step, if still in the round
+                await _until(lambda e=epoch: _at_epoch(e, few, many), 30, f"round {epoch}")
+            await _until(lambda: _at_epoch(rounds + 1, few, many), 30, "the last round")
+            rejected = read_events(log, "averaging.part_rejected")
+            assert rejected == [], rejected
+            for peer in (few, many):
+                stats = peer.averager.stats
+                assert stats.rounds == rounds + 1 and stats.discarded == 0, stats
+            assert _close(few.params(), many.params())
+        finally:
+            events.close_log()
+            await _shutdown(few, many)
 
     _run(body(), timeout=240)
 

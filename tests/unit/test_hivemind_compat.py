@@ -467,15 +467,22 @@ class _Screen:
 def test_the_reducer_screens_groupmates_parts_and_reduces_as_the_averager_says():
     parts = [torch.tensor([1.0, 500.0]), torch.tensor([3.0, 0.0]), torch.tensor([2.0, 4.0])]
 
+    reducers: list[compat.ScreenedReducer] = []
+
     async def reduce(bad: torch.Tensor | None = None) -> list[torch.Tensor]:
         reducer = compat.ScreenedReducer([torch.Size([2])], 3, local=0, screen=_Screen())
+        reducers.append(reducer)
         sent = parts if bad is None else [*parts[:2], bad]
-        return await asyncio.gather(*(reducer.accumulate_part(i, 0, p) for i, p in enumerate(sent)))
+        return await asyncio.gather(
+            *(reducer.accumulate_part(i, 0, p, weight=i + 1.0) for i, p in enumerate(sent))
+        )
 
     for result in asyncio.run(reduce()):  # our own part is not screened
         assert torch.equal(result, torch.tensor([3.0, 500.0]))
+    assert reducers[-1].declared == {1: 2.0, 2: 3.0}  # the groupmates' weights, not ours
     with pytest.raises(AllreduceException, match="sender 2, part 0: above 100"):
         asyncio.run(reduce(bad=torch.tensor([200.0, 0.0])))
+    assert reducers[-1].declared == {1: 2.0}  # a refused part's weight does not count
     with pytest.raises(AllreduceException, match=r"sender 2, part 0: shape \(3,\)"):
         asyncio.run(reduce(bad=torch.tensor([1.0, 2.0, 3.0])))
     assert "self.accumulator.add_(tensor_part, alpha=weight)" in _source(

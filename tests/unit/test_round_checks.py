@@ -54,9 +54,19 @@ def test_returned_share_still_refuses_bad_means():
     negated.add(mine, -mine)
     scaled.add(mine, 100 * mine)
     broken.add(mine, torch.full_like(mine, float("nan")))
-    assert "against" in check_returned(negated)
-    assert "norms" in check_returned(scaled)
-    assert "non-finite" in check_returned(broken)
+    assert "against" in check_returned(negated).reason
+    assert "norms" in check_returned(scaled).reason
+    assert "non-finite" in check_returned(broken).reason
+    # Scaled far up or non-finite: refused at once; negated: a strike (``ReducerRecord``).
+    assert check_returned(scaled).ban and check_returned(broken).ban
+    assert not check_returned(negated).ban
+    assert not check_returned(_scaled(mine, 6)).ban  # a little beyond the radius
+
+
+def _scaled(mine: torch.Tensor, factor: float) -> ReturnedShare:
+    share = ReturnedShare()
+    share.add(mine, factor * mine)
+    return share
 
 
 def test_non_finite_means_of_a_zero_contribution_are_not_refused():
@@ -70,7 +80,7 @@ def test_non_finite_means_of_a_zero_contribution_are_not_refused():
     nonzero.add(torch.ones(500), torch.ones(500))
     assert check_returned(zeros) is None
     assert not zeros.finite
-    assert "non-finite" in check_returned(nonzero)
+    assert "non-finite" in check_returned(nonzero).reason
 
 
 def test_a_mean_barely_against_our_part_is_not_refused():
@@ -88,13 +98,13 @@ def test_a_mean_barely_against_our_part_is_not_refused():
     against.add(mine, -0.5 * mine + 0.866 * other / other.norm() * mine.norm())
     assert honest.dot < 0
     assert check_returned(honest) is None
-    assert "against" in check_returned(negated)
-    assert "against" in check_returned(against)
+    assert "against" in check_returned(negated).reason
+    assert "against" in check_returned(against).reason
     # Our own share's mean at cosine -0.2 (this round's true mean lies against ours):
     # another share's at -0.3 passes; at -0.5 it is still refused.
     own, further = ReturnedShare(), ReturnedShare()
     own.add(mine, -0.2 * mine + 0.98 * other / other.norm() * mine.norm())
     further.add(mine, -0.3 * mine + 0.954 * other / other.norm() * mine.norm())
     assert check_returned(further, own) is None
-    assert "against" in check_returned(further)
-    assert "against" in check_returned(against, own)
+    assert "against" in check_returned(further).reason
+    assert "against" in check_returned(against, own).reason
