@@ -59,6 +59,31 @@ async def _train_and_validate(run: str, maddr: str, micro_batches: int) -> tuple
         dht.shutdown()
 
 
+async def _train_until_checkpointed(
+    run: str, nodes: list[NodeProcess], micro_batches: int
+) -> tuple[float, int, float, float]:
+    """One trainer for the run before the stop (a DHT client and a trainer each cost a
+    process start): the validation loss at the initial weights, the samples of
+    ``micro_batches`` trained, when training ended, and the validation loss once every
+    node has checkpointed what it holds at least once since then."""
+    dht = SwarmDHT.start(run, initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
+                         client_mode=True)  # fmt: skip
+    try:
+        trainer = await open_trainer(dht, TrainerSettings(in_flight=2, call_timeout_s=10))
+        try:
+            initial = await trainer.evaluate()
+            await trainer.train(micro_batches)
+            trained = time.time()
+            await asyncio.to_thread(wait_until, lambda: all(
+                any(e["t"] > trained for e in n.events("checkpoint.written")) for n in nodes
+            ), 30, "a checkpoint of every node after training")  # fmt: skip
+            return initial, trainer.stats.samples, trained, await trainer.evaluate()
+        finally:
+            await trainer.p2p.shutdown()
+    finally:
+        dht.shutdown()
+
+
 def _checkpointed_steps(nodes: list[NodeProcess], after: float) -> dict[int, int]:
     """The most steps of each stage in a checkpoint written after ``after``."""
     steps: dict[int, int] = {}
@@ -74,15 +99,8 @@ def test_a_whole_swarm_killed_and_stopped_at_once_resumes_from_its_checkpoints(t
     try:
         nodes = _launch(tmp_path, "resume", pin=True)
         run = nodes[0].run_id
-        initial, _ = asyncio.run(_train_and_validate(run, nodes[0].maddr, 0))
-        _, samples = asyncio.run(_train_and_validate(run, nodes[0].maddr, 120))
+        initial, samples, trained, before = asyncio.run(_train_until_checkpointed(run, nodes, 120))
         assert samples >= 120 * 8
-        trained = time.time()
-        # Every node checkpoints what it holds at least once after training stopped.
-        wait_until(lambda: all(
-            any(e["t"] > trained for e in n.events("checkpoint.written")) for n in nodes
-        ), 30, "a checkpoint of every node after training")  # fmt: skip
-        before, _ = asyncio.run(_train_and_validate(run, nodes[0].maddr, 0))
         assert before < initial - 0.5, (initial, before)
         steps = _checkpointed_steps(nodes, trained)
         assert set(steps) == {0, 1} and min(steps.values()) > 0, steps
