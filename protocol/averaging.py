@@ -8,13 +8,15 @@ peer reads all of them and applies the same pure rule (``decide``): when the sam
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. ``OuterRound``
 counts a DiLoCo copy's samples around its rounds and says what it may do while one is in
-flight. No clock, no network here: ``node.averaging`` does the I/O.
+flight; ``resync_source`` brings copies that stepped alone back to one, and
+``download_patience_s`` says how long a download of a stage's state may take. No clock,
+no network here: ``node.averaging`` does the I/O.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -89,6 +91,52 @@ def decide(
     if not same and patient and any(p.epoch < epoch for p in others):
         return Decision(Action.WAIT, total, 0)
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
+
+
+# How long a peer waits for a stage's state from a peer of it: the state's bytes over the
+# upload rate its source announces, times ``DOWNLOAD_MARGIN`` (framing, a loaded machine,
+# TCP's ramp over a long round trip), and never less than the round's timeout. A source
+# that announces no rate is assumed to send ``ASSUMED_UPLOAD_MBPS``; a claimed rate counts
+# as at least ``MIN_UPLOAD_MBPS`` and at most ``MAX_UPLOAD_MBPS``, so that a claim can
+# neither make us wait without end nor cut a download short of the round's timeout. A
+# source that stops sending altogether is dropped sooner, by the transport's chunk timeout.
+DOWNLOAD_MARGIN = 2.0
+ASSUMED_UPLOAD_MBPS = 10.0
+MIN_UPLOAD_MBPS = 1.0
+MAX_UPLOAD_MBPS = 10_000.0
+
+
+def download_patience_s(state_bytes: int, upload_mbps: Sequence[float], *, floor_s: float) -> float:
+    """Seconds to wait for a state of ``state_bytes`` from one of the peers whose announced
+    upload rates (Mbit/s; 0: not announced) are ``upload_mbps``: paced by the slowest of
+    them (any may be the one that answers), at least ``floor_s``. No rate at all: one
+    source at ``ASSUMED_UPLOAD_MBPS``."""
+    if state_bytes < 0 or not floor_s >= 0:
+        raise ValueError(f"state_bytes and floor_s must be >= 0, got {state_bytes}, {floor_s}")
+    rates = [
+        min(max(r, MIN_UPLOAD_MBPS), MAX_UPLOAD_MBPS) if r > 0 else ASSUMED_UPLOAD_MBPS
+        for r in upload_mbps
+        if math.isfinite(r)
+    ] or [ASSUMED_UPLOAD_MBPS]
+    return max(floor_s, DOWNLOAD_MARGIN * state_bytes * 8 / (min(rates) * 1e6))
+
+
+def resync_source(me: str, forked: Collection[str], group: Collection[str]) -> str | None:
+    """After a round of ``group`` (peer ids, ``me`` included) in which the peers in
+    ``forked`` held copies of their own (each stepped alone since its copy last agreed with
+    its peers': a round that failed on its side only, or on every side), the groupmate
+    whose state ``me`` downloads so that the group holds one copy again; None: keep ours.
+
+    Every groupmate computes the same reference copy: the lowest peer id among those that
+    did not fork (their copies agree), else the lowest of all. Forked peers other than the
+    reference download it; the reference and the peers that did not fork keep theirs."""
+    if me not in group:
+        raise ValueError(f"{me} is not in the group it averaged with")
+    if not forked:
+        return None
+    kept = sorted(p for p in group if p not in forked)
+    reference = kept[0] if kept else min(group)
+    return reference if me in forked and me != reference else None
 
 
 @dataclass

@@ -42,6 +42,14 @@ def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
+def shipped_bytes(module: nn.Module, mode: str) -> int:
+    """About the bytes of the state ``capture`` ships for ``module`` once its optimizer has
+    stepped: the parameters, AdamW's two moments of each, and in DiLoCo the outer momentum,
+    each in the parameters' dtype."""
+    params = sum(p.numel() * p.element_size() for _, p in trainable(module))
+    return params * (4 if mode == "diloco" else 3)
+
+
 def capture(
     module: nn.Module,
     optimizer: StageOptimizer,

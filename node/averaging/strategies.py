@@ -186,6 +186,15 @@ class Strategy(ABC):
                 contribution.settled = True
                 self._give_back_locked(contribution)
 
+    def forgo(self, contribution: Contribution) -> None:
+        """The group stepped on our contribution, but our copy does not take that step (it
+        downloads the state of a copy that did): nothing goes back, and the round is over
+        (a no-op once settled)."""
+        with self.lock:
+            if not contribution.settled:
+                contribution.settled = True
+                self._forgo_locked(contribution)
+
     @abstractmethod
     def step_alone(self) -> bool:
         """Step on our own samples, no peer at our epoch; False if nothing was due."""
@@ -224,6 +233,9 @@ class Strategy(ABC):
 
     @abstractmethod
     def _give_back_locked(self, contribution: Contribution) -> None: ...
+
+    @abstractmethod
+    def _forgo_locked(self, contribution: Contribution) -> None: ...
 
     def _shipped_params(self) -> list[torch.Tensor] | None:
         return None  # the module's own
@@ -315,6 +327,10 @@ class GradientStrategy(Strategy):
     def _give_back_locked(self, contribution: Contribution) -> None:
         self._unspeculate_locked()
         self.optimizer.restore_accumulated(contribution.weight, contribution.sums)
+        self._round_samples = 0
+
+    def _forgo_locked(self, contribution: Contribution) -> None:
+        self._unspeculate_locked()
         self._round_samples = 0
 
     def _loaded_locked(self, state: StageState) -> None:
@@ -502,6 +518,10 @@ class DiLoCoStrategy(Strategy):
         # (overlap) the progress since its snapshot.
         self._late_snapshot = None
         self._rounds.given_back(contribution.weight)
+
+    def _forgo_locked(self, contribution: Contribution) -> None:
+        self._late_snapshot = None
+        self._rounds.given_back(0)  # its samples are in the steps of the copies that took it
 
     def _shipped_params(self) -> list[torch.Tensor] | None:
         return self._anchor  # the parameters all copies agreed on, not our inner progress

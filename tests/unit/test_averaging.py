@@ -20,7 +20,9 @@ from protocol.averaging import (
     ReturnedShare,
     check_returned,
     decide,
+    download_patience_s,
     reducer_shares,
+    resync_source,
     robust_mean,
 )
 from tests.averaging_peer import (
@@ -87,6 +89,41 @@ def test_decide():
     assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
     with pytest.raises(ValueError):
         decide("me", 0, 1, [], 0)
+
+
+def test_a_download_waits_as_long_as_the_state_takes_at_the_announced_rate():
+    # the small preset's stage over a home link: 66 MB at 50 Mbit/s take 10.6 s, which a
+    # loaded relay stretched past the round's 15 s timeout
+    small = 66_000_000
+    assert download_patience_s(small, [50.0], floor_s=15.0) == pytest.approx(21.12)
+    assert download_patience_s(small, [50.0, 12.0], floor_s=15.0) == pytest.approx(88.0)  # slowest
+    assert download_patience_s(10_000, [50.0], floor_s=15.0) == 15.0  # a small state: the floor
+    # not announced (0), or no source known: an assumed 10 Mbit/s
+    assert download_patience_s(small, [0.0], floor_s=15.0) == pytest.approx(105.6)
+    assert download_patience_s(small, [], floor_s=15.0) == pytest.approx(105.6)
+    # claims are bounded: a tiny rate cannot make us wait without end, a huge one cannot
+    # cut the wait below the floor
+    assert download_patience_s(small, [1e-9], floor_s=15.0) == pytest.approx(1056.0)
+    assert download_patience_s(small, [math.inf, 1e12], floor_s=15.0) == 15.0
+    with pytest.raises(ValueError):
+        download_patience_s(-1, [], floor_s=15.0)
+
+
+def test_forked_copies_come_back_to_one_after_a_round():
+    group = ["b", "a", "c"]
+    assert resync_source("a", set(), group) is None  # nobody forked: the copies agree
+    # a one-sided failure: "b" fell back, "a" took the round's step: "b" takes a's copy
+    assert resync_source("b", {"b"}, ["a", "b"]) == "a"
+    assert resync_source("a", {"b"}, ["a", "b"]) is None
+    # the lowest id that did not fork is the reference, whoever forked
+    assert resync_source("a", {"a"}, group) == "b"
+    assert resync_source("c", {"a", "c"}, group) == "b"
+    assert resync_source("b", {"a", "c"}, group) is None
+    # every copy forked (a failure on every side): the lowest id is the reference
+    sources = {me: resync_source(me, set(group), group) for me in group}
+    assert sources == {"a": None, "b": "a", "c": "a"}
+    with pytest.raises(ValueError):
+        resync_source("z", {"a"}, group)
 
 
 def test_state_is_checked_before_it_replaces_anything():
