@@ -49,9 +49,9 @@ fields:
   contributions the step took, us included; 0 for a state loaded), ``ok`` (false: the
   round failed and the copy stepped on its own contribution, or took no step), ``how``
   (``"averaged"``, ``"alone"``, ``"fallback"``, ``"abandoned"``, ``"caught_up"``,
-  ``"loaded"``, ``"resync"``: the group averaged, but this copy, its own since a fallback,
-  takes a copy that took the step instead); ``seconds`` (from the round's trigger to its
-  applied step: for
+  ``"loaded"``, ``"resync"``: the group averaged, but this copy, forked from the one
+  chosen in a fallback, downloads one that took the step instead); ``seconds`` (from the
+  round's trigger to its applied step: for
   ``"averaged"``, ``"fallback"`` and a timed ``"alone"``), with them ``idle_s`` (of those
   seconds, how long the stage server's compute thread served no request: the pipeline's
   idle time in the round; absent without a server) and, in DiLoCo, ``inner_steps`` (the
@@ -73,9 +73,9 @@ fields:
   it returned for the share it reduced cannot be a mean of parts that include ours
   (``protocol.averaging.check_returned``): the round fails, and the groupmate is refused
   for a while (written by the averager's process).
-- ``averaging.resync``: ``stage``, ``epoch``, ``source`` (a groupmate's peer id): this
-  copy stepped alone in a fallback since it last agreed with its peers', and downloads
-  ``source``'s copy (``protocol.averaging.resync_source``) after the round of ``epoch``.
+- ``averaging.resync``: ``stage``, ``epoch``, ``source`` (a groupmate's peer id): the
+  group of the round of ``epoch`` held copies of different lineages (a fallback forked
+  them), and this copy downloads ``source``'s (``protocol.averaging.resync_source``).
 - ``averaging.state_refused``: ``averager`` (its name in log lines: stage and peer),
   ``source`` (the peer the state came from, as the transport knows it), ``reason``: a
   downloaded state did not fit the stage, or claimed an epoch far ahead of the others;

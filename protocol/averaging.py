@@ -8,15 +8,17 @@ peer reads all of them and applies the same pure rule (``decide``): when the sam
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. ``OuterRound``
 counts a DiLoCo copy's samples around its rounds and says what it may do while one is in
-flight; ``resync_source`` brings copies that stepped alone back to one, and
-``download_patience_s`` says how long a download of a stage's state may take. No clock,
-no network here: ``node.averaging`` does the I/O.
+flight; ``resync_source`` brings copies that stepped alone (``fork_lineage``) back to one,
+and ``download_patience_s`` says how long a download of a stage's state may take. No
+clock, no network here: ``node.averaging`` does the I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Collection, Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -121,22 +123,30 @@ def download_patience_s(state_bytes: int, upload_mbps: Sequence[float], *, floor
     return max(floor_s, DOWNLOAD_MARGIN * state_bytes * 8 / (min(rates) * 1e6))
 
 
-def resync_source(me: str, forked: Collection[str], group: Collection[str]) -> str | None:
-    """After a round of ``group`` (peer ids, ``me`` included) in which the peers in
-    ``forked`` held copies of their own (each stepped alone since its copy last agreed with
-    its peers': a round that failed on its side only, or on every side), the groupmate
-    whose state ``me`` downloads so that the group holds one copy again; None: keep ours.
+def fork_lineage(peer: str, epoch: int) -> int:
+    """The lineage of a copy that ``peer`` stepped alone to ``epoch + 1`` in a fallback: a
+    value of its own (below 2**48), which no other copy holds. Copies start at lineage 0;
+    a copy downloaded or averaged keeps its lineage (``resync_source``)."""
+    digest = hashlib.sha256(f"{peer}/{int(epoch)}".encode()).digest()
+    return 1 + int.from_bytes(digest[:6], "big") % (2**48 - 1)
 
-    Every groupmate computes the same reference copy: the lowest peer id among those that
-    did not fork (their copies agree), else the lowest of all. Forked peers other than the
-    reference download it; the reference and the peers that did not fork keep theirs."""
-    if me not in group:
+
+def resync_source(me: str, lineages: Mapping[str, int]) -> str | None:
+    """After a round that averaged, given each groupmate's lineage (``lineages``, ``me``
+    included: the copies it holds share one if they have been one copy since their last
+    fallback, ``fork_lineage``), the groupmate whose state ``me`` downloads so that the
+    group holds one copy again; None: keep ours (the copies agree, or ours is the one).
+
+    Every groupmate computes the same choice: the lineage most groupmates hold (ties: the
+    lowest value), and of its holders the lowest peer id. The holders of another lineage
+    download that peer's state instead of taking the round's step."""
+    if me not in lineages:
         raise ValueError(f"{me} is not in the group it averaged with")
-    if not forked:
+    counts = Counter(lineages.values())
+    chosen = min(counts, key=lambda lineage: (-counts[lineage], lineage))
+    if lineages[me] == chosen:
         return None
-    kept = sorted(p for p in group if p not in forked)
-    reference = kept[0] if kept else min(group)
-    return reference if me in forked and me != reference else None
+    return min(peer for peer, lineage in lineages.items() if lineage == chosen)
 
 
 @dataclass

@@ -60,10 +60,11 @@ Faults. A failed attempt is retried until ``round_timeout_s``; then the peer re-
 DHT and either catches up (someone got ahead) or applies its own contribution alone (a
 fallback). A discarded round's contribution goes back (``Strategy.give_back``): no sample
 is lost or counted twice. A copy that fell back is its own (its groupmates took another
-step, or fell back too): it says so in its next round's matchmaking, and once that round
-averaged, every forked copy but one reference forgoes the round's step
-(``Strategy.forgo``) and catches up from the reference
-(``protocol.averaging.resync_source``), so that the stage holds one copy again.
+step, or fell back too): it takes a lineage of its own (``protocol.averaging.fork_lineage``,
+shipped with its state), each groupmate tells its lineage in a round's matchmaking, and
+once a round averaged, the copies of every lineage but the one ``resync_source`` chooses
+forgo the round's step (``Strategy.forgo``) and catch up from a copy of that one, so that
+the stage holds one copy again.
 
 Downloads. A catch-up waits for the state as long as its bytes take at the upload rate
 its sources announce (``protocol.averaging.download_patience_s``), at least a round's
@@ -106,6 +107,7 @@ from protocol.averaging import (
     Progress,
     decide,
     download_patience_s,
+    fork_lineage,
     resync_source,
     within_bounds,
 )
@@ -203,9 +205,6 @@ class StageAverager:
         # Until then, an epoch's step waits for peers behind us (joiners) rather than
         # stepping alone: once per epoch, at most as long as a download of our state takes.
         self._patience_until = 0.0
-        # Our copy is our own: we stepped alone (a fallback) since it last agreed with our
-        # peers' (``protocol.averaging.resync_source``).
-        self._forked = False
         self._state_bytes = shipped_bytes(strategy.module, strategy.mode)
         self._admitted_at = 0.0  # when (DHT time) the server last admitted a micro-batch
         self._loop = asyncio.get_running_loop()
@@ -543,7 +542,6 @@ class StageAverager:
         await asyncio.to_thread(self.strategy.apply_state, state)
         self.board.learn({state.source: state.epoch})
         self._catch_up_after = 0.0
-        self._forked = False
         self.stats.catch_ups += 1
         logger.info("%s: caught up to epoch %d from %s", self._name, self.epoch, state.source)
         await self._after_epoch(how="caught_up", peers=0, ok=True)
@@ -605,7 +603,7 @@ class StageAverager:
                 epoch=self.epoch,
                 group_size=group_size,
                 deadline=self._attempt_end(deadline),
-                forked=self._forked,
+                lineage=self.strategy.lineage,
             )
         try:
             await self._average_from(window, timeline, ready, deadline, group_size, scheduled)
@@ -665,7 +663,7 @@ class StageAverager:
     ) -> None:
         started = window.started
         epoch = self.epoch
-        averaged, mates, forked, attempts, early = None, {}, frozenset(), 0, False
+        averaged, mates, lineages, attempts, early = None, {}, {}, 0, False
         last_start = deadline - self.settings.matchmaking_s - 0.5
         while averaged is None and time.monotonic() < last_start and not self.board.ahead_of(epoch):
             exchange = await self.transport.exchange(
@@ -676,12 +674,12 @@ class StageAverager:
                 deadline=self._attempt_end(deadline),
                 leave=lambda: self.board.ahead_of(epoch),
                 scheduled=scheduled if attempts == 0 else None,
-                forked=self._forked,
+                lineage=self.strategy.lineage,
             )
             early = attempts == 0 and scheduled is not None and exchange.averaged is not None
             attempts += 1
             self.stats.discarded += exchange.discarded
-            averaged, mates, forked = exchange.averaged, exchange.mates, exchange.forked
+            averaged, mates, lineages = exchange.averaged, exchange.mates, exchange.lineages
             if averaged is not None and exchange.allreduce_began is not None:
                 timeline.mark("match", exchange.allreduce_began)
                 timeline.mark("allreduce")
@@ -689,13 +687,12 @@ class StageAverager:
                 self.board.learn(mates)  # a groupmate is ahead: we catch up
             if averaged is None and not self.board.mates_left(epoch):
                 break  # our groupmates are gone (killed mid-round): no one to wait for
-        group = [self.peer_id, *mates]
-        source = None if averaged is None else resync_source(self.peer_id, forked, group)
+        lineages = {self.peer_id: self.strategy.lineage, **lineages}
+        source = None if averaged is None else resync_source(self.peer_id, lineages)
         if source is not None:
-            await self._resync(source, contribution, epoch, peers=len(group))
+            await self._resync(source, contribution, epoch, peers=len(mates) + 1)
             return
         if averaged is not None:
-            self._forked = False  # the copies agree (resync_source), or ours is the reference
             await asyncio.to_thread(self.strategy.finish, averaged, contribution)
             timeline.mark("finish")
             self.board.learn(dict.fromkeys(mates, self.epoch))
@@ -730,11 +727,11 @@ class StageAverager:
             time.monotonic() - started,
             epoch,
         )
+        # Our groupmates step too (on their own, or on an average we missed): our copy is
+        # our own from now on, and a peer that downloads it takes its lineage.
+        self.strategy.lineage = fork_lineage(self.peer_id, epoch)
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
-        # Groupmates still at this epoch step too (on their own, or on an average we missed):
-        # our copy is our own. Gone ones (killed) leave no other copy.
-        self._forked = self._forked or self.board.mates_left(epoch)
         self.stats.last_round_s = time.monotonic() - started
         measured = self._measured(window) | timeline.fields()
         measured |= {"attempts": attempts, "early_match": early}
@@ -743,15 +740,15 @@ class StageAverager:
     async def _resync(
         self, source: str, contribution: Contribution, epoch: int, *, peers: int
     ) -> None:
-        """Our copy is our own (we fell back since it last agreed) and the group just
-        averaged: the copies that take the round's step hold the group's copy, ours does
-        not. Our contribution is in their step: it is forgone, and we catch up from
-        ``source`` (``resync_source``), which is now past ``epoch``."""
+        """The group just averaged, but its copies are not one (a fallback forked them):
+        ours is not the one ``resync_source`` chose. Our contribution is in the step of
+        the copies that take it: it is forgone, and we catch up from ``source``, which is
+        now past ``epoch``."""
         await asyncio.to_thread(self.strategy.forgo, contribution)
         self.board.learn({source: epoch + 1})
         self._catch_up_after = 0.0
         logger.warning(
-            "%s: our copy is our own since a fallback: taking %s's after the round of epoch %d",
+            "%s: our copy left the group's in a fallback: taking %s's after the round of epoch %d",
             self._name,
             source[-6:],
             epoch,

@@ -123,6 +123,9 @@ class Strategy(ABC):
         self.batch = optimizer.config.target_batch_size
         self.params = [p for _, p in stage_state.trainable(module)]
         self.epoch = 0  # rounds behind the parameters; changes under the lock
+        # The copy's lineage (``protocol.averaging.fork_lineage``): shipped with its state
+        # and taken from a downloaded one; changes under the lock.
+        self.lineage = 0
         self.salt = salt  # names the run and stage: seeds the coordinates a round sends
 
     @property
@@ -219,6 +222,7 @@ class Strategy(ABC):
                 peer=peer,
                 params=self._shipped_params(),
                 momentum=self.momentum(),
+                lineage=self.lineage,
             )
 
     def apply_state(self, state: StageState) -> None:
@@ -226,6 +230,7 @@ class Strategy(ABC):
         with self.lock:
             stage_state.apply(state, self.module, self.optimizer)
             self.epoch = state.epoch
+            self.lineage = state.lineage
             self._loaded_locked(state)
 
     @abstractmethod

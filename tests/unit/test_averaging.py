@@ -21,6 +21,7 @@ from protocol.averaging import (
     check_returned,
     decide,
     download_patience_s,
+    fork_lineage,
     reducer_shares,
     resync_source,
     robust_mean,
@@ -110,20 +111,25 @@ def test_a_download_waits_as_long_as_the_state_takes_at_the_announced_rate():
 
 
 def test_forked_copies_come_back_to_one_after_a_round():
-    group = ["b", "a", "c"]
-    assert resync_source("a", set(), group) is None  # nobody forked: the copies agree
-    # a one-sided failure: "b" fell back, "a" took the round's step: "b" takes a's copy
-    assert resync_source("b", {"b"}, ["a", "b"]) == "a"
-    assert resync_source("a", {"b"}, ["a", "b"]) is None
-    # the lowest id that did not fork is the reference, whoever forked
-    assert resync_source("a", {"a"}, group) == "b"
-    assert resync_source("c", {"a", "c"}, group) == "b"
-    assert resync_source("b", {"a", "c"}, group) is None
-    # every copy forked (a failure on every side): the lowest id is the reference
-    sources = {me: resync_source(me, set(group), group) for me in group}
-    assert sources == {"a": None, "b": "a", "c": "a"}
+    assert resync_source("a", {"a": 0, "b": 0}) is None  # one lineage: one copy
+    # a one-sided failure: "b" fell back, "a" took the round's step: one of them takes the
+    # other's copy, the same one on both sides
+    fork = fork_lineage("b", 5)
+    assert fork != fork_lineage("a", 5) and fork != fork_lineage("b", 6) and 0 < fork < 2**48
+    sides = {me: resync_source(me, {"a": 0, "b": fork}) for me in "ab"}
+    assert sides == {"a": None, "b": "a"}  # a tie: the lowest lineage (0) is kept
+    # most copies agree: the others take the lowest peer id among them
+    group = {"a": fork, "b": 7, "c": 7, "d": 0}
+    assert {me: resync_source(me, group) for me in group} == {
+        "a": "b",
+        "b": None,
+        "c": None,
+        "d": "b",
+    }
+    # a joiner that downloaded a forked copy holds its lineage: nothing to take again
+    assert resync_source("a", {"a": fork, "joiner": fork}) is None
     with pytest.raises(ValueError):
-        resync_source("z", {"a"}, group)
+        resync_source("z", group)
 
 
 def test_state_is_checked_before_it_replaces_anything():

@@ -166,10 +166,14 @@ def test_a_captured_state_makes_an_equal_copy(mode):
     _feed(donor, range(donor.target // MICRO))
     contribution = donor.begin()
     donor.finish(contribution.tensors, contribution)
+    donor.lineage = 42  # a copy forked in a fallback: the joiner's is the same copy
     metadata, tensors = donor.capture("donor")
     state = stage_state.parse(metadata, tensors, joiner.module, mode=joiner.mode)
     joiner.apply_state(state)
     assert joiner.epoch == donor.epoch == 1 and state.source == "donor"
+    assert joiner.lineage == 42
+    del metadata["lineage"]  # an older peer's state: lineage 0
+    assert stage_state.parse(metadata, tensors, joiner.module, mode=joiner.mode).lineage == 0
     assert _equal(joiner.digest_tensors(), donor.digest_tensors())
     assert joiner.optimizer.step_count == donor.optimizer.step_count
     if mode == "diloco":
