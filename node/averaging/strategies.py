@@ -124,7 +124,7 @@ class Strategy(ABC):
         self.params = [p for _, p in stage_state.trainable(module)]
         self.epoch = 0  # rounds behind the parameters; changes under the lock
         # The copy's lineage (``protocol.averaging.fork_lineage``): shipped with its state
-        # and taken from a downloaded one; changes under the lock.
+        # and taken from a downloaded one; set by the round loop as the copy forks.
         self.lineage = 0
         self.salt = salt  # names the run and stage: seeds the coordinates a round sends
 

@@ -304,7 +304,7 @@ class HivemindTransport:
             if not isinstance(their, int) or isinstance(their, bool):
                 return Exchange(None, discarded=True, allreduce_began=began)
             theirs = data[1] if len(data) > 1 else 0
-            if not isinstance(theirs, int) or isinstance(theirs, bool):
+            if not isinstance(theirs, int) or isinstance(theirs, bool) or not 0 <= theirs < 2**53:
                 return Exchange(None, discarded=True, allreduce_began=began)
             lineages[peer.to_base58()] = theirs
             if peer.to_base58() != self.peer_id:
