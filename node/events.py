@@ -49,7 +49,9 @@ fields:
   contributions the step took, us included; 0 for a state loaded), ``ok`` (false: the
   round failed and the copy stepped on its own contribution, or took no step), ``how``
   (``"averaged"``, ``"alone"``, ``"fallback"``, ``"abandoned"``, ``"caught_up"``,
-  ``"loaded"``); ``seconds`` (from the round's trigger to its applied step: for
+  ``"loaded"``, ``"resync"``: the group averaged, but this copy, forked from the one
+  chosen in a fallback, downloads one that took the step instead); ``seconds`` (from the
+  round's trigger to its applied step: for
   ``"averaged"``, ``"fallback"`` and a timed ``"alone"``), with them ``idle_s`` (of those
   seconds, how long the stage server's compute thread served no request: the pipeline's
   idle time in the round; absent without a server) and, in DiLoCo, ``inner_steps`` (the
@@ -66,12 +68,15 @@ fields:
   group when the round was triggered: since the newest of this peer's last admission and
   its groupmates' progress records); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
-  digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"``.
+  digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"`` and ``"resync"``.
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means
   it returned for the share it reduced cannot be a mean of parts that include ours
   (``protocol.averaging.check_returned``): the round fails; ``refused``: the groupmate is
   refused for a while from now on (at once for non-finite or far-out means, else after
   refusals in several rounds) (written by the averager's process).
+- ``averaging.resync``: ``stage``, ``epoch``, ``source`` (a groupmate's peer id): the
+  group of the round of ``epoch`` held copies of different lineages (a fallback forked
+  them), and this copy downloads ``source``'s (``protocol.averaging.resync_source``).
 - ``averaging.state_refused``: ``averager`` (its name in log lines: stage and peer),
   ``source`` (the peer the state came from, as the transport knows it), ``reason``: a
   downloaded state did not fit the stage, or claimed an epoch far ahead of the others;

@@ -8,13 +8,17 @@ peer reads all of them and applies the same pure rule (``decide``): when the sam
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. ``OuterRound``
 counts a DiLoCo copy's samples around its rounds and says what it may do while one is in
-flight. No clock, no network here: ``node.averaging`` does the I/O.
+flight; ``resync_source`` brings copies that stepped alone (``fork_lineage``) back to one,
+and ``download_patience_s`` says how long a download of a stage's state may take. No
+clock, no network here: ``node.averaging`` does the I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -89,6 +93,60 @@ def decide(
     if not same and patient and any(p.epoch < epoch for p in others):
         return Decision(Action.WAIT, total, 0)
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
+
+
+# How long a peer waits for a stage's state from a peer of it: the state's bytes over the
+# upload rate its source announces, times ``DOWNLOAD_MARGIN`` (framing, a loaded machine,
+# TCP's ramp over a long round trip), and never less than the round's timeout. A source
+# that announces no rate is assumed to send ``ASSUMED_UPLOAD_MBPS``; a claimed rate counts
+# as at least ``MIN_UPLOAD_MBPS`` and at most ``MAX_UPLOAD_MBPS``, so that a claim can
+# neither make us wait without end nor cut a download short of the round's timeout. A
+# source that stops sending altogether is dropped sooner, by the transport's chunk timeout.
+DOWNLOAD_MARGIN = 2.0
+ASSUMED_UPLOAD_MBPS = 10.0
+MIN_UPLOAD_MBPS = 1.0
+MAX_UPLOAD_MBPS = 10_000.0
+
+
+def download_patience_s(state_bytes: int, upload_mbps: Sequence[float], *, floor_s: float) -> float:
+    """Seconds to wait for a state of ``state_bytes`` from one of the peers whose announced
+    upload rates (Mbit/s; 0: not announced) are ``upload_mbps``: paced by the slowest of
+    them (any may be the one that answers), at least ``floor_s``. No rate at all: one
+    source at ``ASSUMED_UPLOAD_MBPS``."""
+    if state_bytes < 0 or not floor_s >= 0:
+        raise ValueError(f"state_bytes and floor_s must be >= 0, got {state_bytes}, {floor_s}")
+    rates = [
+        min(max(r, MIN_UPLOAD_MBPS), MAX_UPLOAD_MBPS) if r > 0 else ASSUMED_UPLOAD_MBPS
+        for r in upload_mbps
+        if math.isfinite(r)
+    ] or [ASSUMED_UPLOAD_MBPS]
+    return max(floor_s, DOWNLOAD_MARGIN * state_bytes * 8 / (min(rates) * 1e6))
+
+
+def fork_lineage(peer: str, epoch: int) -> int:
+    """The lineage of a copy that ``peer`` stepped alone to ``epoch + 1`` in a fallback: a
+    value of its own (below 2**48), which no other copy holds. Copies start at lineage 0;
+    a copy downloaded or averaged keeps its lineage (``resync_source``)."""
+    digest = hashlib.sha256(f"{peer}/{int(epoch)}".encode()).digest()
+    return 1 + int.from_bytes(digest[:6], "big") % (2**48 - 1)
+
+
+def resync_source(me: str, lineages: Mapping[str, int]) -> str | None:
+    """After a round that averaged, given each groupmate's lineage (``lineages``, ``me``
+    included: the copies it holds share one if they have been one copy since their last
+    fallback, ``fork_lineage``), the groupmate whose state ``me`` downloads so that the
+    group holds one copy again; None: keep ours (the copies agree, or ours is the one).
+
+    Every groupmate computes the same choice: the lineage most groupmates hold (ties: the
+    lowest value), and of its holders the lowest peer id. The holders of another lineage
+    download that peer's state instead of taking the round's step."""
+    if me not in lineages:
+        raise ValueError(f"{me} is not in the group it averaged with")
+    counts = Counter(lineages.values())
+    chosen = min(counts, key=lambda lineage: (-counts[lineage], lineage))
+    if lineages[me] == chosen:
+        return None
+    return min(peer for peer, lineage in lineages.items() if lineage == chosen)
 
 
 @dataclass

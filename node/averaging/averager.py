@@ -57,9 +57,20 @@ averager emits ``averaging.round`` (``node.events``), a timed round with its par
 on, which ``digests.compare_copies`` compares across peers.
 
 Faults. A failed attempt is retried until ``round_timeout_s``; then the peer re-reads the
-DHT and either catches up (someone got ahead) or applies its own contribution alone. A
-discarded round's contribution goes back (``Strategy.give_back``): no sample is lost or
-counted twice.
+DHT and either catches up (someone got ahead) or applies its own contribution alone (a
+fallback). A discarded round's contribution goes back (``Strategy.give_back``): no sample
+is lost or counted twice. A copy that fell back is its own (its groupmates took another
+step, or fell back too): it takes a lineage of its own (``protocol.averaging.fork_lineage``,
+shipped with its state), each groupmate tells its lineage in a round's matchmaking, and
+once a round averaged, the copies of every lineage but the one ``resync_source`` chooses
+forgo the round's step (``Strategy.forgo``) and catch up from a copy of that one, so that
+the stage holds one copy again.
+
+Downloads. A catch-up waits for the state as long as its bytes take at the upload rate
+its sources announce (``protocol.averaging.download_patience_s``), at least a round's
+timeout, and a peer ahead waits that long for the peers behind it before it steps alone
+(``decide``'s ``patient``): on a slow link a catch-up then lands at the epoch its source
+is at.
 """
 
 from __future__ import annotations
@@ -86,12 +97,20 @@ from node.averaging.digests import ParamDigest, digests_wanted
 from node.averaging.download import LoadedState, Saved, download, initial_state
 from node.averaging.process import StageAveragerProcess
 from node.averaging.progress import ProgressBoard
-from node.averaging.state import StageState
+from node.averaging.state import StageState, shipped_bytes
 from node.averaging.strategies import AveragingStats, Contribution, Strategy, make_strategy
 from node.averaging.transport import HivemindTransport
 from node.pipeline.server import Admission, StageServer
 from node.rpc.dht import SwarmDHT
-from protocol.averaging import Action, Progress, decide, within_bounds
+from protocol.averaging import (
+    Action,
+    Progress,
+    decide,
+    download_patience_s,
+    fork_lineage,
+    resync_source,
+    within_bounds,
+)
 from protocol.progress import MAX_EPOCHS_AHEAD
 from protocol.run_spec import AveragingSpec, RunSpec
 
@@ -184,8 +203,9 @@ class StageAverager:
         self._catch_up_after = 0.0
         self._silent_catch_ups = 0  # catch-ups in a row that got no state at all
         # Until then, an epoch's step waits for peers behind us (joiners) rather than
-        # stepping alone: once per epoch, at most a round's timeout.
+        # stepping alone: once per epoch, at most as long as a download of our state takes.
         self._patience_until = 0.0
+        self._state_bytes = shipped_bytes(strategy.module, strategy.mode)
         self._admitted_at = 0.0  # when (DHT time) the server last admitted a micro-batch
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -357,7 +377,7 @@ class StageAverager:
         newer of ``saved`` and the archives' (``archived``), else the initial weights), then
         start averaging. Raises
         ``StateDownloadError`` if peers exist but none hands over a valid state within
-        ``timeout_s`` (default: twice the round timeout)."""
+        ``timeout_s`` (default: twice a download's patience, ``_download_patience``)."""
         if self.running:
             raise RuntimeError("load_state() runs once, before averaging starts")
         if not self.board.can_publish:
@@ -366,7 +386,7 @@ class StageAverager:
             self.board,
             self.transport,
             self.strategy,
-            timeout_s=timeout_s if timeout_s is not None else 2 * self.settings.round_timeout_s,
+            timeout_s=timeout_s if timeout_s is not None else 2 * self._download_patience([]),
             retry_s=self.settings.report_period_s,
             saved=saved,
             name=self._name,
@@ -480,15 +500,20 @@ class StageAverager:
         Their progress is ignored for ``UNPROVEN_S`` when what they hand over is not newer
         than ours, or when no state came and one claims more than ``MAX_EPOCHS_AHEAD``
         epochs past ours, or after ``SILENT_CATCH_UPS`` tries in a row with no state at
-        all; until then the next try waits a round's timeout."""
-        timeout = self.settings.round_timeout_s
-        self._catch_up_after = time.monotonic() + timeout
+        all; until then the next try waits a round's timeout. A download may take as long
+        as the claimants' announced upload rates say (``_download_patience``)."""
+        retry = self.settings.round_timeout_s
         ahead = [p for p in self.board.view() if p.epoch > self.epoch]
         claimants = [p.peer_id for p in ahead]
         near = all(p.epoch <= self.epoch + MAX_EPOCHS_AHEAD for p in ahead)
         state = await download(
-            self.transport, self.strategy, timeout, name=self._name, only=claimants
+            self.transport,
+            self.strategy,
+            self._download_patience(claimants),
+            name=self._name,
+            only=claimants,
         )
+        self._catch_up_after = time.monotonic() + retry
         self._silent_catch_ups = self._silent_catch_ups + 1 if state is None else 0
         if state is None and near and self._silent_catch_ups < SILENT_CATCH_UPS:
             logger.info(
@@ -496,7 +521,7 @@ class StageAverager:
                 self._name,
                 ", ".join(p[-6:] for p in claimants) or "peers",
                 self.epoch,
-                timeout,
+                retry,
             )
             return
         if state is None or state.epoch <= self.epoch:
@@ -520,6 +545,17 @@ class StageAverager:
         self.stats.catch_ups += 1
         logger.info("%s: caught up to epoch %d from %s", self._name, self.epoch, state.source)
         await self._after_epoch(how="caught_up", peers=0, ok=True)
+
+    def _download_patience(self, sources: list[str]) -> float:
+        """How long a download of this stage's state from one of ``sources`` may take
+        (``protocol.averaging.download_patience_s`` over the upload rates their peer records
+        announce), at least a round's timeout."""
+        uploads = self.board.uploads
+        return download_patience_s(
+            self._state_bytes,
+            [uploads.get(p, 0.0) for p in sources],
+            floor_s=self.settings.round_timeout_s,
+        )
 
     def _window(self) -> _Window:
         server = self.server
@@ -564,7 +600,10 @@ class StageAverager:
         scheduled = None
         if self.early_match:
             scheduled = self.transport.schedule(
-                epoch=self.epoch, group_size=group_size, deadline=self._attempt_end(deadline)
+                epoch=self.epoch,
+                group_size=group_size,
+                deadline=self._attempt_end(deadline),
+                lineage=self.strategy.lineage,
             )
         try:
             await self._average_from(window, timeline, ready, deadline, group_size, scheduled)
@@ -624,7 +663,7 @@ class StageAverager:
     ) -> None:
         started = window.started
         epoch = self.epoch
-        averaged, mates, attempts, early = None, {}, 0, False
+        averaged, mates, lineages, attempts, early = None, {}, {}, 0, False
         last_start = deadline - self.settings.matchmaking_s - 0.5
         while averaged is None and time.monotonic() < last_start and not self.board.ahead_of(epoch):
             exchange = await self.transport.exchange(
@@ -635,11 +674,12 @@ class StageAverager:
                 deadline=self._attempt_end(deadline),
                 leave=lambda: self.board.ahead_of(epoch),
                 scheduled=scheduled if attempts == 0 else None,
+                lineage=self.strategy.lineage,
             )
             early = attempts == 0 and scheduled is not None and exchange.averaged is not None
             attempts += 1
             self.stats.discarded += exchange.discarded
-            averaged, mates = exchange.averaged, exchange.mates
+            averaged, mates, lineages = exchange.averaged, exchange.mates, exchange.lineages
             if averaged is not None and exchange.allreduce_began is not None:
                 timeline.mark("match", exchange.allreduce_began)
                 timeline.mark("allreduce")
@@ -647,6 +687,11 @@ class StageAverager:
                 self.board.learn(mates)  # a groupmate is ahead: we catch up
             if averaged is None and not self.board.mates_left(epoch):
                 break  # our groupmates are gone (killed mid-round): no one to wait for
+        lineages = {self.peer_id: self.strategy.lineage, **lineages}
+        source = None if averaged is None else resync_source(self.peer_id, lineages)
+        if source is not None:
+            await self._resync(source, contribution, epoch, peers=len(mates) + 1)
+            return
         if averaged is not None:
             await asyncio.to_thread(self.strategy.finish, averaged, contribution)
             timeline.mark("finish")
@@ -682,12 +727,34 @@ class StageAverager:
             time.monotonic() - started,
             epoch,
         )
+        # Our groupmates step too (on their own, or on an average we missed): our copy is
+        # our own from now on, and a peer that downloads it takes its lineage.
+        self.strategy.lineage = fork_lineage(self.peer_id, epoch)
         await asyncio.to_thread(self.strategy.finish, contribution.tensors, contribution)
         self.stats.fallbacks += 1
         self.stats.last_round_s = time.monotonic() - started
         measured = self._measured(window) | timeline.fields()
         measured |= {"attempts": attempts, "early_match": early}
         await self._after_epoch(how="fallback", peers=1, ok=False, measured=measured)
+
+    async def _resync(
+        self, source: str, contribution: Contribution, epoch: int, *, peers: int
+    ) -> None:
+        """The group just averaged, but its copies are not one (a fallback forked them):
+        ours is not the one ``resync_source`` chose. Our contribution is in the step of
+        the copies that take it: it is forgone, and we catch up from ``source``, which is
+        now past ``epoch``."""
+        await asyncio.to_thread(self.strategy.forgo, contribution)
+        self.board.learn({source: epoch + 1})
+        self._catch_up_after = 0.0
+        logger.warning(
+            "%s: our copy left the group's in a fallback: taking %s's after the round of epoch %d",
+            self._name,
+            source[-6:],
+            epoch,
+        )
+        events.emit("averaging.resync", stage=self.stage_index, epoch=epoch, source=source)
+        await self._announce(how="resync", peers=peers, ok=False, digest=False)
 
     async def _after_epoch(
         self,
@@ -697,7 +764,8 @@ class StageAverager:
         ok: bool,
         measured: dict[str, float | int] | None = None,
     ) -> None:
-        self._patience_until = time.monotonic() + self.settings.round_timeout_s
+        # Peers behind us download our state: wait as long as that may take.
+        self._patience_until = time.monotonic() + self._download_patience([self.peer_id])
         self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()

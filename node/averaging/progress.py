@@ -119,6 +119,9 @@ class ProgressBoard:
         self._unproven: dict[str, float] = {}  # peer -> until when its claims are ignored
         self._in_run: set[str] = set()  # peers with a valid peer record, as last read
         self._in_run_read = -math.inf  # when (clock)
+        # peer -> the upload rate (Mbit/s) its peer record announces, as last read (us too;
+        # 0: not announced): how long a download of the stage's state may take
+        self.uploads: dict[str, float] = {}
         self._cadence = ReadCadence()
         self._stamps: dict[str, float] = {}  # peer -> its last record's timestamp (DHT time)
 
@@ -196,7 +199,9 @@ class ProgressBoard:
         age = self._clock() - self._in_run_read
         if age >= PEERS_MAX_AGE_S or (age >= PEERS_REFRESH_S and not wanted <= self._in_run):
             try:
-                self._in_run = {p.peer_id for p in await self.dht.peers()}
+                peers = await self.dht.peers()
+                self._in_run = {p.peer_id for p in peers}
+                self.uploads = {p.peer_id: p.bandwidth_up_mbps for p in peers}
                 self._in_run_read = self._clock()
             except Exception as e:
                 logger.warning("%s: reading the run's peers failed: %s", self._name, e)

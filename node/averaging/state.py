@@ -35,11 +35,20 @@ class StageState:
     adamw: dict[int, dict[str, torch.Tensor]]  # parameter index -> AdamW state
     momentum: list[torch.Tensor] | None  # DiLoCo's outer momentum (None before the first)
     source: str  # the peer it came from, as it says
+    lineage: int = 0  # of the copy (``protocol.averaging.fork_lineage``); 0: never forked
 
 
 def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters that are averaged and shipped, in a fixed order."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def shipped_bytes(module: nn.Module, mode: str) -> int:
+    """About the bytes of the state ``capture`` ships for ``module`` once its optimizer has
+    stepped: the parameters, AdamW's two moments of each, and in DiLoCo the outer momentum,
+    each in the parameters' dtype."""
+    params = sum(p.numel() * p.element_size() for _, p in trainable(module))
+    return params * (4 if mode == "diloco" else 3)
 
 
 def capture(
@@ -51,6 +60,7 @@ def capture(
     peer: str,
     params: list[torch.Tensor] | None = None,
     momentum: list[torch.Tensor] | None = None,
+    lineage: int = 0,
 ) -> tuple[dict, list[torch.Tensor]]:
     """Copies of the state, for a peer to download. The caller holds the stage's lock.
 
@@ -78,6 +88,7 @@ def capture(
         "adamw": adamw,
         "momentum": momentum is not None,
         "peer": peer,
+        "lineage": lineage,
     }
     return metadata, tensors
 
@@ -116,6 +127,7 @@ def parse(
     if metadata.get("names") != [n for n, _ in named]:
         raise StateError("the state's parameter names differ from this stage's")
     epoch, step = _count(metadata, "epoch"), _count(metadata, "step")
+    lineage = _count(metadata, "lineage") if "lineage" in metadata else 0  # older peers: 0
     adamw_index = metadata.get("adamw")
     if not isinstance(adamw_index, list) or len(adamw_index) > len(named) * len(ADAMW_KEYS):
         raise StateError("state adamw must be a list of [parameter index, key]")
@@ -166,6 +178,7 @@ def parse(
         adamw=adamw,
         momentum=momentum,
         source=source if isinstance(source, str) else "?",
+        lineage=lineage,
     )
 
 

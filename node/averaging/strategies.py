@@ -123,6 +123,9 @@ class Strategy(ABC):
         self.batch = optimizer.config.target_batch_size
         self.params = [p for _, p in stage_state.trainable(module)]
         self.epoch = 0  # rounds behind the parameters; changes under the lock
+        # The copy's lineage (``protocol.averaging.fork_lineage``): shipped with its state
+        # and taken from a downloaded one; set by the round loop as the copy forks.
+        self.lineage = 0
         self.salt = salt  # names the run and stage: seeds the coordinates a round sends
 
     @property
@@ -186,6 +189,15 @@ class Strategy(ABC):
                 contribution.settled = True
                 self._give_back_locked(contribution)
 
+    def forgo(self, contribution: Contribution) -> None:
+        """The group stepped on our contribution, but our copy does not take that step (it
+        downloads the state of a copy that did): nothing goes back, and the round is over
+        (a no-op once settled)."""
+        with self.lock:
+            if not contribution.settled:
+                contribution.settled = True
+                self._forgo_locked(contribution)
+
     @abstractmethod
     def step_alone(self) -> bool:
         """Step on our own samples, no peer at our epoch; False if nothing was due."""
@@ -210,6 +222,7 @@ class Strategy(ABC):
                 peer=peer,
                 params=self._shipped_params(),
                 momentum=self.momentum(),
+                lineage=self.lineage,
             )
 
     def apply_state(self, state: StageState) -> None:
@@ -217,6 +230,7 @@ class Strategy(ABC):
         with self.lock:
             stage_state.apply(state, self.module, self.optimizer)
             self.epoch = state.epoch
+            self.lineage = state.lineage
             self._loaded_locked(state)
 
     @abstractmethod
@@ -224,6 +238,9 @@ class Strategy(ABC):
 
     @abstractmethod
     def _give_back_locked(self, contribution: Contribution) -> None: ...
+
+    @abstractmethod
+    def _forgo_locked(self, contribution: Contribution) -> None: ...
 
     def _shipped_params(self) -> list[torch.Tensor] | None:
         return None  # the module's own
@@ -315,6 +332,10 @@ class GradientStrategy(Strategy):
     def _give_back_locked(self, contribution: Contribution) -> None:
         self._unspeculate_locked()
         self.optimizer.restore_accumulated(contribution.weight, contribution.sums)
+        self._round_samples = 0
+
+    def _forgo_locked(self, contribution: Contribution) -> None:
+        self._unspeculate_locked()
         self._round_samples = 0
 
     def _loaded_locked(self, state: StageState) -> None:
@@ -502,6 +523,10 @@ class DiLoCoStrategy(Strategy):
         # (overlap) the progress since its snapshot.
         self._late_snapshot = None
         self._rounds.given_back(contribution.weight)
+
+    def _forgo_locked(self, contribution: Contribution) -> None:
+        self._late_snapshot = None
+        self._rounds.given_back(0)  # its samples are in the steps of the copies that took it
 
     def _shipped_params(self) -> list[torch.Tensor] | None:
         return self._anchor  # the parameters all copies agreed on, not our inner progress

@@ -114,6 +114,9 @@ class Exchange:
 
     averaged: Tensors | None  # the result; None: the attempt gave none
     mates: dict[str, int] = field(default_factory=dict)  # groupmates' epochs, as they said
+    # The groupmates' copies' lineages, as they said (``exchange``'s ``lineage``), ours
+    # included; 0 for a peer that said none (an older one).
+    lineages: dict[str, int] = field(default_factory=dict)
     discarded: bool = False  # a result came (or the step failed) and was thrown away
     # When its all-reduce began (``time.monotonic``; its group had formed); None: it did not.
     allreduce_began: float | None = None
@@ -220,15 +223,17 @@ class HivemindTransport:
         """Download no state from ``peer`` for ``for_s`` seconds (its state was refused)."""
         self.process.refuse_source(peer, for_s)
 
-    def schedule(self, *, epoch: int, group_size: int, deadline: float) -> StepControl:
+    def schedule(
+        self, *, epoch: int, group_size: int, deadline: float, lineage: int = 0
+    ) -> StepControl:
         """Start looking for a group of the peers at ``epoch`` now, before our contribution
         is ready (so that matchmaking overlaps what comes before it: the drain); a group
         that forms waits (hivemind's ``require_trigger``) until ``exchange(scheduled=)``
         hands over the tensors, or the step's ``deadline`` (monotonic) passes. The caller
-        cancels a step it does not hand to ``exchange``."""
+        cancels a step it does not hand to ``exchange``. ``lineage``: as ``exchange``'s."""
         self.process.set_round(epoch, group_size)
         return self.process.step(
-            gather=[epoch],
+            gather=[epoch, lineage],
             weight=0.0,
             timeout=deadline - time.monotonic(),
             allow_retries=False,
@@ -246,12 +251,14 @@ class HivemindTransport:
         deadline: float,
         leave: Callable[[], bool],
         scheduled: StepControl | None = None,
+        lineage: int = 0,
     ) -> Exchange:
         """One try at averaging ``tensors`` (weighted by ``weight``) with the peers at
         ``epoch``, before ``deadline`` (monotonic). ``leave`` is polled while the group
         forms: True (a peer got ahead of us) ends the try. ``scheduled``: a step from
         ``schedule`` at this epoch, which this try completes (it is cancelled if the try
-        ends early)."""
+        ends early). ``lineage``: our copy's (``protocol.averaging.fork_lineage``), told
+        to the groupmates (``Exchange.lineages``)."""
         started = time.monotonic()
         timeout = deadline - started
         if self._outgoing is not None:
@@ -267,7 +274,7 @@ class HivemindTransport:
                 started = time.monotonic()  # the scheduled step failed: a new one
             self.process.set_round(epoch, group_size)
             control = self.process.step(
-                gather=[epoch],
+                gather=[epoch, lineage],
                 weight=float(weight),
                 timeout=timeout,
                 allow_retries=False,
@@ -291,11 +298,15 @@ class HivemindTransport:
         began = began if began >= started else None
         if not isinstance(gathered, dict) or len(gathered) < 2:
             return Exchange(None, allreduce_began=began)
-        mates = {}
+        mates, lineages = {}, {}
         for peer, data in gathered.items():
             their = data[0] if isinstance(data, list | tuple) and data else None
             if not isinstance(their, int) or isinstance(their, bool):
                 return Exchange(None, discarded=True, allreduce_began=began)
+            theirs = data[1] if len(data) > 1 else 0
+            if not isinstance(theirs, int) or isinstance(theirs, bool) or not 0 <= theirs < 2**53:
+                return Exchange(None, discarded=True, allreduce_began=began)
+            lineages[peer.to_base58()] = theirs
             if peer.to_base58() != self.peer_id:
                 mates[peer.to_base58()] = their
         if any(e > epoch for e in mates.values()):
@@ -308,7 +319,7 @@ class HivemindTransport:
             log = logger.info if weight == 0 else logger.warning
             log("%s: discarded a non-finite or out-of-range result", self._name)
             return Exchange(None, discarded=True, allreduce_began=began)
-        return Exchange(averaged, mates, allreduce_began=began)
+        return Exchange(averaged, mates, lineages, allreduce_began=began)
 
     async def _wait(self, control: StepControl, timeout: float, leave: Callable[[], bool]):
         """The step's gathered data. While it still looks for a group, leave (``_Left``) as

@@ -20,7 +20,10 @@ from protocol.averaging import (
     ReturnedShare,
     check_returned,
     decide,
+    download_patience_s,
+    fork_lineage,
     reducer_shares,
+    resync_source,
     robust_mean,
 )
 from tests.averaging_peer import (
@@ -87,6 +90,46 @@ def test_decide():
     assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
     with pytest.raises(ValueError):
         decide("me", 0, 1, [], 0)
+
+
+def test_a_download_waits_as_long_as_the_state_takes_at_the_announced_rate():
+    # the small preset's stage over a home link: 66 MB at 50 Mbit/s take 10.6 s, which a
+    # loaded relay stretched past the round's 15 s timeout
+    small = 66_000_000
+    assert download_patience_s(small, [50.0], floor_s=15.0) == pytest.approx(21.12)
+    assert download_patience_s(small, [50.0, 12.0], floor_s=15.0) == pytest.approx(88.0)  # slowest
+    assert download_patience_s(10_000, [50.0], floor_s=15.0) == 15.0  # a small state: the floor
+    # not announced (0), or no source known: an assumed 10 Mbit/s
+    assert download_patience_s(small, [0.0], floor_s=15.0) == pytest.approx(105.6)
+    assert download_patience_s(small, [], floor_s=15.0) == pytest.approx(105.6)
+    # claims are bounded: a tiny rate cannot make us wait without end, a huge one cannot
+    # cut the wait below the floor
+    assert download_patience_s(small, [1e-9], floor_s=15.0) == pytest.approx(1056.0)
+    assert download_patience_s(small, [math.inf, 1e12], floor_s=15.0) == 15.0
+    with pytest.raises(ValueError):
+        download_patience_s(-1, [], floor_s=15.0)
+
+
+def test_forked_copies_come_back_to_one_after_a_round():
+    assert resync_source("a", {"a": 0, "b": 0}) is None  # one lineage: one copy
+    # a one-sided failure: "b" fell back, "a" took the round's step: one of them takes the
+    # other's copy, the same one on both sides
+    fork = fork_lineage("b", 5)
+    assert fork != fork_lineage("a", 5) and fork != fork_lineage("b", 6) and 0 < fork < 2**48
+    sides = {me: resync_source(me, {"a": 0, "b": fork}) for me in "ab"}
+    assert sides == {"a": None, "b": "a"}  # a tie: the lowest lineage (0) is kept
+    # most copies agree: the others take the lowest peer id among them
+    group = {"a": fork, "b": 7, "c": 7, "d": 0}
+    assert {me: resync_source(me, group) for me in group} == {
+        "a": "b",
+        "b": None,
+        "c": None,
+        "d": "b",
+    }
+    # a joiner that downloaded a forked copy holds its lineage: nothing to take again
+    assert resync_source("a", {"a": fork, "joiner": fork}) is None
+    with pytest.raises(ValueError):
+        resync_source("z", group)
 
 
 def test_state_is_checked_before_it_replaces_anything():

@@ -91,7 +91,10 @@ def test_a_read_keeps_signed_records_of_peers_in_the_run_only():
 
     async def peers():
         reads.append(1)
-        return [SimpleNamespace(peer_id=ids["a"]), SimpleNamespace(peer_id=ids["me"])]
+        return [
+            SimpleNamespace(peer_id=ids["a"], bandwidth_up_mbps=12.0),
+            SimpleNamespace(peer_id=ids["me"], bandwidth_up_mbps=0.0),
+        ]
 
     dht = SimpleNamespace(peer_id=ids["me"], dht=SimpleNamespace(get=get), peers=peers)
     clock = [100.0]
@@ -99,6 +102,7 @@ def test_a_read_keeps_signed_records_of_peers_in_the_run_only():
     assert board.published_at(3) is None  # nothing read yet
     assert asyncio.run(board.refresh()) == [Progress(ids["a"], 3, 4)]
     assert not board.ahead_of(3)
+    assert board.uploads == {ids["a"]: 12.0, ids["me"]: 0.0}  # as their records announce
     # when a's record was stamped; the stranger's (and our own) stamps count for nothing
     assert board.published_at(3) == now and board.published_at(2**50) is None
     asyncio.run(board.refresh())  # the stranger is still unknown: not looked up again at once

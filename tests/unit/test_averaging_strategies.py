@@ -128,15 +128,52 @@ def test_a_failed_round_gives_everything_back(mode):
 
 
 @pytest.mark.parametrize("mode", ["gradient", "diloco"])
+def test_a_forgone_round_ends_with_no_step_and_nothing_given_back(mode):
+    """A forked copy whose group averaged forgoes the round (it downloads a copy that took
+    the step): its contribution's samples are in that step, so none come back to count
+    again, the round is over, and what was served meanwhile stays for the next epoch."""
+    s = _strategy(mode)
+    _feed(s, range(s.target // MICRO))
+    before = _params(s)
+    contribution = s.begin()
+    _feed(s, [99])  # served during the round
+    s.forgo(contribution)
+    assert contribution.settled and s.epoch == 0 and s.stats.samples == 0
+    assert _equal(_params(s), before)  # no step of its own
+    assert s.pending() + s.optimizer.samples == MICRO  # only the one served meanwhile
+    s.give_back(contribution)  # a no-op once forgone
+    assert s.pending() + s.optimizer.samples == MICRO
+    metadata, tensors = _strategy(mode).capture("donor")  # the copy it then catches up to
+    s.apply_state(stage_state.parse(metadata, tensors, s.module, mode=s.mode))
+    if mode == "diloco":  # no round in flight: the copy admits and steps again
+        assert s.admission(s.pending() + s.optimizer.samples, [], busy=False) is Admission.OPEN
+
+
+def test_shipped_bytes_counts_the_state_a_peer_downloads():
+    for mode in ("gradient", "diloco"):
+        s = _strategy(mode)
+        _feed(s, range(s.target // MICRO))
+        contribution = s.begin()
+        s.finish(contribution.tensors, contribution)  # the optimizers now hold their state
+        _, tensors = s.capture("me")
+        moments = sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
+        assert stage_state.shipped_bytes(s.module, mode) == moments
+
+
+@pytest.mark.parametrize("mode", ["gradient", "diloco"])
 def test_a_captured_state_makes_an_equal_copy(mode):
     donor, joiner = _strategy(mode), _strategy(mode)
     _feed(donor, range(donor.target // MICRO))
     contribution = donor.begin()
     donor.finish(contribution.tensors, contribution)
+    donor.lineage = 42  # a copy forked in a fallback: the joiner's is the same copy
     metadata, tensors = donor.capture("donor")
     state = stage_state.parse(metadata, tensors, joiner.module, mode=joiner.mode)
     joiner.apply_state(state)
     assert joiner.epoch == donor.epoch == 1 and state.source == "donor"
+    assert joiner.lineage == 42
+    del metadata["lineage"]  # an older peer's state: lineage 0
+    assert stage_state.parse(metadata, tensors, joiner.module, mode=joiner.mode).lineage == 0
     assert _equal(joiner.digest_tensors(), donor.digest_tensors())
     assert joiner.optimizer.step_count == donor.optimizer.step_count
     if mode == "diloco":
