@@ -63,7 +63,11 @@ def test_a_stage_whose_peers_all_died_comes_back_from_the_archive(tmp_path):
         after, _ = asyncio.run(_train_and_validate(run, first.maddr, 0))
         print(f"validation {before:.3f} before the kill, {after:.3f} after; stage 1 "
               f"loaded at step {loaded['step']} from the archive")  # fmt: skip
-        assert after < before + 0.1, f"validation {before:.3f} before, {after:.3f} after"
+        # Stage 0 trained on past the archive's last pull of stage 1 (at most a few seconds
+        # of steps), so the loss may rise a little; from stage 1's initial weights it would
+        # be back near FRESH.
+        slack = 0.25 * (FRESH - before)
+        assert after < before + slack, f"validation {before:.3f} before, {after:.3f} after"
         # What the archive keeps is a whole model: it exports like nodes' checkpoints.
         _, chosen = newest_of_each_stage([directory])
         assert [c.stage for c in chosen] == [0, 1] and chosen[1].metadata["step"] >= archived
