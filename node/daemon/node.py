@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -54,6 +53,7 @@ from node.daemon.tasks import Owned, until_stopped
 from node.daemon.training import Training
 from node.daemon.watch import Heartbeat, RunPeers, watch_run
 from node.dashboard.address import parse_address
+from node.dashboard.server import Dashboard
 from node.dashboard.snapshot import snapshot_of
 from node.files import load_or_create_identity, write_atomic
 from node.measure.bandwidth import BandwidthProbe
@@ -70,9 +70,6 @@ from protocol.identity import peer_id_of
 from protocol.records import PROTOCOL_VERSION, PeerInfo, PeerState
 from protocol.routing import BanList
 from protocol.run_spec import RunSpec, SignedSpec
-
-if TYPE_CHECKING:
-    from node.dashboard.server import Dashboard
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +214,6 @@ class Node:
         """Serve the dashboard (``--dashboard``) until the node closes."""
         address = parse_address(self.settings.dashboard)
         if address is not None:
-            # Imported here: the web server (aiohttp, prometheus_client) is a heavy import
-            # that a node started with ``--dashboard off`` never needs.
-            from node.dashboard.server import Dashboard
-
             self.dashboard = await Dashboard.open(address, lambda: snapshot_of(self))
             self._resources.push_async_callback(self.dashboard.close)
 
