@@ -67,6 +67,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -512,7 +513,18 @@ class Bench:
                 key = f"{name} {where}"
                 figures[f"{key} samples/s"] = rec.phase_rate("measured")
                 figures[f"{key} validation loss"] = rec.val
-                figures[f"{key} rounds per peer"] = rounds
+                figures[f"{key} rounds per peer"] = rounds.get("averaged", 0.0)
+                for how, per_peer in rounds.items():
+                    if how != "averaged":
+                        figures[f"{key} rounds {how} per peer"] = per_peer
+                split = call_split(rec, *rec.span("measured"), a.stages)
+                for call, seconds in split.items():
+                    if call != "samples/mb":
+                        figures[f"{key} {call} s"] = seconds
+                if split:
+                    figures[f"{key} window samples/s"] = (
+                        a.in_flight * split["samples/mb"] / split["mb"]
+                    )
                 figures[f"{key} load (1 min)"] = os.getloadavg()[0]
                 for purpose, b in _purpose_bytes(rec, "measured", "end").items():
                     figures[f"{key} {purpose} B/sample"] = b / rec.samples("measured")
@@ -665,11 +677,40 @@ def _purpose_bytes(rec: Record, lo: str, hi: str) -> dict[str, float]:
     return moved
 
 
-def _rounds(swarm: BenchSwarm, lo: float, hi: float) -> float:
-    """Averaging rounds that averaged with others in [lo, hi), per node."""
-    done = [e for n in swarm.nodes for e in n.events("averaging.round")
-            if e["how"] == "averaged" and lo <= e["t"] < hi]  # fmt: skip
-    return len(done) / len(swarm.nodes)
+def _rounds(swarm: BenchSwarm, lo: float, hi: float) -> dict[str, float]:
+    """Averaging rounds in [lo, hi) per node, by how they ended (``averaged``: with
+    others; ``alone``, ``abandoned``, ``caught_up``, ...: ``node.averaging.averager``)."""
+    hows = Counter(e["how"] for n in swarm.nodes for e in n.events("averaging.round")
+                   if lo <= e["t"] < hi)  # fmt: skip
+    return {how: count / len(swarm.nodes) for how, count in sorted(hows.items())}
+
+
+def call_names(n_stages: int) -> list[str]:
+    """The trainer's calls per micro-batch, in ``MicroBatchResult.call_s``'s order."""
+    last = n_stages - 1
+    return (
+        [f"fwd{s}" for s in range(last)]
+        + [f"loss{last}"]
+        + [f"bwd{s}" for s in reversed(range(last))]
+    )
+
+
+def call_split(rec: Record, lo: float, hi: float, n_stages: int) -> dict[str, float]:
+    """Of the micro-batches completed in [lo, hi): the median seconds of each call
+    (``call_names``), the mean seconds of a whole micro-batch (``mb``), and the rate a
+    trainer with ``in_flight`` micro-batches always in flight would reach at that mean
+    (``window samples/s``, Little's law: in flight / time in flight). Empty when the
+    trainer did not report call times."""
+    mbs = [m for m in rec.mbs if lo <= m["t"] < hi and len(m.get("calls", ())) == 2 * n_stages - 1]
+    if not mbs:
+        return {}
+    split = {
+        name: statistics.median(m["calls"][i] for m in mbs)
+        for i, name in enumerate(call_names(n_stages))
+    }
+    split["mb"] = statistics.fmean(sum(m["calls"]) for m in mbs)
+    split["samples/mb"] = statistics.fmean(m["samples"] for m in mbs)
+    return split
 
 
 def _config(text: str) -> tuple[str, dict]:

@@ -96,6 +96,10 @@ class MicroBatchResult:
     loss: float
     samples: int
     route: tuple[str, ...]  # the peer of each stage that served the forward
+    # Seconds each call took, retries included, in the order made: the forward of each
+    # stage but the last, the last stage's loss, then the backward of each stage from the
+    # last but one down to stage 0.
+    call_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -567,12 +571,22 @@ class Trainer(StageRouter):
     async def _micro_batch(self, index: int, x: torch.Tensor, y: torch.Tensor) -> MicroBatchResult:
         _micro_batch_index.set(index)  # this task's calls below read it (fixed wiring)
         last = self.spec.n_stages - 1
-        inputs, route = [x], []
+        inputs, route, call_s = [x], [], []
+        clock = time.perf_counter()
+
+        def lap() -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            call_s.append(now - clock)
+            clock = now
+
         for s in range(last):
             hidden, peer = await self._forward(s, inputs[s], index, train=True)
+            lap()
             inputs.append(hidden)
             route.append(peer)
         (loss, grad), peer = await self._loss(inputs[last], y, index, train=True)
+        lap()
         route.append(peer)
         for s in reversed(range(last)):
             grad, _ = await self._call(
@@ -582,7 +596,8 @@ class Trainer(StageRouter):
                 ),
                 prefer=route[s],  # it kept the forward's graph: no recompute there
             )
-        return MicroBatchResult(index, float(loss), len(x), tuple(route))
+            lap()
+        return MicroBatchResult(index, float(loss), len(x), tuple(route), tuple(call_s))
 
     async def evaluate(self, n_batches: int = 8) -> float:
         """Mean validation loss over the run's fixed validation windows (no gradients)."""

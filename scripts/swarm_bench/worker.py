@@ -85,7 +85,14 @@ async def _run(dht: SwarmDHT, args: argparse.Namespace) -> None:
             _trace_picks(trainer)
 
         def on_result(r: MicroBatchResult) -> None:
-            _emit(event="mb", t=time.time(), route=r.route, samples=r.samples, loss=r.loss)
+            _emit(
+                event="mb",
+                t=time.time(),
+                route=r.route,
+                samples=r.samples,
+                loss=r.loss,
+                calls=r.call_s,
+            )
 
         loop = asyncio.get_running_loop()
         if args.gate:

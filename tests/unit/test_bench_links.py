@@ -9,7 +9,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from protocol.run_spec import read_spec_file
-from scripts.bench_swarm import CONFIGS, Record, _config, _purpose_bytes, _with, write_spec
+from scripts.bench_swarm import (
+    CONFIGS,
+    Record,
+    _config,
+    _purpose_bytes,
+    _with,
+    call_names,
+    call_split,
+    write_spec,
+)
 from scripts.swarm_bench import wire
 
 
@@ -72,3 +81,19 @@ def test_node_traffic_reads_the_metrics_exposition(monkeypatch) -> None:
     monkeypatch.setattr(wire.subprocess, "run", lambda *a, **k: Done())
     got = wire.node_traffic("http://127.0.0.1:1/metrics")
     assert got == {("averaging", "sent"): 12345, ("activations", "received"): 2_500_000_000}
+
+
+def test_call_split_takes_medians_per_call_and_the_mean_micro_batch() -> None:
+    assert call_names(3) == ["fwd0", "fwd1", "loss2", "bwd1", "bwd0"]
+    rec = Record()
+    rec.mbs = [
+        {"t": 1.0, "samples": 8, "calls": (0.1, 0.5, 0.2)},
+        {"t": 2.0, "samples": 8, "calls": (0.3, 0.7, 0.2)},
+        {"t": 3.0, "samples": 8, "calls": (0.2, 0.6, 0.2)},
+        {"t": 9.0, "samples": 8, "calls": (9.0, 9.0, 9.0)},  # outside the span
+        {"t": 2.5, "samples": 8, "route": ["a", "b"]},  # a trainer without call times
+    ]
+    split = call_split(rec, 0.0, 5.0, 2)
+    assert split["fwd0"] == 0.2 and split["loss1"] == 0.6 and split["bwd0"] == 0.2
+    assert abs(split["mb"] - 1.0) < 1e-9 and split["samples/mb"] == 8
+    assert call_split(rec, 10.0, 20.0, 2) == {}

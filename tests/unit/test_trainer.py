@@ -243,3 +243,26 @@ def test_a_training_call_that_a_stage_may_hold_gets_the_hold_on_top_of_its_timeo
             assert timeout in (floor, ceiling), (kind, timeout)
     trained = [t for _, train, t in stages.timeouts if train]
     assert len(trained) == 6 and trained[-2:] == [floor + HOLD_S] * 2  # fast calls: the floor
+
+
+@dataclass
+class _SlowLoss(_Stages):
+    """``_Stages`` whose last stage takes ``loss_s`` for its loss call."""
+
+    loss_s: float = 0.05
+
+    async def loss(self, p2p: Any, peer: PeerID, x: torch.Tensor, y: torch.Tensor, **kw: Any):
+        await asyncio.sleep(self.loss_s)
+        return await super().loss(p2p, peer, x, y, **kw)
+
+
+def test_a_result_times_each_call_in_the_order_made() -> None:
+    """``call_s``: stage 0's forward, stage 1's loss, stage 0's backward (2 stages)."""
+    stages = _SlowLoss(failing_stage=-1, error=StageUnavailable)
+    trainer, _ = _trainer(stages, [0, 1])
+    results = []
+    asyncio.run(trainer.train(2, results.append))
+    for r in results:
+        forward, loss, backward = r.call_s
+        assert loss >= stages.loss_s
+        assert forward < stages.loss_s and backward < stages.loss_s
