@@ -35,8 +35,12 @@ like on this machine:
   warm-up; samples/s of each and their ratio, bytes on the wire per sample by purpose
   (activations and gradients as the trainer counts them, averaging and state as the
   nodes' metrics do, the rest of the wire's count as ``other``), averaging rounds per
-  peer, and the validation loss after those samples, also as a ratio to the first
-  configuration's on the same link. It builds its own network: not with ``--netem``.
+  peer (averaged, and each other way a round ended), the median seconds of each of the
+  trainer's calls per micro-batch, the mean seconds of a micro-batch in flight with the
+  rate ``--in-flight`` micro-batches allow at it (``window samples/s``: near the measured
+  rate, the window binds), and the validation loss after those samples, also as a ratio
+  to the first configuration's on the same link. It builds its own network: not with
+  ``--netem``.
 
 ``--runs N`` repeats each scenario as N whole runs (a new swarm each, seeds differing) and
 ends with the median of each figure over the runs, with its range; ``results.json`` in
