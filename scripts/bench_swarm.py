@@ -701,10 +701,10 @@ def call_names(n_stages: int) -> list[str]:
 
 def call_split(rec: Record, lo: float, hi: float, n_stages: int) -> dict[str, float]:
     """Of the micro-batches completed in [lo, hi): the median seconds of each call
-    (``call_names``), the mean seconds of a whole micro-batch (``mb``), and the rate a
-    trainer with ``in_flight`` micro-batches always in flight would reach at that mean
-    (``window samples/s``, Little's law: in flight / time in flight). Empty when the
-    trainer did not report call times."""
+    (``call_names``), the mean seconds of a whole micro-batch (``mb``) and the mean samples
+    per micro-batch (``samples/mb``), from which ``links`` takes the rate its window allows
+    (Little's law: in flight over time in flight). Empty when the trainer did not report
+    call times."""
     mbs = [m for m in rec.mbs if lo <= m["t"] < hi and len(m.get("calls", ())) == 2 * n_stages - 1]
     if not mbs:
         return {}

@@ -249,7 +249,7 @@ def test_a_training_call_that_a_stage_may_hold_gets_the_hold_on_top_of_its_timeo
 class _SlowLoss(_Stages):
     """``_Stages`` whose last stage takes ``loss_s`` for its loss call."""
 
-    loss_s: float = 0.05
+    loss_s: float = 0.2  # far above what a call that computes nothing takes
 
     async def loss(self, p2p: Any, peer: PeerID, x: torch.Tensor, y: torch.Tensor, **kw: Any):
         await asyncio.sleep(self.loss_s)
