@@ -93,6 +93,7 @@ from hivemind.utils import get_dht_time
 from models.stages import Stage
 from models.training import StageOptimizer
 from node import events
+from node.aio import cancel_and_wait, wait_event
 from node.averaging.digests import ParamDigest, digests_wanted
 from node.averaging.download import LoadedState, Saved, download, initial_state
 from node.averaging.process import StageAveragerProcess
@@ -115,6 +116,8 @@ from protocol.progress import MAX_EPOCHS_AHEAD
 from protocol.run_spec import AveragingSpec, RunSpec
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_S = 10.0  # the rounds' task is waited for this long after its cancellation
 
 # The longest a step waits for the backwards of the micro-batches its peer admitted (a lost
 # micro-batch must not hold the stage): those that come later go into the next step.
@@ -460,8 +463,7 @@ class StageAverager:
                 per_peer=self.strategy.per_peer,
                 period=self.settings.report_period_s,
             )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._publish_now.wait(), period)
+            await wait_event(self._publish_now, period)
 
     async def _round_loop(self) -> None:
         while True:
@@ -807,9 +809,7 @@ class StageAverager:
     async def shutdown(self) -> None:
         """Stop averaging (a round in flight is abandoned) and the averager process."""
         if self._runner is not None:
-            self._runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._runner
+            await cancel_and_wait(self._runner, SHUTDOWN_S, self._name + "'s rounds")
             self._runner = None
         await self.transport.close()
 

@@ -16,7 +16,6 @@ must catch up to).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -213,7 +212,8 @@ class HivemindTransport:
         peers (base58) to ask; None: any the process allows."""
         future = self.process.load_state(timeout_s, only=only)
         try:
-            return await asyncio.wait_for(future, timeout_s + self.settings.chunk_timeout_s)
+            async with asyncio.timeout(timeout_s + self.settings.chunk_timeout_s):
+                return await future
         except TimeoutError:
             future.cancel()
             logger.warning("%s: state download timed out", self._name)
@@ -340,8 +340,7 @@ class HivemindTransport:
             if not control.done():
                 control.cancel()
             waiter.cancel()
-            with contextlib.suppress(BaseException):
-                await waiter
+            await asyncio.wait({waiter})  # its end, whatever it was; ours propagates
 
     def _write(self, tensors: Tensors, timeout: float) -> None:
         if not self.process.lock_averaged_tensors.acquire(timeout=max(timeout, 0.0)):

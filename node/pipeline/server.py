@@ -98,6 +98,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from models.stages import Stage
 from models.training import StageOptimizer
 from node import events, limits
+from node.aio import wait_event
 from node.pipeline.executor import StageExecutor
 from node.pipeline.wire import (
     FAILED,
@@ -422,8 +423,7 @@ class StageServer(NodeServicer):
                     changed = self._gate_changed
                     # The timeout also catches what nothing announces (the clock of OPEN_S),
                     # and a peer's share is read again.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(changed.wait(), min(deadline - now, 0.1))
+                    await wait_event(changed, min(deadline - now, 0.1))
                     if state is Admission.SHARE:
                         await self.before_admit()
                     state = self._admission()
@@ -473,8 +473,7 @@ class StageServer(NodeServicer):
             if remaining <= 0 or self._gate_changed is None:
                 return False
             changed = self._gate_changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+            await wait_event(changed, min(remaining, 0.25))
         return True
 
     async def rpc_forward(

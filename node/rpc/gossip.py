@@ -206,7 +206,8 @@ class Gossip:
             raise
         try:
             if self_test:
-                await asyncio.wait_for(self._self_test(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._self_test()
         except TimeoutError:
             await self.close()
             raise GossipUnavailable(
@@ -317,7 +318,8 @@ class Gossip:
         )
         control = await _Control.open(self.control_maddr)
         try:
-            response = await asyncio.wait_for(control.request(request), timeout_s + 5.0)
+            async with asyncio.timeout(timeout_s + 5.0):
+                response = await control.request(request)
         finally:
             await control.close()
         if (error := _failure(response, f"to connect to {peer_id}")) is not None:
