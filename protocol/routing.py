@@ -20,6 +20,11 @@ import numpy as np
 
 from protocol.records import PeerInfo
 
+# Micro-batches a trainer keeps in the pipeline at once, by default. A larger window hides
+# more of a slow link's latency and holds more micro-batches one step stale at the stages
+# (BENCHMARKS.md, "small on emulated links", measures both at 4 to 8).
+WINDOW = 5
+
 
 @dataclass(frozen=True)
 class Candidate:

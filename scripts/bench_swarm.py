@@ -81,6 +81,7 @@ from node.cli.plot import PlotUnavailable, write_line_chart
 from node.files import load_or_create_key, write_atomic
 from node.limits import ACTIVATIONS, AVERAGING, GRADIENTS, SENT, STATE
 from protocol.identity import peer_id_of
+from protocol.routing import WINDOW
 from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
 from scripts.netem.network import ROOT, NetemUnavailable, Network
 from scripts.netem.profiles import profile
@@ -826,7 +827,7 @@ def main() -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--peers", type=int, default=2, help="peers per stage")
-    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--in-flight", type=int, default=WINDOW)
     p.add_argument("--warmup", type=float, default=8.0, help="seconds before measuring")
     p.add_argument("--phase", type=float, default=20.0, help="seconds per measured phase")
     p.add_argument("--repeat", type=int, default=2, help="measured phase pairs per scenario")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
+from protocol.routing import WINDOW
 
 # ``protocol.run_spec.Compression``, spelled out here so this module stays light
 COMPRESSIONS = ["none", "float16", "uint8", "int4", "int2"]
@@ -466,7 +467,7 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="model preset")
     p.add_argument("--micro-batches", type=positive_int, default=800, help="micro-batches to train")
     p.add_argument(
-        "--in-flight", type=positive_int, default=4, help="micro-batches in flight at once"
+        "--in-flight", type=positive_int, default=WINDOW, help="micro-batches in flight at once"
     )
     p.add_argument(
         "--kill-at", type=float, default=0.25, help="fraction of training: SIGKILL a peer"
@@ -556,7 +557,7 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
         "--micro-batches", type=positive_int, default=1000, help="micro-batches to train"
     )
     p.add_argument(
-        "--in-flight", type=positive_int, default=4, help="micro-batches in flight at once"
+        "--in-flight", type=positive_int, default=WINDOW, help="micro-batches in flight at once"
     )
     p.add_argument("--stream", type=int, default=0, help="which data stream of the run to read")
     p.add_argument(

@@ -57,6 +57,7 @@ from node.rpc.membership import NOT_A_MEMBER, present
 from node.rpc.relay import connect_relayed
 from protocol.records import PeerInfo
 from protocol.routing import (
+    WINDOW,
     BanList,
     CallTimer,
     Candidate,
@@ -119,7 +120,7 @@ class MembershipRefused(Exception):
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    in_flight: int = 4  # micro-batches in the pipeline at once
+    in_flight: int = WINDOW  # micro-batches in the pipeline at once
     call_timeout_s: float = 30.0  # the longest wait for a call (before a stage's first answer)
     min_call_timeout_s: float = 5.0  # the shortest, however fast the stage's calls have been
     refresh_s: float = 2.0  # how often the swarm view is re-read from the DHT
