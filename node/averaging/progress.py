@@ -18,6 +18,7 @@ also checks invites): a key made up for the occasion cannot shape our rounds.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -35,6 +36,10 @@ from protocol.run_spec import RunSpec
 logger = logging.getLogger(__name__)
 
 MAX_PEER_RECORDS = 1024  # read at most this many progress records of one stage
+# The longest a store or read of progress records may take: one that has not ended by then
+# counts as failed (the next period retries), so a DHT call that never answers cannot stop
+# our reports and reads, and with them every round of the stage.
+DHT_CALL_S = 10.0
 # The run's peer records are re-read when a progress record names a peer we do not know,
 # at most this often, and at least this often (a peer whose record expired drops out).
 PEERS_REFRESH_S = 2.0
@@ -148,15 +153,16 @@ class ProgressBoard:
         now = get_dht_time()
         value = encode_progress(mine, run=self.spec.run, key=self._signer, timestamp=now)
         try:
-            return await self.dht.dht.store(
-                self._key,
-                subkey=self.peer_id,
-                value=value,
-                expiration_time=now + self.ttl,
-                return_future=True,
-            )
+            async with asyncio.timeout(DHT_CALL_S):
+                return await self.dht.dht.store(
+                    self._key,
+                    subkey=self.peer_id,
+                    value=value,
+                    expiration_time=now + self.ttl,
+                    return_future=True,
+                )
         except Exception as e:  # a DHT hiccup: the next period retries
-            logger.warning("%s: publishing progress failed: %s", self._name, e)
+            logger.warning("%s: publishing progress failed: %r", self._name, e)
             return False
 
     async def refresh(self) -> list[Progress]:
@@ -164,9 +170,10 @@ class ProgressBoard:
         read, keep the last ones. Invalid records are dropped and logged; records of peers
         without a valid peer record in the run are dropped."""
         try:
-            found = await self.dht.dht.get(self._key, latest=True, return_future=True)
+            async with asyncio.timeout(DHT_CALL_S):
+                found = await self.dht.dht.get(self._key, latest=True, return_future=True)
         except Exception as e:
-            logger.warning("%s: reading progress failed: %s", self._name, e)
+            logger.warning("%s: reading progress failed: %r", self._name, e)
             return self.records
         if found is None or not isinstance(found.value, dict):
             self.records = []

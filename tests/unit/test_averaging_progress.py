@@ -110,3 +110,28 @@ def test_a_read_keeps_signed_records_of_peers_in_the_run_only():
     clock[0] += PEERS_REFRESH_S
     asyncio.run(board.refresh())
     assert len(reads) == 2
+
+
+def test_a_dht_call_that_never_answers_counts_as_failed(monkeypatch):
+    """A store or read of progress that never ends is given up after ``DHT_CALL_S``: the
+    publish fails and the read keeps the records of the last one, so the loop that
+    reports and reads goes on."""
+    import node.averaging.progress as progress
+
+    monkeypatch.setattr(progress, "DHT_CALL_S", 0.05)
+
+    async def never(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    key = Ed25519PrivateKey.generate()
+    dht = SimpleNamespace(
+        peer_id=peer_id_of(key.public_key()), dht=SimpleNamespace(get=never, store=never)
+    )
+    board = ProgressBoard(dht, make_spec("progress"), 1, ttl_s=TTL, name="stage 1", key=key)
+    board.records = [Progress("a", 3, 5)]
+
+    async def body() -> tuple[bool, list[Progress]]:
+        async with asyncio.timeout(5):
+            return await board.publish(Progress(dht.peer_id, 3, 1)), await board.refresh()
+
+    assert asyncio.run(body()) == (False, [Progress("a", 3, 5)])
