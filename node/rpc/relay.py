@@ -163,6 +163,16 @@ async def connect_relayed(p2p: P2P, records: Iterable[PeerInfo]) -> dict[str, st
     return {r.peer_id: now.get(r.peer_id, "none") for r in relayed}
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line, at most ``limit`` characters: its start and its end, where a
+    dial error says why it failed."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return f"{text[:head]} ... {text[-(limit - head - 5) :]}"
+
+
 async def reservation_holds(
     relay: str, peer_id: str, *, timeout_s: float = PROBE_TIMEOUT_S
 ) -> str | None:
@@ -206,7 +216,7 @@ async def reservation_holds(
         except TimeoutError:
             return f"no connection through the relay within {timeout_s:.0f} s"
         except (P2PDaemonError, ValueError, OSError) as e:
-            return " ".join(f"{type(e).__name__}: {e}".split())[:200]  # one line
+            return _one_line(f"{type(e).__name__}: {e}")
         finally:
             if probe is not None:
                 with contextlib.suppress(Exception):
