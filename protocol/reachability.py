@@ -171,6 +171,18 @@ def relay_peer_id(relay: str) -> str:
     return relay.rsplit("/p2p/", 1)[-1]
 
 
+# The protocol a circuit relay (v2) serves reservations and circuits on. A peer whose
+# ``p2pd`` offers no relay service refuses it; go-libp2p's dial error then names it as a
+# protocol "not supported".
+HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
+
+
+def offers_no_relay(why: str) -> bool:
+    """Whether a failed probe's reason (``node.rpc.relay.reservation_holds``) says the
+    relay runs no relay service at all: waiting for a reservation there is pointless."""
+    return "not supported" in why and HOP_PROTOCOL in why
+
+
 def relayed_throughput(
     throughput: Sequence[float], relay_mbps: float, bytes_per_sample: float
 ) -> tuple[float, ...]:

@@ -17,7 +17,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from node.rpc.relay import reservation_holds
-from protocol.reachability import RelayWatch, relay_candidates, relay_order, relay_peer_id
+from protocol.reachability import (
+    RelayWatch,
+    offers_no_relay,
+    relay_candidates,
+    relay_order,
+    relay_peer_id,
+)
 
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
@@ -67,12 +73,17 @@ class RelayKeeper:
     async def choose(self, *, wait_s: float = 0.0) -> str | None:
         """The first candidate (in ``relay_order`` after the current relay) that holds a
         reservation for this node; tries them all again every ``retry_after_s`` until one
-        does or ``wait_s`` has passed; None if none did. Remembered as the current relay."""
+        does or ``wait_s`` has passed, or every candidate tried runs no relay service
+        (``offers_no_relay``: none ever will); None if none did. Remembered as the current
+        relay."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
             found = await self._first_holding()
             if found is not None or loop.time() + self.watch.retry_after_s > deadline:
+                break
+            if self.tried and all(offers_no_relay(why) for why in self.tried.values()):
+                logger.info("no candidate relay offers a relay service: not waiting for one")
                 break
             await asyncio.sleep(self.watch.retry_after_s)
         self.watch.chose(loop.time(), found)

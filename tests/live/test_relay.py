@@ -12,7 +12,9 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from node.daemon.relay_keeper import CHOOSE_WAIT_S
 from node.harness.local_swarm import NodeProcess
+from protocol.reachability import offers_no_relay
 from scripts.netem.network import Home, Host, NetemUnavailable, Network
 from scripts.netem.profiles import profile
 from tests.live.test_nat import ANY, _maddr_at, _reachability
@@ -181,7 +183,8 @@ def test_public_nodes_with_no_relay_leave_a_home_without_one(one_home, tmp_path)
     """2 public nodes started with ``--no-relay`` (tiny, 1 stage, both training) and 1 home
     behind NAT that would serve through a relay: neither public node's ``p2pd`` offers one
     (not even go-libp2p's default relay, which ``-relayService=false`` alone left on), so
-    the home finds no reservation on either, says it runs as a trainer only
+    the home finds no reservation on either and, as both refuse the relay protocol, says
+    at once (not after ``CHOOSE_WAIT_S``) that it runs as a trainer only
     (``node.reachability``: ``serves`` false, why for each relay tried), holds no stage,
     trains through the public nodes, and no call is routed to it."""
     net, nodes = one_home, []
@@ -206,11 +209,15 @@ def test_public_nodes_with_no_relay_leave_a_home_without_one(one_home, tmp_path)
             found = [e for e in home.events("node.reachability") if e["reachable"] is not None]
             return found[-1] if found else None
 
-        # the home looks for a reservation for up to 90 s (CHOOSE_WAIT_S) before giving up
+        # Neither public node runs a relay service: the home stops looking for a
+        # reservation at its first refusals, not after CHOOSE_WAIT_S (90 s).
+        started = time.monotonic()
         event = wait_until(said, 300, "the home to say whether it serves")
+        assert time.monotonic() - started < CHOOSE_WAIT_S / 2, "the home waited for no relay"
         assert event["reachable"] is False and not event["serves"], f"{event}"
         assert event["relay"] is None, event
         assert set(event["relays_tried"]) == {first.peer_id, second.peer_id}, event
+        assert all(offers_no_relay(why) for why in event["relays_tried"].values()), event
 
         def trained(node: NodeProcess) -> bool:
             return any(e["micro_batches"] >= 20 for e in node.events("train.progress"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,7 @@ from protocol.reachability import (
     dial_target,
     encode,
     observed_ip,
+    offers_no_relay,
     relay_candidates,
     relay_order,
     relay_peer_id,
@@ -315,3 +317,42 @@ def test_a_caller_without_relays_never_routes_to_a_peer_reachable_only_through_o
 def test_a_daemon_without_relay_code_dials_no_circuit():
     assert RelaySettings().dials_circuits and RelaySettings(use=False).dials_circuits
     assert not RelaySettings(serve=False, use=False).dials_circuits
+
+
+NO_SERVICE = (
+    "ControlFailure: Connect failed. msg=failed to dial ... error opening hop stream to relay: "
+    "failed to negotiate protocol: protocols not supported: [/libp2p/circuit/relay/0.2.0/hop]"
+)
+
+
+def test_a_refusal_names_a_relay_with_no_relay_service_and_nothing_else():
+    assert offers_no_relay(NO_SERVICE)
+    assert not offers_no_relay("NO_RESERVATION")
+    assert not offers_no_relay("no connection through the relay within 20 s")
+    assert not offers_no_relay("protocols not supported: [/ipfs/id/1.0.0]")
+
+
+def test_the_keeper_stops_waiting_when_every_relay_runs_no_relay_service():
+    """No candidate will ever hold a reservation: the keeper says so at once, not after
+    its wait; one that may still reserve keeps it waiting."""
+    reasons = {RELAY: NO_SERVICE, OTHER: NO_SERVICE}
+
+    async def probe(relay: str, peer: str) -> str | None:
+        return reasons[relay]
+
+    async def views() -> dict[str, bool | None]:
+        return {}
+
+    async def choose() -> tuple[str | None, float]:
+        keeper = RelayKeeper(_Daemon(set()), [RELAY, OTHER], views, probe=probe,
+                             check_every_s=60, retry_after_s=0.05)  # fmt: skip
+        started = time.monotonic()
+        async with asyncio.timeout(30):
+            found = await keeper.choose(wait_s=0.5)
+        return found, time.monotonic() - started
+
+    found, took = asyncio.run(choose())
+    assert found is None and took < 0.05
+    reasons[OTHER] = "NO_RESERVATION"
+    found, took = asyncio.run(choose())
+    assert found is None and took >= 0.4
