@@ -5,8 +5,11 @@ first."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Coroutine
+
+from node.aio import cancel_and_wait
+
+UNWIND_S = 30.0  # work cut short by a stop unwinds within this, or is left behind
 
 
 class Owned:
@@ -28,19 +31,17 @@ class Owned:
 
 
 async def until_stopped(stop: asyncio.Event, work: Awaitable[object]) -> bool:
-    """Await ``work`` unless ``stop`` is set first (then cancel it and wait for it to
-    unwind). True if the work finished; its exception, if it raised one, propagates."""
+    """Await ``work`` unless ``stop`` is set first (then cancel it and wait at most
+    ``UNWIND_S`` for it to unwind). True if the work finished; its exception, if it raised
+    one, propagates. A cancellation of the caller propagates too (the work cancelled)."""
     task = asyncio.ensure_future(work)
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
+        await cancel_and_wait(task, UNWIND_S, "work cut short by the node's stop")
+    if not task.done() or task.cancelled():
         return False
     task.result()
     return True

@@ -17,7 +17,6 @@ cancels and awaits the one and cleans up the other (open connections are given
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.resources
 import json
 import logging
@@ -29,6 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from node import events
+from node.aio import cancel_and_wait
 from node.dashboard.address import Address, bind
 from node.dashboard.history import CAPACITY, PERIOD_S, History, Totals
 from node.dashboard.metrics import NodeCollector, node_registry
@@ -131,9 +131,7 @@ class Dashboard:
             self._unlisten()
             self._unlisten = None
         if self._sampler is not None:
-            self._sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sampler
+            await cancel_and_wait(self._sampler, SHUTDOWN_S, "the dashboard's sampler")
             self._sampler = None
         if self._runner is not None:
             await self._runner.cleanup()

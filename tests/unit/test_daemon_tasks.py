@@ -4,6 +4,7 @@ that a stop cuts short."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from node.daemon.tasks import Owned, until_stopped
 
@@ -59,5 +60,29 @@ def test_until_stopped_passes_on_the_work_s_exception():
             assert str(e) == "bad"
         else:
             raise AssertionError("the exception was swallowed")
+
+    asyncio.run(main())
+
+
+def test_until_stopped_ends_work_that_absorbs_a_cancellation_and_passes_on_its_own():
+    async def stubborn() -> None:
+        with contextlib.suppress(asyncio.CancelledError):  # as a wait_for racing a result
+            await asyncio.Event().wait()
+        await asyncio.Event().wait()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        stop.set()
+        async with asyncio.timeout(5):  # a single cancellation would leave it waiting
+            assert await until_stopped(stop, stubborn()) is False
+        outer = asyncio.ensure_future(until_stopped(asyncio.Event(), stubborn()))
+        await asyncio.sleep(0.01)
+        outer.cancel()
+        try:
+            await asyncio.wait_for(outer, 5)
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the caller's cancellation was swallowed")
 
     asyncio.run(main())
