@@ -535,6 +535,23 @@ def decide_move(
     peer-hour lately, if the caller knows (None: ``params.arrival_reference``); fewer
     make a serving peer's move worth its download sooner.
     """
+    move = _move_candidate(
+        view, stage, throughput, seed, params, serving=serving, arrivals=arrivals
+    )
+    return None if move is None else _draw_move(move, seed)
+
+
+def _move_candidate(
+    view: SwarmView,
+    stage: int,
+    throughput: Sequence[float],
+    seed: Seed,
+    params: Params,
+    *,
+    serving: bool,
+    arrivals: float | None,
+) -> Move | None:
+    """The move ``decide_move`` draws from (with ``Move.probability``), or None."""
     n = view.n_stages
     _check_own(throughput, n)
     _stage_index(stage, n, "stage")
@@ -558,7 +575,7 @@ def decide_move(
         level = sum(rest) / (n - len(empty))
         supply = sum(view.totals)
         p = 1.0 if supply <= 0.0 else min(1.0, params.urgency * level / supply)
-        return _draw_move(Move(stage, target, math.inf, p, "empty"), seed)
+        return Move(stage, target, math.inf, p, "empty")
 
     w, a = _weights(n, view.prices), params.sharpness
     values = _values(rest, w, throughput, a)
@@ -602,7 +619,7 @@ def decide_move(
         # by that ** size_bias makes it urgency * room for 0 and 1, and about that between.
         moment = (sum(view.squares) - view.squares[target]) * others / supply**2
         share /= max(1.0, moment) ** params.size_bias
-    return _draw_move(Move(stage, target, gain, min(1.0, share), "imbalance"), seed)
+    return Move(stage, target, gain, min(1.0, share), "imbalance")
 
 
 def second_stage(
@@ -612,7 +629,10 @@ def second_stage(
     well, or None: while the peers holding two stages sum to less than
     ``params.two_stage_reserve`` mean stage totals, a peer at least ``two_stage_min``
     times the mean claim's speed takes the stage where its priced speed is next best (it
-    loses least there when its time goes to that stage)."""
+    loses least there when its time goes to that stage). A peer that the rule might move
+    now (its stage holds more than its share) takes none: a peer holding two stages
+    never moves, and joiners that all locked themselves onto one crowded stage would
+    leave the swarm unbalanced for good."""
     n = view.n_stages
     _check_own(throughput, n)
     _stage_index(stage, n, "stage")
@@ -622,6 +642,14 @@ def second_stage(
     if view.two_stage >= params.two_stage_reserve * total / n:
         return None
     if throughput[stage] < params.two_stage_min * total / claims:
+        return None
+    settled = SwarmView(  # as if every claim served: those loading now will soon
+        view.totals, view.counts, view.counts, view.prices, view.squares, view.two_stage
+    )
+    move = _move_candidate(
+        settled, stage, throughput, "second", params, serving=True, arrivals=None
+    )
+    if move is not None and move.probability > 0.0:
         return None
     w = _weights(n, view.prices)
     return max((s for s in range(n) if s != stage), key=lambda s: w[s] * throughput[s])

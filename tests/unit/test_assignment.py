@@ -504,6 +504,19 @@ def test_a_fast_joiner_takes_the_stage_it_is_next_best_at_while_the_reserve_is_s
         second_stage(view, 4, fast, on)
 
 
+def test_a_joiner_on_a_crowded_stage_stays_free_to_move_and_takes_no_second_stage():
+    # 6 equal peers at 3-2-1 (two of stage 0 still loading): a peer holding two stages
+    # never moves, so one of stage 0's three must not lock itself in; the others may.
+    view = _view([3.0, 2.0, 1.0], counts=[3, 2, 1], serving=[1, 2, 1])
+    equal = (1.0, 1.0, 1.0)
+    assert decide_move(view, 0, equal, "x") is None  # the only one serving: stays
+    assert second_stage(view, 0, equal) is None  # but once they serve, it may move
+    assert second_stage(view, 1, equal) == 0  # leaving 1 for 2 would gain nothing
+    assert second_stage(view, 2, equal) == 0
+    balanced = _view([2.0, 2.0, 2.0], counts=[2, 2, 2])
+    assert [second_stage(balanced, s, equal) for s in range(3)] == [1, 0, 0]
+
+
 # The simulator.
 
 
