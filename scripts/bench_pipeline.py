@@ -4,7 +4,11 @@ Measures samples/s of (a) the single-process baseline (the whole model, all core
 (b) a local swarm (``--stages`` x ``--peers`` node processes on 127.0.0.1 and a trainer in
 this process) on the same preset, and the bytes that crossed loopback per sample against
 the activation bytes the stage boundaries require (one hidden state forward and one
-gradient back per boundary). Prints the ratios.
+gradient back per boundary), and the CPU seconds each spends per sample (the swarm's: its
+node processes with their ``p2pd`` and averager children, and this process, the trainer,
+with its own ``p2pd``). Prints the ratios: where the swarm's CPU per sample is above one
+process's, the cores it shares bound it below one process however the pipeline is
+scheduled.
 
 The swarm runs ``--repeats`` rounds of ``--micro-batches`` each way the trainer can call:
 ``reused`` (streams kept open per peer and stage, the default) and ``per-call`` (a new
@@ -35,6 +39,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -48,20 +53,24 @@ from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
+from scripts.swarm_bench.throttle import tree_cpu_seconds
 
 
-def baseline_rate(preset_name: str, micro_batches: int, corpus) -> float:
-    """Samples/s of ``train_baseline``'s training steps on about ``micro_batches``
-    micro-batches (at least 2 steps): its first step is the warm-up, and its evaluations
-    (before the first step, after the last) are left out."""
+def baseline_rate(preset_name: str, micro_batches: int, corpus) -> tuple[float, float]:
+    """Samples/s and CPU seconds per sample of ``train_baseline``'s training steps on about
+    ``micro_batches`` micro-batches (at least 2 steps): its first step is the warm-up, and
+    its evaluations (before the first step, after the last) are left out."""
     model, optim = preset(preset_name)
     steps = max(2, micro_batches * optim.micro_batch_size // optim.target_batch_size)
     # A step's report counts samples and time from the first step on; the last report's
     # time holds the final evaluation, so the steps timed are 2 .. steps + 1 of steps + 2.
-    reports = train_baseline(model, optim, corpus, steps=steps + 2, eval_every=10**9).steps
+    cpu: list[float] = []  # this process's CPU seconds (all its threads) after each step
+    reports = train_baseline(model, optim, corpus, steps=steps + 2, eval_every=10**9,
+                             on_step=lambda _: cpu.append(time.process_time())).steps  # fmt: skip
     first, last = reports[0], reports[-2]
     elapsed = last.samples / last.samples_per_s - first.samples / first.samples_per_s
-    return (last.samples - first.samples) / elapsed
+    samples = last.samples - first.samples
+    return samples / elapsed, (cpu[-2] - cpu[0]) / samples
 
 
 def loopback_bytes() -> int:
@@ -72,17 +81,35 @@ def loopback_bytes() -> int:
 WAYS = ("reused", "per-call")  # how the trainer's calls get their streams
 
 
+class Round(NamedTuple):
+    """One round of one way of calling: samples/s, loopback bytes per sample, and CPU
+    seconds per sample of the swarm's nodes and of the trainer (this process's tree)."""
+
+    rate: float
+    wire: float
+    node_cpu: float
+    trainer_cpu: float
+
+
 async def swarm_rates(
     dht: SwarmDHT,
     micro_batches: int,
     in_flight: int,
     repeats: int,
     ways: tuple[str, ...] = WAYS,
-) -> tuple[dict[str, list[tuple[float, float]]], tuple[float, float]]:
-    """Each way's (samples/s, loopback bytes per sample), one per round (the ways take
-    turns within each round, in alternating order), and the wall-clock window of the rounds."""
+    node_pids: tuple[int, ...] = (),
+) -> tuple[dict[str, list[Round]], tuple[float, float]]:
+    """Each way's rounds (the ways take turns within each round, in alternating order),
+    and the wall-clock window of the rounds. CPU counts ``node_pids``' process trees."""
     trainer = await open_trainer(dht, TrainerSettings(in_flight=in_flight, call_timeout_s=120))
-    rates: dict[str, list[tuple[float, float]]] = {way: [] for way in ways}
+    rates: dict[str, list[Round]] = {way: [] for way in ways}
+
+    def cpu() -> tuple[float, float]:
+        """The nodes' CPU seconds, and the rest of this process's tree (the nodes are
+        its children)."""
+        nodes = sum(tree_cpu_seconds(pid) for pid in node_pids)
+        return nodes, tree_cpu_seconds(os.getpid()) - nodes
+
     try:
         await trainer.train(in_flight * 2)  # warm-up: connections, allocations
         window = time.time()
@@ -90,12 +117,14 @@ async def swarm_rates(
             for way in ways if i % 2 == 0 else ways[::-1]:  # ABBA: a drift favours neither
                 stage_client.reuse_streams(trainer.p2p, way == "reused")
                 before_bytes, before_samples = loopback_bytes(), trainer.stats.samples
-                started = time.perf_counter()
+                (nodes0, own0), started = cpu(), time.perf_counter()
                 await trainer.train(micro_batches)
                 elapsed = time.perf_counter() - started
+                nodes1, own1 = cpu()
                 samples = trainer.stats.samples - before_samples
                 wire = (loopback_bytes() - before_bytes) / samples
-                rates[way].append((samples / elapsed, wire))
+                rates[way].append(Round(samples / elapsed, wire, (nodes1 - nodes0) / samples,
+                                        (own1 - own0) / samples))  # fmt: skip
                 print(f"  {way:9s} {samples / elapsed:8.1f} samples/s", flush=True)
         return rates, (window, time.time())
     finally:
@@ -148,7 +177,7 @@ def print_rounds(rounds: dict[str, list[dict]], window: tuple[float, float]) -> 
 
 def run_swarm(
     args: argparse.Namespace, ways: tuple[str, ...], path: str | None = None
-) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[dict]], tuple[float, float]]:
+) -> tuple[dict[str, list[Round]], dict[str, list[dict]], tuple[float, float]]:
     """Start the swarm (its rounds on ``path`` of ``PATHS``; None: the nodes' default),
     measure ``swarm_rates`` and stop it: the rates, each node's rounds, and their window."""
     nodes, dht = [], None
@@ -169,8 +198,9 @@ def run_swarm(
                 n.wait_serving(120)
             dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
                                  host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
+            pids = tuple(n.proc.pid for n in nodes)
             rates, window = asyncio.run(
-                swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats, ways)
+                swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats, ways, pids)
             )
             return rates, round_events(nodes, window), window
         finally:
@@ -192,7 +222,7 @@ def compare_paths(args: argparse.Namespace, base: float | None) -> None:
     rounds: dict[str, dict[int, list[dict]]] = {p: {} for p in PATHS}
     for path in order:
         measured, events, window = run_swarm(args, ("reused",), path)
-        rate = statistics.median(r for r, _ in measured["reused"])
+        rate = statistics.median(r.rate for r in measured["reused"])
         rates[path].append(rate)
         print(f"{path:5s} swarm: {rate:.1f} samples/s  load average: "
               f"{psutil.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
@@ -242,10 +272,14 @@ def main() -> None:
           f"preset {args.preset}: micro-batch {optim.micro_batch_size} x "
           f"{model.block_size}  load average: {psutil.getloadavg()[0]:.1f}",
           flush=True)  # fmt: skip
-    bases = [baseline_rate(args.preset, args.micro_batches, corpus) for _ in range(args.baselines)]
+    measured = [baseline_rate(args.preset, args.micro_batches, corpus)
+                for _ in range(args.baselines)]  # fmt: skip
+    bases, base_cpus = [r for r, _ in measured], [c for _, c in measured]
     if bases:
-        print(f"baseline (one process):         {spread(bases, 1)} samples/s", flush=True)
+        print(f"baseline (one process):         {spread(bases, 1)} samples/s, "
+              f"{spread(base_cpus, 4)} CPU s per sample", flush=True)  # fmt: skip
     base = statistics.median(bases) if bases else None
+    base_cpu = statistics.median(base_cpus) if base_cpus else None
     if args.rounds:
         compare_paths(args, base)
         print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
@@ -256,14 +290,20 @@ def main() -> None:
     needed = 2 * (args.stages - 1) * model.block_size * model.n_embd * 4  # fwd + bwd, float32
     print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
     for way in WAYS:
-        rate, wire = [r for r, _ in rates[way]], [w for _, w in rates[way]]
+        rate, wire = [r.rate for r in rates[way]], [r.wire for r in rates[way]]
+        cpu = [r.node_cpu + r.trainer_cpu for r in rates[way]]
         print(f"swarm ({args.stages} stages x {args.peers} peers), {way} streams:")
         print(f"  samples/s:                    {spread(rate, 1)}")
         if base is not None:
             print(f"  ratio swarm / baseline:       {spread([r / base for r in rate])}")
         print(f"  loopback bytes per sample:    {spread(wire, 0)}  (activations: {needed})")
         print(f"  ratio wire / required bytes:  {spread([w / needed for w in wire])}")
-    paired = [a / b for (a, _), (b, _) in zip(rates[WAYS[0]], rates[WAYS[1]], strict=True)]
+        trainer = [r.trainer_cpu / (r.node_cpu + r.trainer_cpu) for r in rates[way]]
+        print(f"  CPU s per sample:             {spread(cpu, 4)}  (the trainer's share: "
+              f"{spread(trainer, 2)})")  # fmt: skip
+        if base_cpu is not None:
+            print(f"  ratio CPU per sample / one process's: {spread([c / base_cpu for c in cpu])}")
+    paired = [a.rate / b.rate for a, b in zip(rates[WAYS[0]], rates[WAYS[1]], strict=True)]
     print(f"ratio {WAYS[0]} / {WAYS[1]}, round by round: {spread(paired)}")
 
 

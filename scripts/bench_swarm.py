@@ -65,6 +65,7 @@ import math
 import os
 import queue
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -509,8 +510,9 @@ class Bench:
                     bench = Bench(a, net, seed=0, plot=False)
                     swarm = BenchSwarm(here, a.stages, a.peers, a.preset, net, spec=spec,
                                        dashboards=True)  # fmt: skip
+                    linked = shlex.split(a.link_node_args) if net is not None else []
                     try:
-                        swarm.start()
+                        swarm.start(dict.fromkeys(range(a.stages * a.peers), linked))
                         rec = bench.run_worker(swarm, phases, lambda *_: None, validate=True)
                         rounds = _rounds(swarm, *rec.span("measured"))
                     finally:
@@ -843,6 +845,10 @@ def main() -> int:
                    '\'x={"compression": "uint8"}\')')  # fmt: skip
     p.add_argument("--inner-steps", type=int, help="links: DiLoCo's H in every diloco config")
     p.add_argument("--target-batch", type=int, help="links: the target batch of every config")
+    p.add_argument("--link-node-args", default="", metavar="ARGS",
+                   help="links: flags every node of the --link swarm gets (not the loopback "
+                   "one's), as a volunteer on that link would set them, e.g. "
+                   "'--max-upload-mbps 40'")  # fmt: skip
     p.add_argument("--runs", type=int, default=1, help="whole runs per scenario")
     p.add_argument("--seed", type=int, default=0, help="of run 1; run k uses seed + k - 1")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
