@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
@@ -89,6 +90,27 @@ class Round(NamedTuple):
     wire: float
     node_cpu: float
     trainer_cpu: float
+    node_parts: dict[str, float]  # node_cpu by process (``KINDS``)
+
+
+# The processes of a node, for the split of its CPU: the node's own, its ``p2pd`` (the
+# libp2p daemon every byte it sends or receives crosses) and the rest (its averagers).
+KINDS = ("node", "p2pd", "averagers")
+
+
+def node_cpu_by_kind(pids: tuple[int, ...]) -> dict[str, float]:
+    """CPU seconds so far of the process trees of ``pids``, by ``KINDS``."""
+    parts = dict.fromkeys(KINDS, 0.0)
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    times = proc.cpu_times()
+                    kind = "node" if proc.pid == pid else (
+                        "p2pd" if proc.name() == "p2pd" else "averagers")  # fmt: skip
+                    parts[kind] += times.user + times.system
+    return parts
 
 
 async def swarm_rates(
@@ -104,11 +126,11 @@ async def swarm_rates(
     trainer = await open_trainer(dht, TrainerSettings(in_flight=in_flight, call_timeout_s=120))
     rates: dict[str, list[Round]] = {way: [] for way in ways}
 
-    def cpu() -> tuple[float, float]:
-        """The nodes' CPU seconds, and the rest of this process's tree (the nodes are
-        its children)."""
-        nodes = sum(tree_cpu_seconds(pid) for pid in node_pids)
-        return nodes, tree_cpu_seconds(os.getpid()) - nodes
+    def cpu() -> tuple[dict[str, float], float]:
+        """The nodes' CPU seconds by ``KINDS``, and the rest of this process's tree (the
+        nodes are its children)."""
+        parts = node_cpu_by_kind(node_pids)
+        return parts, tree_cpu_seconds(os.getpid()) - sum(parts.values())
 
     try:
         await trainer.train(in_flight * 2)  # warm-up: connections, allocations
@@ -123,8 +145,9 @@ async def swarm_rates(
                 nodes1, own1 = cpu()
                 samples = trainer.stats.samples - before_samples
                 wire = (loopback_bytes() - before_bytes) / samples
-                rates[way].append(Round(samples / elapsed, wire, (nodes1 - nodes0) / samples,
-                                        (own1 - own0) / samples))  # fmt: skip
+                parts = {k: (nodes1[k] - nodes0[k]) / samples for k in KINDS}
+                rates[way].append(Round(samples / elapsed, wire, sum(parts.values()),
+                                        (own1 - own0) / samples, parts))  # fmt: skip
                 print(f"  {way:9s} {samples / elapsed:8.1f} samples/s", flush=True)
         return rates, (window, time.time())
     finally:
@@ -301,6 +324,10 @@ def main() -> None:
         trainer = [r.trainer_cpu / (r.node_cpu + r.trainer_cpu) for r in rates[way]]
         print(f"  CPU s per sample:             {spread(cpu, 4)}  (the trainer's share: "
               f"{spread(trainer, 2)})")  # fmt: skip
+        for kind in KINDS:
+            print(
+                f"    nodes' {kind + ':':<22} {spread([r.node_parts[kind] for r in rates[way]], 4)}"
+            )
         if base_cpu is not None:
             print(f"  ratio CPU per sample / one process's: {spread([c / base_cpu for c in cpu])}")
     paired = [a.rate / b.rate for a, b in zip(rates[WAYS[0]], rates[WAYS[1]], strict=True)]
