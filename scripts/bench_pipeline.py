@@ -8,7 +8,8 @@ gradient back per boundary), and the CPU seconds each spends per sample (the swa
 node processes with their ``p2pd`` and averager children, and this process, the trainer,
 with its own ``p2pd``). Prints the ratios: where the swarm's CPU per sample is above one
 process's, the cores it shares bound it below one process however the pipeline is
-scheduled.
+scheduled. One more run of the baseline with one torch thread (as each node computes)
+gives the compute alone, against which the nodes' own processes' CPU is set.
 
 The swarm runs ``--repeats`` rounds of ``--micro-batches`` each way the trainer can call:
 ``reused`` (streams kept open per peer and stage, the default) and ``per-call`` (a new
@@ -303,6 +304,16 @@ def main() -> None:
               f"{spread(base_cpus, 4)} CPU s per sample", flush=True)  # fmt: skip
     base = statistics.median(bases) if bases else None
     base_cpu = statistics.median(base_cpus) if base_cpus else None
+    single_cpu = None
+    if bases:  # the compute alone, as a node runs it (one torch thread)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            single, single_cpu = baseline_rate(args.preset, args.micro_batches, corpus)
+        finally:
+            torch.set_num_threads(threads)
+        print(f"baseline, one torch thread:     {single:.1f} samples/s, {single_cpu:.4f} CPU s "
+              f"per sample", flush=True)  # fmt: skip
     if args.rounds:
         compare_paths(args, base)
         print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
@@ -325,9 +336,11 @@ def main() -> None:
         print(f"  CPU s per sample:             {spread(cpu, 4)}  (the trainer's share: "
               f"{spread(trainer, 2)})")  # fmt: skip
         for kind in KINDS:
-            print(
-                f"    nodes' {kind + ':':<22} {spread([r.node_parts[kind] for r in rates[way]], 4)}"
-            )
+            parts = [r.node_parts[kind] for r in rates[way]]
+            print(f"    nodes' {kind + ':':<22} {spread(parts, 4)}")
+        if single_cpu is not None:
+            own = [r.node_parts["node"] / single_cpu for r in rates[way]]
+            print(f"  nodes' own / one thread's:    {spread(own)}")
         if base_cpu is not None:
             print(f"  ratio CPU per sample / one process's: {spread([c / base_cpu for c in cpu])}")
     paired = [a.rate / b.rate for a, b in zip(rates[WAYS[0]], rates[WAYS[1]], strict=True)]
