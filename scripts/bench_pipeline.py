@@ -55,7 +55,7 @@ from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
-from scripts.swarm_bench.throttle import tree_cpu_seconds
+from scripts.swarm_bench.throttle import tree_cpu_seconds, tree_cpu_times
 
 
 def baseline_rate(preset_name: str, micro_batches: int, corpus) -> tuple[float, float]:
@@ -89,9 +89,12 @@ class Round(NamedTuple):
 
     rate: float
     wire: float
-    node_cpu: float
+    node_parts: dict[str, float]  # the nodes' CPU seconds per sample by process (``KINDS``)
     trainer_cpu: float
-    node_parts: dict[str, float]  # node_cpu by process (``KINDS``)
+
+    @property
+    def node_cpu(self) -> float:
+        return sum(self.node_parts.values())
 
 
 # The processes of a node, for the split of its CPU: the node's own, its ``p2pd`` (the
@@ -103,14 +106,12 @@ def node_cpu_by_kind(pids: tuple[int, ...]) -> dict[str, float]:
     """CPU seconds so far of the process trees of ``pids``, by ``KINDS``."""
     parts = dict.fromkeys(KINDS, 0.0)
     for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    times = proc.cpu_times()
-                    kind = "node" if proc.pid == pid else (
-                        "p2pd" if proc.name() == "p2pd" else "averagers")  # fmt: skip
-                    parts[kind] += times.user + times.system
+        for proc, seconds in tree_cpu_times(pid):
+            name = ""
+            with contextlib.suppress(psutil.NoSuchProcess):
+                name = proc.name()
+            kind = "node" if proc.pid == pid else "p2pd" if name == "p2pd" else "averagers"
+            parts[kind] += seconds
     return parts
 
 
@@ -147,8 +148,7 @@ async def swarm_rates(
                 samples = trainer.stats.samples - before_samples
                 wire = (loopback_bytes() - before_bytes) / samples
                 parts = {k: (nodes1[k] - nodes0[k]) / samples for k in KINDS}
-                rates[way].append(Round(samples / elapsed, wire, sum(parts.values()),
-                                        (own1 - own0) / samples, parts))  # fmt: skip
+                rates[way].append(Round(samples / elapsed, wire, parts, (own1 - own0) / samples))
                 print(f"  {way:9s} {samples / elapsed:8.1f} samples/s", flush=True)
         return rates, (window, time.time())
     finally:

@@ -20,16 +20,22 @@ class ThrottleUnavailable(RuntimeError):
     """No writable cgroup CPU controller here; the message says what is missing."""
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and its descendants."""
-    total = 0.0
+def tree_cpu_times(pid: int) -> list[tuple[psutil.Process, float]]:
+    """Each live process of ``pid``'s tree (``pid`` first) with the CPU seconds it has used
+    so far; processes that end meanwhile are left out."""
+    found = []
     with contextlib.suppress(psutil.NoSuchProcess):
         root = psutil.Process(pid)
         for p in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = p.cpu_times()
-                total += t.user + t.system
-    return total
+                found.append((p, t.user + t.system))
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its descendants."""
+    return sum(seconds for _, seconds in tree_cpu_times(pid))
 
 
 class CpuThrottle:
