@@ -68,7 +68,10 @@ fields:
   group when the round was triggered: since the newest of this peer's last admission and
   its groupmates' progress records); ``digest`` (``hash``: 8 hex
   digits, ``norm``, ``sketch``: 4 floats) of the parameters the copies agree on, when
-  digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"`` and ``"resync"``.
+  digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"`` and ``"resync"``;
+  ``progress`` (counts since the stage was taken: ``reads`` and ``stores`` of the stage's
+  progress records in the DHT, ``pushed`` and ``push_failed``: our records sent straight to
+  peers, ``taken``: peers' records pushed to us that updated the view).
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means
   it returned for the share it reduced cannot be a mean of parts that include ours
   (``protocol.averaging.check_returned``): the round fails; ``refused``: the groupmate is

@@ -88,6 +88,7 @@ from dataclasses import dataclass
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.averaging.control import StepControl
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from models.stages import Stage
@@ -98,6 +99,7 @@ from node.averaging.digests import ParamDigest, digests_wanted
 from node.averaging.download import LoadedState, Saved, download, initial_state
 from node.averaging.process import StageAveragerProcess
 from node.averaging.progress import ProgressBoard
+from node.averaging.progress_push import ProgressInbox, ProgressPusher
 from node.averaging.state import StageState, shipped_bytes
 from node.averaging.strategies import AveragingStats, Contribution, Strategy, make_strategy
 from node.averaging.transport import HivemindTransport
@@ -214,6 +216,9 @@ class StageAverager:
         self._wake = asyncio.Event()
         self._publish_now = asyncio.Event()
         self._runner: asyncio.Task | None = None  # the report and round loops, once loaded
+        self._pusher: ProgressPusher | None = None  # with ``push_through``
+        self._inbox: ProgressInbox | None = None
+        self._taken = 0  # peers' pushed records that updated the view
 
     @classmethod
     async def create(
@@ -251,7 +256,13 @@ class StageAverager:
             salt=f"{spec.run}/{stage_index}",
         )
         board = ProgressBoard(
-            dht, spec, stage_index, ttl_s=4 * settings.report_period_s + 1.0, name=name, key=key
+            dht,
+            spec,
+            stage_index,
+            ttl_s=4 * settings.report_period_s + 1.0,
+            name=name,
+            key=key,
+            push_fresh_s=3 * settings.report_period_s,
         )
         transport = await HivemindTransport.start(
             dht,
@@ -319,6 +330,29 @@ class StageAverager:
         """A step (a round, a step alone, a catch-up) is in progress."""
         return self._busy
 
+    def push_through(self, p2p: P2P, inbox: ProgressInbox) -> None:
+        """Push our progress to the stage's peers we see, and take theirs from ``inbox``
+        (``progress_push``): while every peer in the view pushes, the DHT is read and
+        stored at the report period only, not around every micro-batch. Call before
+        ``load_state``."""
+        if self.running:
+            raise RuntimeError("push_through() comes before load_state()")
+        self._pusher = ProgressPusher(p2p, self.stage_index, name=self._name)
+        self._inbox = inbox
+        inbox.add(self.stage_index, self._pushed)
+
+    def _pushed(self, raw: bytes, sender: str) -> bool:
+        """A peer pushed its record (on the event loop): ``RecordError`` if invalid."""
+        if not self.board.accept(raw, sender):
+            return False
+        self._taken += 1
+        self._wake.set()  # it may complete the batch
+        self._gate_changed()
+        return True
+
+    def _relying_on_pushes(self) -> bool:
+        return self._pusher is not None and self.board.pushes_cover_view()
+
     # -- the server's admission -----------------------------------------------------------
 
     def admission(self) -> Admission:
@@ -330,6 +364,8 @@ class StageAverager:
     async def read_progress(self) -> None:
         """Read our peers' progress now: the server is about to admit a micro-batch, and
         what they admitted since the last read may fill the epoch."""
+        if self._relying_on_pushes():  # the view is as current as a read would make it
+            return
         if self.strategy.shares_batch and self.board.view():  # alone: ours decides
             await self.board.refresh()
             self._wake.set()  # what we read may make the round due
@@ -431,6 +467,8 @@ class StageAverager:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._report_loop(), name="averaging-report")
                 tasks.create_task(self._round_loop(), name="averaging-rounds")
+                if self._pusher is not None:
+                    tasks.create_task(self._pusher.run(), name="averaging-push")
         except Exception:
             logger.exception("%s: averaging stopped", self._name)
             raise
@@ -443,27 +481,42 @@ class StageAverager:
         return self.strategy.pending() + self.optimizer.samples
 
     async def _report_loop(self) -> None:
+        """Publish our progress as it changes and read the peers', every report period
+        and sooner while a round waits on them. While every peer in the view pushes
+        (``push_through``), our changes go to them as pushes, and the DHT is stored and
+        read at the report period only."""
         published: Progress | None = None
-        published_at = -math.inf
+        published_at = read_at = pushed_at = -math.inf
+        period = self.settings.report_period_s
         while True:
             self._publish_now.clear()
             mine = Progress(self.peer_id, self.epoch, self._samples())
             now = get_dht_time()
-            due = mine != published or now - published_at > self.board.ttl / 3
-            if due and await self.board.publish(mine):
+            relying = self._relying_on_pushes()
+            signed = self.board.sign(mine)
+            if self._pusher is not None and (mine != published or now - pushed_at >= period):
+                self._pusher.offer(signed[0], [p.peer_id for p in self.board.view()])
+                pushed_at = now
+            changed = mine != published and (not relying or now - published_at >= period)
+            due = changed or now - published_at > self.board.ttl / 3
+            if due and await self.board.publish(mine, signed):
                 published, published_at = mine, now
-            await self.board.refresh()
+            if not relying or get_dht_time() - read_at >= period:
+                await self.board.refresh()
+                read_at = get_dht_time()
             self.board.view()  # refreshes what .peers counts
             self._wake.set()
             self._gate_changed()  # our peers' progress decides whether the server admits
-            period = self.board.next_read(
+            wait = self.board.next_read(
                 self.epoch,
                 self._samples(),
                 self.strategy.target,
                 per_peer=self.strategy.per_peer,
-                period=self.settings.report_period_s,
+                period=period,
             )
-            await wait_event(self._publish_now, period)
+            if relying:  # pushes wake the rounds: no fast reads
+                wait = max(0.0, min(period, read_at + period - get_dht_time()))
+            await wait_event(self._publish_now, wait)
 
     async def _round_loop(self) -> None:
         while True:
@@ -794,6 +847,14 @@ class StageAverager:
             tensors = self.strategy.digest_tensors()
             fields["digest"] = (await asyncio.to_thread(ParamDigest.of, tensors)).fields()
         logger.debug("%s: epoch %d (%s, %d peers)", self._name, self.epoch, how, peers)
+        pusher = self._pusher
+        progress = dict(
+            reads=self.board.reads,
+            stores=self.board.stores,
+            pushed=0 if pusher is None else pusher.sent,
+            push_failed=0 if pusher is None else pusher.failed,
+            taken=self._taken,
+        )
         events.emit(
             "averaging.round",
             stage=self.stage_index,
@@ -801,6 +862,7 @@ class StageAverager:
             peers=peers,
             ok=ok,
             how=how,
+            progress=progress,
             **fields,
         )
 
@@ -808,6 +870,8 @@ class StageAverager:
 
     async def shutdown(self) -> None:
         """Stop averaging (a round in flight is abandoned) and the averager process."""
+        if self._inbox is not None:
+            self._inbox.remove(self.stage_index, self._pushed)
         if self._runner is not None:
             await cancel_and_wait(self._runner, SHUTDOWN_S, self._name + "'s rounds")
             self._runner = None

@@ -14,6 +14,14 @@ a DHT read is the only way a peer learns that its groupmates filled the batch.
 Records are signed by the peer they name (``protocol.progress``), and the view holds
 only peers with a valid peer record in the run (``SwarmDHT.peers``, which in a private run
 also checks invites): a key made up for the occasion cannot shape our rounds.
+
+Pushes (``accept``). A peer also sends its signed record straight to the stage's peers it
+sees (``node.averaging.progress_push``) whenever it changes and at least every report
+period. A pushed record is checked as a read one is, from the peer the connection
+authenticates, and replaces that peer's record in the view only if it is newer (its
+timestamp), so a late DHT copy never undoes a push. While every peer in the view has
+pushed within ``push_fresh_s`` (``pushes_cover_view``), the view is as current as a read
+would make it, and the averager reads the DHT at its report period only.
 """
 
 from __future__ import annotations
@@ -29,7 +37,13 @@ from hivemind.utils import get_dht_time
 
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import Action, decide
-from protocol.progress import Progress, decode_progress_record, encode_progress, progress_key
+from protocol.progress import (
+    Progress,
+    ProgressRecord,
+    decode_progress_record,
+    encode_progress,
+    progress_key,
+)
 from protocol.records import MAX_RECORD_AGE_S, RecordError
 from protocol.run_spec import RunSpec
 
@@ -106,6 +120,7 @@ class ProgressBoard:
         name: str,
         key: Ed25519PrivateKey | None = None,
         clock: Callable[[], float] = time.monotonic,
+        push_fresh_s: float = 1.5,
     ) -> None:
         self.dht = dht
         self._signer = key
@@ -129,6 +144,10 @@ class ProgressBoard:
         self.uploads: dict[str, float] = {}
         self._cadence = ReadCadence()
         self._stamps: dict[str, float] = {}  # peer -> its last record's timestamp (DHT time)
+        self.push_fresh_s = push_fresh_s
+        self.reads = 0  # DHT reads of the stage's records (``refresh``)
+        self.stores = 0  # DHT stores of our record (``publish``)
+        self._pushed: dict[str, tuple[ProgressRecord, float]] = {}  # peer -> newest, when (clock)
 
     @property
     def can_publish(self) -> bool:
@@ -145,13 +164,20 @@ class ProgressBoard:
         """No other peer of the stage in sight, as of the last read."""
         return not self.records and not self._seen
 
-    async def publish(self, mine: Progress) -> bool:
-        """Store our record, signed, for ``ttl`` seconds; False (logged) if the DHT refused
-        it. ``ValueError`` if this board has no key to sign with."""
+    def sign(self, mine: Progress) -> tuple[bytes, float]:
+        """Our record, signed now, and its timestamp (DHT time): what ``publish`` stores
+        and what a push sends. ``ValueError`` if this board has no key to sign with."""
         if self._signer is None:
             raise ValueError("publishing progress needs this peer's key to sign it")
         now = get_dht_time()
-        value = encode_progress(mine, run=self.spec.run, key=self._signer, timestamp=now)
+        return encode_progress(mine, run=self.spec.run, key=self._signer, timestamp=now), now
+
+    async def publish(self, mine: Progress, signed: tuple[bytes, float] | None = None) -> bool:
+        """Store our record (``signed``, else signed now) for ``ttl`` seconds; False
+        (logged) if the DHT refused it. ``ValueError`` if this board has no key to sign
+        with."""
+        value, now = signed if signed is not None else self.sign(mine)
+        self.stores += 1
         try:
             async with asyncio.timeout(DHT_CALL_S):
                 return await self.dht.dht.store(
@@ -169,6 +195,7 @@ class ProgressBoard:
         """Read the other peers' live records into ``records`` and return them; on a failed
         read, keep the last ones. Invalid records are dropped and logged; records of peers
         without a valid peer record in the run are dropped."""
+        self.reads += 1
         try:
             async with asyncio.timeout(DHT_CALL_S):
                 found = await self.dht.dht.get(self._key, latest=True, return_future=True)
@@ -187,16 +214,53 @@ class ProgressBoard:
             except RecordError as e:
                 logger.warning("%s: dropped a progress record: %s", self._name, e)
                 continue
-            record = Progress(signed.peer_id, signed.epoch, signed.samples)
-            if record.peer_id != self.peer_id:
-                self._stamps[record.peer_id] = signed.timestamp
-                result.append(record)
-                expires = self._expires.get(record.peer_id, -math.inf)
-                self._expires[record.peer_id] = max(expires, item.expiration_time)
+            if signed.peer_id != self.peer_id:
+                pushed = self._pushed.get(signed.peer_id)
+                if pushed is not None and pushed[0].timestamp > signed.timestamp:
+                    signed = pushed[0]  # this DHT copy is older than what the peer pushed
+                self._stamps[signed.peer_id] = signed.timestamp
+                result.append(Progress(signed.peer_id, signed.epoch, signed.samples))
+                expires = self._expires.get(signed.peer_id, -math.inf)
+                self._expires[signed.peer_id] = max(expires, item.expiration_time)
+        read = {r.peer_id for r in result}
+        for peer, (signed, at) in list(self._pushed.items()):  # pushed, missing from this read
+            if self._clock() - at > self.ttl:
+                del self._pushed[peer]
+            elif peer not in read:
+                result.append(Progress(peer, signed.epoch, signed.samples))
         result = [r for r in result if not self._ignored(r.peer_id)]
         in_run = await self._peers_in_run({r.peer_id for r in result})
         self.records = [r for r in result if r.peer_id in in_run]
         return self.records
+
+    def accept(self, raw: object, sender: str) -> bool:
+        """A record ``sender`` (the peer the connection authenticates) pushed to us: True
+        if it is now that peer's record in the view. Checked as a read record is
+        (``RecordError`` if it is not a valid record of ``sender`` for this run); False,
+        and nothing changes, if it is not newer than the record we hold of that peer, its
+        peer has no valid peer record in the run as last read (the next read looks it up),
+        or its claims are ignored (``distrust``)."""
+        signed = decode_progress_record(raw, subkey=sender, run=self.spec.run, now=get_dht_time())
+        peer = signed.peer_id
+        if peer == self.peer_id or peer not in self._in_run or self._ignored(peer):
+            return False
+        if signed.timestamp <= self._stamps.get(peer, -math.inf):
+            return False
+        self._pushed[peer] = (signed, self._clock())
+        self._stamps[peer] = signed.timestamp
+        expires = self._expires.get(peer, -math.inf)
+        self._expires[peer] = max(expires, signed.timestamp + self.ttl)
+        record = Progress(peer, signed.epoch, signed.samples)
+        self.records = [r for r in self.records if r.peer_id != peer] + [record]
+        return True
+
+    def pushes_cover_view(self) -> bool:
+        """Every peer in the view has pushed its record to us within ``push_fresh_s`` (and
+        there is at least one): the view is as current as a DHT read would make it."""
+        now = self._clock()
+        peers = [p.peer_id for p in self.view()]
+        fresh = (self._pushed.get(peer) for peer in peers)
+        return bool(peers) and all(f is not None and now - f[1] <= self.push_fresh_s for f in fresh)
 
     async def _peers_in_run(self, wanted: set[str]) -> set[str]:
         """The peers with a valid peer record in the run (members, in a private run): a
@@ -278,6 +342,7 @@ class ProgressBoard:
             self._unproven[peer] = until
             self._known.pop(peer, None)
             self._seen.pop(peer, None)
+            self._pushed.pop(peer, None)
         self.records = [r for r in self.records if not self._ignored(r.peer_id)]
 
     def _ignored(self, peer: str) -> bool:

@@ -25,6 +25,7 @@ from hivemind.utils import get_dht_time
 from models.data import Corpus
 from models.pretrained import Checkpoint
 from node import events, limits
+from node.averaging.progress_push import ProgressInbox
 from node.daemon import checkpoint
 from node.daemon.archive import Archive
 from node.daemon.checkpointing import Checkpointer
@@ -291,6 +292,8 @@ class Node:
         add(probe.shutdown)
         self.gate = await MembershipGate.create(self.p2p, lambda: self.dht.policy, self.callers)
         add(self.gate.shutdown)
+        inbox = await ProgressInbox.create(self.p2p, callers=self.callers)
+        add(inbox.shutdown)
         try:
             self.placement = await Placement.create(
                 self.dht,
@@ -319,6 +322,7 @@ class Node:
             self.gate,
             self.callers,
             self.in_flight,
+            inbox,
             set_state=self.set_state,
             on_change=self._changed.set,
         )

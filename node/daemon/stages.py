@@ -27,6 +27,7 @@ from models.stages import Stage
 from models.training import StageOptimizer
 from node import events
 from node.averaging.averager import AveragedStageServer, StageAverager
+from node.averaging.progress_push import ProgressInbox
 from node.daemon import checkpoint
 from node.daemon.offer import Offer
 from node.daemon.settings import NodeSettings
@@ -118,6 +119,7 @@ class StageLifecycle:
     gate: MembershipGate
     callers: BanList
     in_flight: InFlight
+    inbox: ProgressInbox
     set_state: Callable[[PeerState], None]
     on_change: Callable[[], None]
 
@@ -232,6 +234,7 @@ class StageLifecycle:
         averager = await StageAverager.create(
             self.dht, self.spec, stage, module, optimizer, key=self.key
         )
+        averager.push_through(self.p2p, self.inbox)
         steps.done("averager started")
         try:
             kept = await asyncio.to_thread(checkpoint.newest, self.checkpoints, self.spec, stage)

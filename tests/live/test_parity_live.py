@@ -7,8 +7,13 @@ swarm's loss per sample falls well short of the baseline's. Holding new micro-ba
 a step is pending (``max_staleness`` 0, ``node.pipeline.server``) makes each step the
 baseline's: this test asks for the baseline's loss within 2%. BENCHMARKS.md ("Loss per
 sample") has the figures.
+
+The stage's peers push their progress to each other (``node.averaging.progress_push``):
+with every peer pushing, a stage reads its peers' progress from the DHT about once per
+report period, not around every micro-batch it admits.
 """
 
+from node.events import read_events
 from scripts.bench_parity import SwarmConfig, baseline, run_swarm
 
 # The tiny preset's optimizer, named here: the figures below are for these settings.
@@ -29,3 +34,9 @@ def test_2x2_swarm_with_micro_batches_in_flight_matches_the_baseline_per_sample(
     assert val <= TOLERANCE * base, (
         f"the swarm's validation loss {val:.3f} is {val / base:.3f}x the baseline's {base:.3f}"
     )
+    for events in sorted(tmp_path.glob("p*.events.jsonl")):
+        last = read_events(events, "averaging.round")[-1]
+        counts, epoch = last["progress"], last["epoch"]
+        assert counts["taken"] > 0 and counts["push_failed"] <= counts["pushed"] // 10, counts
+        # held back: at least 2 admissions per peer and epoch, each once read before
+        assert counts["reads"] < 2 * epoch, (events.name, epoch, counts)

@@ -4,14 +4,17 @@ records set by hand (``refresh`` is the only part that reads the DHT: here, a fa
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import SimpleNamespace
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from node.averaging.progress import PEERS_REFRESH_S, ProgressBoard
 from protocol.identity import peer_id_of
 from protocol.progress import Progress, encode_progress
+from protocol.records import RecordError
 from tests.averaging_peer import make_spec
 
 TTL = 2.0
@@ -135,3 +138,72 @@ def test_a_dht_call_that_never_answers_counts_as_failed(monkeypatch):
             return await board.publish(Progress(dht.peer_id, 3, 1)), await board.refresh()
 
     assert asyncio.run(body()) == (False, [Progress("a", 3, 5)])
+
+
+def _pushing_board() -> tuple[ProgressBoard, dict, dict, Callable, list[float], list]:
+    """A board that has read the run's peers ("a" and "me", not "stranger"), its keys and
+    ids, a signer of records (name, epoch, samples, timestamp), its clock, and what the
+    next DHT read returns (a list of (name, record bytes))."""
+    spec = make_spec("progress")
+    keys = {name: Ed25519PrivateKey.generate() for name in ("a", "stranger", "me")}
+    ids = {name: peer_id_of(k.public_key()) for name, k in keys.items()}
+
+    def signed(name: str, epoch: int, samples: int, at: float) -> bytes:
+        return encode_progress(
+            Progress(ids[name], epoch, samples), run=spec.run, key=keys[name], timestamp=at
+        )
+
+    stored: list[tuple[str, bytes]] = []
+
+    async def get(key, latest, return_future):
+        now = get_dht_time()
+        value = {ids[n]: SimpleNamespace(value=v, expiration_time=now + 5) for n, v in stored}
+        return SimpleNamespace(value=value)
+
+    async def peers():
+        return [SimpleNamespace(peer_id=ids[n], bandwidth_up_mbps=0.0) for n in ("a", "me")]
+
+    dht = SimpleNamespace(peer_id=ids["me"], dht=SimpleNamespace(get=get), peers=peers)
+    clock = [100.0]
+    board = ProgressBoard(
+        dht, spec, 1, ttl_s=TTL, name="stage 1", clock=lambda: clock[0], push_fresh_s=1.0
+    )
+    asyncio.run(board.refresh())  # reads the run's peers
+    return board, keys, ids, signed, clock, stored
+
+
+def test_a_pushed_record_is_checked_and_a_late_dht_copy_does_not_undo_it():
+    """A push is taken only from the peer that signed it, for this run, from a peer in the
+    run, and only if newer than what we hold; a DHT read that returns an older copy of
+    that peer's record keeps the pushed one, and the view counts the pushing peer as
+    fresh for ``push_fresh_s``."""
+    board, keys, ids, signed, clock, stored = _pushing_board()
+    now = get_dht_time()
+    assert not board.pushes_cover_view()  # nobody in the view
+    assert board.accept(signed("a", 3, 8, now), ids["a"])
+    assert board.view() == [Progress(ids["a"], 3, 8)] and board.pushes_cover_view()
+    # the same record again, an older one, or one from a peer without a peer record
+    assert not board.accept(signed("a", 3, 8, now), ids["a"])
+    assert not board.accept(signed("a", 3, 4, now - 1), ids["a"])
+    assert not board.accept(signed("stranger", 3, 8, now), ids["stranger"])
+    assert board.view() == [Progress(ids["a"], 3, 8)]
+    # signed by a, sent by someone else: refused
+    with pytest.raises(RecordError):
+        board.accept(signed("a", 3, 16, now + 1), ids["stranger"])
+    with pytest.raises(RecordError):
+        board.accept(b"\x00garbage", ids["a"])
+    stored.append(("a", signed("a", 3, 0, now - 2)))  # a DHT node's late copy
+    assert asyncio.run(board.refresh()) == [Progress(ids["a"], 3, 8)]
+    stored[:] = []  # a read that misses a: the push stands for the time to live
+    assert asyncio.run(board.refresh()) == [Progress(ids["a"], 3, 8)]
+    clock[0] += 1.5  # no push for longer than push_fresh_s: reads are needed again
+    assert not board.pushes_cover_view() and board.view() == [Progress(ids["a"], 3, 8)]
+    stored.append(("a", signed("a", 4, 0, now + 2)))  # a newer record in the DHT wins
+    assert asyncio.run(board.refresh()) == [Progress(ids["a"], 4, 0)]
+
+
+def test_pushes_of_a_distrusted_peer_are_ignored():
+    board, keys, ids, signed, clock, stored = _pushing_board()
+    board.distrust([ids["a"]], 60.0)
+    assert not board.accept(signed("a", 2**40, 0, get_dht_time()), ids["a"])
+    assert board.view() == []

@@ -65,7 +65,7 @@ def test_the_optimizer_code_is_imported_while_the_stage_is_chosen(
         stub = SimpleNamespace()
         lifecycle = StageLifecycle(
             HeldStages(), settings, SPEC, stub, stub, stub, stub, None, tmp_path, stub,
-            placement, stub, stub, stub, states.append, lambda: None,
+            placement, stub, stub, stub, stub, states.append, lambda: None,
         )  # type: ignore[arg-type]  # fmt: skip
         await lifecycle.join()
         return placement
