@@ -5,7 +5,7 @@ Measures samples/s of (a) the single-process baseline (the whole model, all core
 this process) on the same preset, and the bytes that crossed loopback per sample against
 the activation bytes the stage boundaries require (one hidden state forward and one
 gradient back per boundary), and the CPU seconds each spends per sample (the swarm's: its
-node processes with their ``p2pd`` and averager children, and this process, the trainer,
+node processes with their ``p2pd``, DHT and averager children, and this process, the trainer,
 with its own ``p2pd``). Prints the ratios: where the swarm's CPU per sample is above one
 process's, the cores it shares bound it below one process however the pipeline is
 scheduled. One more run of the baseline with one torch thread (as each node computes)
@@ -98,19 +98,33 @@ class Round(NamedTuple):
 
 
 # The processes of a node, for the split of its CPU: the node's own, its ``p2pd`` (the
-# libp2p daemon every byte it sends or receives crosses) and the rest (its averagers).
-KINDS = ("node", "p2pd", "averagers")
+# libp2p daemon every byte it sends or receives crosses), its DHT process (hivemind's
+# ``DHT``, the first child a node forks: every DHT read and store, ours and the averagers',
+# runs there) and the rest (its averagers).
+KINDS = ("node", "p2pd", "dht", "averagers")
 
 
 def node_cpu_by_kind(pids: tuple[int, ...]) -> dict[str, float]:
     """CPU seconds so far of the process trees of ``pids``, by ``KINDS``."""
     parts = dict.fromkeys(KINDS, 0.0)
     for pid in pids:
-        for proc, seconds in tree_cpu_times(pid):
+        tree = tree_cpu_times(pid)
+        forked = []  # the node's direct children that run its own code: DHT, averagers
+        for proc, _ in tree[1:]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if proc.ppid() == pid and proc.name() not in ("p2pd", "torch_shm_manager"):
+                    forked.append((proc.create_time(), proc.pid))
+        dht = min(forked)[1] if forked else None
+        for proc, seconds in tree:
             name = ""
             with contextlib.suppress(psutil.NoSuchProcess):
                 name = proc.name()
-            kind = "node" if proc.pid == pid else "p2pd" if name == "p2pd" else "averagers"
+            if proc.pid == pid:
+                kind = "node"
+            elif name == "p2pd":
+                kind = "p2pd"
+            else:
+                kind = "dht" if proc.pid == dht else "averagers"
             parts[kind] += seconds
     return parts
 
