@@ -235,15 +235,16 @@ class ProgressBoard:
 
     def accept(self, raw: object, sender: str) -> bool:
         """A record ``sender`` (the peer the connection authenticates) pushed to us: True
-        if it is now that peer's record in the view. Checked as a read record is
-        (``RecordError`` if it is not a valid record of ``sender`` for this run); False,
-        and nothing changes, if it is not newer than the record we hold of that peer, its
-        peer has no valid peer record in the run as last read (the next read looks it up),
-        or its claims are ignored (``distrust``)."""
+        if it is now that peer's record in the view. False, and nothing changes, if
+        ``sender`` has no valid peer record in the run as last read (the next read looks
+        it up) or its claims are ignored (``distrust``), both seen before anything is
+        decoded; then checked as a read record is (``RecordError`` if it is not a valid
+        record of ``sender`` for this run), and False if not newer than the record we hold
+        of that peer."""
+        if sender == self.peer_id or sender not in self._in_run or self._ignored(sender):
+            return False  # before the signature is checked: a stranger's push costs little
         signed = decode_progress_record(raw, subkey=sender, run=self.spec.run, now=get_dht_time())
         peer = signed.peer_id
-        if peer == self.peer_id or peer not in self._in_run or self._ignored(peer):
-            return False
         if signed.timestamp <= self._stamps.get(peer, -math.inf):
             return False
         self._pushed[peer] = (signed, self._clock())

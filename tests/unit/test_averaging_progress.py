@@ -187,9 +187,11 @@ def test_a_pushed_record_is_checked_and_a_late_dht_copy_does_not_undo_it():
     assert not board.accept(signed("a", 3, 4, now - 1), ids["a"])
     assert not board.accept(signed("stranger", 3, 8, now), ids["stranger"])
     assert board.view() == [Progress(ids["a"], 3, 8)]
-    # signed by a, sent by someone else: refused
+    # from a peer without a peer record: not even decoded; from a peer of the run, a
+    # record signed by another, or garbage: refused
+    assert not board.accept(b"\x00garbage", ids["stranger"])
     with pytest.raises(RecordError):
-        board.accept(signed("a", 3, 16, now + 1), ids["stranger"])
+        board.accept(signed("stranger", 3, 16, now + 1), ids["a"])
     with pytest.raises(RecordError):
         board.accept(b"\x00garbage", ids["a"])
     stored.append(("a", signed("a", 3, 0, now - 2)))  # a DHT node's late copy
