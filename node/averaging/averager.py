@@ -22,7 +22,9 @@ most ``DRAIN_S``, for the open ones' backwards), and the server admits no new tr
 micro-batch while the stage's samples at the epoch, its peers' included (``admission``),
 make up the target batch or a round is in flight. So every step averages gradients of
 exactly the parameters it updates, from about ``target_batch_size`` samples. Each peer
-publishes as it admits and reads its peers' progress before it admits; one that has
+publishes as it admits and reads its peers' progress before it admits (``push_through``:
+it sends its record straight to its peers, and while they all send theirs, reads the DHT
+at the report period only); one that has
 admitted its share of the batch waits ``SHARE_WAIT_S`` for them to admit theirs before it
 takes more, so that two peers rarely take the last micro-batch at once (overshoot). With
 ``max_staleness`` 1, micro-batches served during a round go into the next epoch, computed
@@ -351,6 +353,7 @@ class StageAverager:
         return True
 
     def _relying_on_pushes(self) -> bool:
+        """Whether the view is kept current by pushes alone (no DHT read is needed)."""
         return self._pusher is not None and self.board.pushes_cover_view()
 
     # -- the server's admission -----------------------------------------------------------
