@@ -9,7 +9,8 @@ to be ahead and does not hand over its state when asked is ignored for a while
 
 How often the records are read (``next_read``): every report period, and sooner while a
 round waits only on the other peers' last samples (``waiting_on_others``, ``ReadCadence``):
-a DHT read is the only way a peer learns that its groupmates filled the batch.
+without their pushes (below), a DHT read is how a peer learns that its groupmates filled
+the batch.
 
 Records are signed by the peer they name (``protocol.progress``), and the view holds
 only peers with a valid peer record in the run (``SwarmDHT.peers``, which in a private run
