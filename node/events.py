@@ -71,7 +71,9 @@ fields:
   digests are on (``SWARMTRAIN_LOG_DIGESTS``), except for ``"abandoned"`` and ``"resync"``;
   ``progress`` (counts since the stage was taken: ``reads`` and ``stores`` of the stage's
   progress records in the DHT, ``pushed`` and ``push_failed``: our records sent straight to
-  peers, ``taken``: peers' records pushed to us that updated the view).
+  peers, ``taken``: peers' records pushed to us that updated the view,
+  ``admission_reads``: reads before admitting a micro-batch, ``admission_reads_spared``:
+  those skipped as every peer in the view had pushed lately).
 - ``averaging.part_rejected``: ``reducer`` (a groupmate's peer id), ``reason``: the means
   it returned for the share it reduced cannot be a mean of parts that include ours
   (``protocol.averaging.check_returned``): the round fails; ``refused``: the groupmate is

@@ -221,6 +221,7 @@ class StageAverager:
         self._pusher: ProgressPusher | None = None  # with ``push_through``
         self._inbox: ProgressInbox | None = None
         self._taken = 0  # peers' pushed records that updated the view
+        self._admission_reads = [0, 0]  # before an admission: reads made, reads the pushes spared
 
     @classmethod
     async def create(
@@ -264,7 +265,7 @@ class StageAverager:
             ttl_s=4 * settings.report_period_s + 1.0,
             name=name,
             key=key,
-            push_fresh_s=3 * settings.report_period_s,
+            push_fresh_s=4 * settings.report_period_s + 1.0,
         )
         transport = await HivemindTransport.start(
             dht,
@@ -367,11 +368,14 @@ class StageAverager:
     async def read_progress(self) -> None:
         """Read our peers' progress now: the server is about to admit a micro-batch, and
         what they admitted since the last read may fill the epoch."""
-        if self._relying_on_pushes():  # the view is as current as a read would make it
+        if not (self.strategy.shares_batch and self.board.view()):  # alone: ours decides
             return
-        if self.strategy.shares_batch and self.board.view():  # alone: ours decides
-            await self.board.refresh()
-            self._wake.set()  # what we read may make the round due
+        if self._relying_on_pushes():  # the view is as current as a read would make it
+            self._admission_reads[1] += 1
+            return
+        self._admission_reads[0] += 1
+        await self.board.refresh()
+        self._wake.set()  # what we read may make the round due
 
     def progress_changed(self) -> None:
         """The server admitted a micro-batch: publish our progress now (on the event loop),
@@ -488,7 +492,8 @@ class StageAverager:
         and sooner while a round waits on them. While every peer in the view pushes
         (``push_through``), our changes go to them as pushes, and the DHT is stored and
         read at the report period only."""
-        published: Progress | None = None
+        published: Progress | None = None  # as last stored in the DHT
+        pushed: Progress | None = None  # as last offered to the peers
         published_at = read_at = pushed_at = -math.inf
         period = self.settings.report_period_s
         while True:
@@ -496,13 +501,15 @@ class StageAverager:
             mine = Progress(self.peer_id, self.epoch, self._samples())
             now = get_dht_time()
             relying = self._relying_on_pushes()
-            signed = self.board.sign(mine)
-            if self._pusher is not None and (mine != published or now - pushed_at >= period):
-                self._pusher.offer(signed[0], [p.peer_id for p in self.board.view()])
-                pushed_at = now
+            pusher = self._pusher
+            push = pusher is not None and (mine != pushed or now - pushed_at >= period)
             changed = mine != published and (not relying or now - published_at >= period)
-            due = changed or now - published_at > self.board.ttl / 3
-            if due and await self.board.publish(mine, signed):
+            store = changed or now - published_at > self.board.ttl / 3
+            signed = self.board.sign(mine) if push or store else None
+            if pusher is not None and signed is not None and push:
+                pusher.offer(signed[0], [p.peer_id for p in self.board.view()])
+                pushed, pushed_at = mine, now
+            if store and await self.board.publish(mine, signed):
                 published, published_at = mine, now
             if not relying or get_dht_time() - read_at >= period:
                 await self.board.refresh()
@@ -857,6 +864,8 @@ class StageAverager:
             pushed=0 if pusher is None else pusher.sent,
             push_failed=0 if pusher is None else pusher.failed,
             taken=self._taken,
+            admission_reads=self._admission_reads[0],
+            admission_reads_spared=self._admission_reads[1],
         )
         events.emit(
             "averaging.round",
