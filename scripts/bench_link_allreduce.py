@@ -128,20 +128,7 @@ def main() -> None:
         hosts = net.hosts
         for host in hosts:
             net.start_relay(host)
-        probe = subprocess.Popen(
-            hosts[0].exec([sys.executable, "-m", "scripts.netem.probe", "serve", "--port",
-                           str(NODE_PORT)]), stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            probe.stdout.readline()
-            measure = [sys.executable, "-m", "scripts.netem.probe", "measure",
-                       "--to", f"{hosts[0].address}:{RELAY_PORT}"]  # fmt: skip
-            out = subprocess.run(hosts[1].exec(measure), capture_output=True, text=True,
-                                 check=True, timeout=60)  # fmt: skip
-            raw = json.loads(out.stdout)["up_mbit"] / 8
-        finally:
-            probe.kill()
-            probe.wait()
+        raw = net.probe(hosts[1], hosts[0])["up_mbit"] / 8
         bound = a.mb / raw  # seconds: each peer uploads --mb MB (parts out, means back)
         span = max(8.0, SPAN_FACTOR * bound)
         t0 = time.time() + START_S

@@ -141,24 +141,11 @@ def main() -> None:
     with Network([profile(a.link)] * 2) as net:
         there, here = net.hosts
         net.start_relay(there)
-        probe = subprocess.Popen(there.exec([sys.executable, "-m", "scripts.netem.probe",
-                                             "serve", "--port", str(NODE_PORT)]),
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            probe.stdout.readline()
-            raw, rtt = [], []
-            for _ in range(a.repeats):
-                measure = [sys.executable, "-m", "scripts.netem.probe", "measure",
-                           "--to", f"{there.address}:{RELAY_PORT}"]  # fmt: skip
-                out = subprocess.run(
-                    here.exec(measure), capture_output=True, text=True, check=True, timeout=60
-                )
-                got = json.loads(out.stdout)
-                raw.append(got["up_mbit"] / 8)
-                rtt.append(got["rtt_ms"])
-        finally:
-            probe.kill()
-            probe.wait()
+        raw, rtt = [], []
+        for _ in range(a.repeats):
+            got = net.probe(here, there)
+            raw.append(got["up_mbit"] / 8)
+            rtt.append(got["rtt_ms"])
         results = {}
         for muxer in a.muxers:
             receiver = subprocess.Popen(there.exec([*me, "receive", there.address, muxer]),

@@ -9,15 +9,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 
 from scripts.netem.network import (
-    NODE_PORT,
     PREFIX,
-    RELAY_PORT,
-    ROOT,
     NetemUnavailable,
     Network,
     check,
@@ -30,14 +25,7 @@ def selftest(a: str, b: str, seconds: float) -> None:
     with Network([profile(a), profile(b)]) as net:
         src, dst = net.hosts
         net.start_relay(dst)
-        serve = [sys.executable, "-m", "scripts.netem.probe", "serve", "--port", str(NODE_PORT)]
-        server = subprocess.Popen(dst.exec(serve), stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        server.stdout.readline()
-        measure = [sys.executable, "-m", "scripts.netem.probe", "measure",
-                   "--to", f"{dst.address}:{RELAY_PORT}", "--seconds", str(seconds)]  # fmt: skip
-        out = subprocess.run(src.exec(measure), capture_output=True, text=True, cwd=ROOT,
-                             check=True, timeout=60 + 4 * seconds)  # fmt: skip
-        got = json.loads(out.stdout)
+        got = net.probe(src, dst, seconds)
     pa, pb = src.profile, dst.profile
     want = {
         "rtt_ms": 2 * (pa.delay_ms + pb.delay_ms),

@@ -18,6 +18,7 @@ dials out to the bridge; nothing dials in.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -271,6 +272,23 @@ class Network:
             proc.kill()
             raise NetemUnavailable(f"the relay of {host.ns} did not start (exit {proc.wait()})")
         return proc
+
+    def probe(self, src: Host, dst: Host, seconds: float = 3.0) -> dict:
+        """``scripts.netem.probe``'s measurement from ``src`` to ``dst`` through ``dst``'s
+        relay (started already): round trip and throughput both ways, as a dict."""
+        serve = [sys.executable, "-m", "scripts.netem.probe", "serve", "--port", str(NODE_PORT)]
+        server = subprocess.Popen(dst.exec(serve), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            server.stdout.readline()
+            to = f"{dst.address}:{RELAY_PORT}"
+            measure = [sys.executable, "-m", "scripts.netem.probe", "measure", "--to", to,
+                       "--seconds", str(seconds)]  # fmt: skip
+            out = subprocess.run(src.exec(measure), capture_output=True, text=True, cwd=ROOT,
+                                 check=True, timeout=60 + 4 * seconds)  # fmt: skip
+            return json.loads(out.stdout)
+        finally:
+            server.kill()
+            server.wait()
 
     def cut(self, host: Host) -> None:
         """Partition ``host``: its link goes down (a cable pulled). Packets to and from it
