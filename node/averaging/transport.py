@@ -36,6 +36,7 @@ from protocol.run_spec import AveragingSpec, RunSpec
 logger = logging.getLogger(__name__)
 
 DECLARE_STATE_PERIOD_S = 10.0  # a dead donor stays listed this long for joiners
+DECLARE_EPOCH_S = 2.0  # a new epoch is declared at once at most this often
 # hivemind's part size (its default): each part is one message each way, below the frame
 # cap (``hivemind_compat.MAX_FRAME_BYTES``), and must cross a slow link within
 # ``chunk_timeout_s``.
@@ -140,6 +141,7 @@ class HivemindTransport:
         self._buffers = buffers
         self._name = name  # in log lines
         self._outgoing = outgoing
+        self._declared_at = -math.inf  # when ``sharing_epoch`` last declared (monotonic)
 
     @classmethod
     async def start(
@@ -200,9 +202,19 @@ class HivemindTransport:
         self.sharing_epoch(epoch)
 
     def sharing_epoch(self, epoch: int) -> None:
-        """Our state is now at ``epoch`` (its priority among donors)."""
-        if self.process.allow_state_sharing:
-            self.process.state_sharing_priority = float(epoch)
+        """Our state is now at ``epoch`` (its priority among donors). It is declared in the
+        DHT at once if the last declaration is ``DECLARE_EPOCH_S`` old; sooner, it goes
+        out with the next one (hivemind also declares every ``DECLARE_STATE_PERIOD_S``),
+        not as a DHT store of its own at every epoch. A donor's priority only orders the
+        donors a download asks first."""
+        if not self.process.allow_state_sharing:
+            return
+        now = time.monotonic()
+        if now - self._declared_at >= DECLARE_EPOCH_S:
+            self._declared_at = now
+            self.process.state_sharing_priority = float(epoch)  # stored now if it changed
+        else:
+            self.process.set_state_priority_quietly(float(epoch))
 
     async def download(
         self, timeout_s: float, *, only: Collection[str] | None = None

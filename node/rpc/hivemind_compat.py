@@ -451,6 +451,13 @@ class AveragerCompat(_ForkedByHivemind, PinnedHandleNames, DecentralizedAverager
         the first. Read from any process."""
         return self._allreduce_began.value
 
+    def set_state_priority_quietly(self, value: float) -> None:
+        """Set the priority that this averager's next periodic state declaration carries
+        (every ``declare_state_period``), without declaring it now: hivemind's
+        ``state_sharing_priority`` setter stores a declaration in the DHT at every change.
+        Any process may call it."""
+        self._state_sharing_priority.value = value
+
     async def admits(self, peer: PeerID) -> bool:
         """Whether to join, aggregate and share state with ``peer``."""
         return True
