@@ -88,6 +88,11 @@ What is patched or overridden, and why:
   by its compression type's entry; a codec of ours takes a type's slot. A part whose shape
   is not the one the reducer expects is refused (:class:`ScreenedReducer`), as a part
   ``check_part`` refuses.
+- ``DecentralizedAverager._state_sharing_priority`` (set by
+  :meth:`AveragerCompat.set_state_priority_quietly`): the priority the next periodic
+  state declaration carries, set without the DHT store that hivemind's setter makes at
+  every change (``HivemindTransport.sharing_epoch`` declares at once at most every
+  ``DECLARE_EPOCH_S``).
 """
 
 from __future__ import annotations
