@@ -32,11 +32,12 @@ APART := $(FORKS_AVERAGERS) $(FLOODS)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest tests/unit --durations=10
+	$(BIN)/pytest tests/unit -n 2 --durations=10
 	$(BIN)/pytest tests/live -n 3 --dist loadfile --no-loadscope-reorder --durations=10 \
 		$(APART:%=--ignore=%)
 	$(BIN)/pytest $(APART) --durations=5
 
-# The unit tier alone: no processes, no sockets, under a minute.
+# The unit tier alone: no processes, no sockets, under a minute (in two workers: it is
+# CPU-bound).
 test-fast: $(STAMP)
-	$(BIN)/pytest tests/unit --durations=10
+	$(BIN)/pytest tests/unit -n 2 --durations=10
