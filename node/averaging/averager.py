@@ -122,6 +122,9 @@ from protocol.run_spec import AveragingSpec, RunSpec
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_S = 10.0  # the rounds' task is waited for this long after its cancellation
+# At most this long a stopping peer lets a round whose group formed run to its end (the
+# groupmates wait on its parts), within the round's own all-reduce timeout.
+FINISH_ROUND_S = 20.0
 
 # The longest a step waits for the backwards of the micro-batches its peer admitted (a lost
 # micro-batch must not hold the stage): those that come later go into the next step.
@@ -206,6 +209,9 @@ class StageAverager:
         self.server: StageServer | None = None  # set by the server that serves this stage
         self._name = f"stage {stage_index} ({self.peer_id[-6:]})"  # in log lines
         self._busy = False
+        self._idle = asyncio.Event()  # set while no step is in progress
+        self._idle.set()
+        self._closing = False  # ``finish_round`` was called: no new round starts
         self._stepped_now = False  # on_accumulated stepped alone: the epoch is to announce
         self._catch_up_after = 0.0
         self._silent_catch_ups = 0  # catch-ups in a row that got no state at all
@@ -546,9 +552,10 @@ class StageAverager:
                 patient=now < self._patience_until,
                 per_peer=self.strategy.per_peer,
             )
-            if decision.action is Action.WAIT:
+            if decision.action is Action.WAIT or self._closing:
                 continue
             self._busy = True
+            self._idle.clear()
             try:
                 if decision.action is Action.CATCH_UP:
                     await self._catch_up()
@@ -558,6 +565,7 @@ class StageAverager:
                     await self._average(group_size=decision.peers + 1)
             finally:
                 self._busy = False
+                self._idle.set()
                 self._gate_changed()
 
     async def _catch_up(self) -> None:
@@ -880,8 +888,28 @@ class StageAverager:
 
     # -- shutdown -----------------------------------------------------------------------
 
+    async def finish_round(self, grace_s: float = FINISH_ROUND_S) -> None:
+        """Start no new round; if the round in flight has its group (the groupmates wait on
+        our parts, or on our trigger), let it run to its end, for at most ``grace_s`` (and
+        the settings' all-reduce timeout), so that leaving does not fail the groupmates'
+        round and the step lands in our state before it is checkpointed. A round still
+        looking for its group is left to ``shutdown``, which abandons it."""
+        self._closing = True
+        if self._idle.is_set() or not self.transport.in_group:
+            return
+        limit = min(grace_s, self.settings.allreduce_timeout_s)
+        logger.info("%s: finishing the round in flight before leaving", self._name)
+        started = time.monotonic()
+        if await wait_event(self._idle, limit):
+            logger.info("%s: round finished in %.1f s", self._name, time.monotonic() - started)
+        else:
+            logger.warning("%s: the round did not finish within %.0f s", self._name, limit)
+
     async def shutdown(self) -> None:
-        """Stop averaging (a round in flight is abandoned) and the averager process."""
+        """Stop averaging and the averager process, after ``finish_round`` (a round whose
+        group has not formed is abandoned)."""
+        if self._runner is not None:
+            await self.finish_round()
         if self._inbox is not None:
             self._inbox.remove(self.stage_index, self._pushed)
         if self._runner is not None:

@@ -142,6 +142,7 @@ class HivemindTransport:
         self._name = name  # in log lines
         self._outgoing = outgoing
         self._declared_at = -math.inf  # when ``sharing_epoch`` last declared (monotonic)
+        self._steps: list[StepControl] = []  # of the rounds in flight (``in_group``)
 
     @classmethod
     async def start(
@@ -244,13 +245,29 @@ class HivemindTransport:
         hands over the tensors, or the step's ``deadline`` (monotonic) passes. The caller
         cancels a step it does not hand to ``exchange``. ``lineage``: as ``exchange``'s."""
         self.process.set_round(epoch, group_size)
-        return self.process.step(
-            gather=[epoch, lineage],
-            weight=0.0,
-            timeout=deadline - time.monotonic(),
-            allow_retries=False,
-            require_trigger=True,
-            wait=False,
+        return self._track(
+            self.process.step(
+                gather=[epoch, lineage],
+                weight=0.0,
+                timeout=deadline - time.monotonic(),
+                allow_retries=False,
+                require_trigger=True,
+                wait=False,
+            )
+        )
+
+    def _track(self, step: StepControl) -> StepControl:
+        self._steps = [s for s in self._steps if not s.done()] + [step]
+        return step
+
+    @property
+    def in_group(self) -> bool:
+        """A step of ours has joined a group that has not finished: the groupmates wait
+        on our parts (or on our trigger), and leaving now fails their round."""
+        return any(
+            not s.done()
+            and s.stage in (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
+            for s in self._steps
         )
 
     async def exchange(
@@ -285,12 +302,14 @@ class HivemindTransport:
             if scheduled is not None:
                 started = time.monotonic()  # the scheduled step failed: a new one
             self.process.set_round(epoch, group_size)
-            control = self.process.step(
-                gather=[epoch, lineage],
-                weight=float(weight),
-                timeout=timeout,
-                allow_retries=False,
-                wait=False,
+            control = self._track(
+                self.process.step(
+                    gather=[epoch, lineage],
+                    weight=float(weight),
+                    timeout=timeout,
+                    allow_retries=False,
+                    wait=False,
+                )
             )
         else:
             control = scheduled

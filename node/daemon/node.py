@@ -341,8 +341,11 @@ class Node:
         checkpointer = Checkpointer(self.stages, self.spec, self.checkpoints, data)
 
         async def checkpoint_and_release() -> None:
-            """On close: checkpoint every held stage (a clean stop loses nothing), then
-            release them."""
+            """On close: let the rounds whose groups formed end (the groupmates wait on
+            them), checkpoint every held stage (a clean stop loses nothing), then release
+            them."""
+            held = list(self.stages.held.values())
+            await asyncio.gather(*(h.averager.finish_round() for h in held))
             await checkpointer.write_all()
             await lifecycle.release_all()
 

@@ -288,6 +288,7 @@ class StageLifecycle:
         held = self.stages.held.pop(stage, None)
         if held is None:
             return
+        await held.averager.finish_round()  # before the server stops: the round may drain
         await held.server.shutdown()
         self.stages.served_before += held.server.counters.forward
         await held.averager.shutdown()

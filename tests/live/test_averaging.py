@@ -390,6 +390,58 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
     _run(body())
 
 
+class _LateAllReduce(StageAveragerProcess):
+    """Starts each all-reduce a second late (its groupmates' parts wait): a window in which
+    the test stops this peer while its group waits on it."""
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        await asyncio.sleep(1.0)
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+
+
+def test_a_peer_stopped_in_its_round_finishes_it_before_it_leaves(dhts):
+    """A peer whose averager is shut down while its round's group waits on it finishes that
+    round first: its groupmate averages (no step alone, no catch-up), both copies take the
+    step one process takes on all four micro-batches, and the stop takes about the
+    round."""
+    spec = make_spec("avg-leave", chunk_timeout_s=5.0)
+    leaver, stayer = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2])
+    rounds: list[dict] = []
+    stop_listening = events.listen(
+        lambda e: rounds.append(e) if e["event"] == "averaging.round" else None
+    )
+
+    async def body():
+        try:
+            await leaver.start(process_class=_LateAllReduce)
+            await leaver.averager.load_state()
+            await stayer.start()
+            await stayer.averager.load_state()
+            leaver.feed(1)
+            leaver.feed(2)
+            stayer.feed(3)
+            stayer.feed(4)  # the stage's 16 samples: a round is due
+            await _until(lambda: leaver.averager.transport.in_group, 15, "the leaver's group")
+            asked = time.monotonic()
+            await leaver.averager.shutdown()
+            took = time.monotonic() - asked
+            await _until(lambda: _at_epoch(1, stayer), 10, "the stayer's step")
+            for peer in (leaver, stayer):
+                stats = peer.averager.stats
+                assert (stats.rounds, stats.fallbacks, stats.last_group) == (1, 0, 2), stats
+                assert peer.averager.step == 1
+            assert _close(stayer.params(), leaver.params())
+            assert _close(stayer.params(), _reference([1, 2], [3, 4]))
+            hows = [e["how"] for e in rounds if e["how"] != "loaded"]
+            assert hows == ["averaged", "averaged"], hows
+            assert took < 10, took
+        finally:
+            stop_listening()
+            await _shutdown(stayer)
+
+    _run(body())
+
+
 def _nan(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fault: sends NaN in place of its contribution (past its own finiteness check)."""
     return [torch.full_like(t, math.nan) for t in tensors]
