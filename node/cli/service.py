@@ -21,8 +21,9 @@ from pathlib import Path
 
 UNIT_NAME = "swarmtrain.service"
 SYSTEM_DIR = Path("/etc/systemd/system")
-# Stopping takes a checkpoint of each stage held and a departure announced within 5 s;
-# past this, systemd sends SIGKILL.
+# Stopping announces the departure (within 5 s), lets a round whose group formed end (at
+# most ``averager.FINISH_ROUND_S``) and checkpoints each stage held; past this, systemd
+# sends SIGKILL.
 STOP_TIMEOUT_S = 60
 RESTART_DELAY_S = 10
 BAD_INPUT_STATUS = 2  # node.cli.main: one-line errors about settings
