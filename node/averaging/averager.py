@@ -339,6 +339,13 @@ class StageAverager:
         """A step (a round, a step alone, a catch-up) is in progress."""
         return self._busy
 
+    @property
+    def round_on_way(self) -> bool:
+        """A gradient step is in progress (a round, a step alone or a catch-up): the step
+        that the server's held micro-batches wait for is coming, within the round's own
+        timeouts (``StageServer.round_on_way``)."""
+        return self._busy and self.strategy.mode == "gradient"
+
     def push_through(self, p2p: P2P, inbox: ProgressInbox) -> None:
         """Push our progress to the stage's peers we see, and take theirs from ``inbox``
         (``progress_push``): while every peer in the view pushes, the DHT is read and
@@ -938,6 +945,9 @@ class AveragedStageServer(StageServer):
 
     async def before_admit(self) -> None:
         await self.averager.read_progress()
+
+    def round_on_way(self) -> bool:
+        return self.averager.round_on_way
 
     def on_admitted(self) -> None:
         self.averager.progress_changed()

@@ -9,7 +9,7 @@ is banned for a while (events ``call.failed``, then ``call.rerouted``). The time
 follows how long the stage's calls take (``protocol.routing.CallTimer``): a peer cut off
 mid-call holds its micro-batches for a few typical calls, not for ``call_timeout_s``.
 A training forward (and the last stage's training call) may wait at its stage for a step
-(``node.pipeline.server.HOLD_S`` at most) before it is computed: its timeout is that much
+(``node.pipeline.server.HOLD_ROUND_S`` at most) before it is computed: its timeout is that much
 longer, so a held call is late, never failed and sent again.
 A peer's record is only a claim: a peer gets probes until a call of ours succeeds there,
 then a share of calls that grows as they keep succeeding (``protocol.routing.Probation``),
@@ -51,7 +51,7 @@ from node.pipeline.client import (
     StageTimeout,
     StageUnavailable,
 )
-from node.pipeline.server import HOLD_S, StageServer
+from node.pipeline.server import HOLD_ROUND_S, StageServer
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
 from node.rpc.relay import connect_relayed
@@ -325,8 +325,8 @@ class StageRouter:
         and not banned; ``opts``: ``_opts``'s keywords); on a peer failure, ban it and try
         another. Each failure is a ``call.failed`` event, each retry a ``call.rerouted``.
         ``held``: the stage may hold the call for a step first (a training call), so it
-        gets ``HOLD_S`` more than the stage's call timeout."""
-        extra_s = HOLD_S if held else 0.0
+        gets ``HOLD_ROUND_S`` more than the stage's call timeout."""
+        extra_s = HOLD_ROUND_S if held else 0.0
         deadline = time.monotonic() + self.settings.stage_wait_s
         retry = False
         while True:

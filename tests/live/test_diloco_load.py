@@ -22,7 +22,7 @@ from node.averaging.averager import AveragedStageServer
 from node.averaging.process import StageAveragerProcess
 from node.pipeline import client as stage_client
 from node.pipeline.client import StageTimeout
-from node.pipeline.server import HOLD_S
+from node.pipeline.server import HOLD_ROUND_S, HOLD_S
 from node.pipeline.trainer import TrainerSettings
 from protocol.stage_messages import StageContract
 from tests.averaging_peer import CFG, LOOPBACK, STAGE, batch, make_spec, start_pair, stop_serving
@@ -30,7 +30,7 @@ from tests.averaging_peer import CFG, LOOPBACK, STAGE, batch, make_spec, start_p
 SLOW_S = 8.0  # how long each all-reduce waits before it starts: rounds of 2-3 holds
 FEEDERS = 4  # training calls in flight at once (a trainer's ``in_flight``)
 # A trainer's timeout for a training call: its floor (``min_call_timeout_s``) plus a hold.
-TRAINER_TIMEOUT_S = TrainerSettings().min_call_timeout_s + HOLD_S
+TRAINER_TIMEOUT_S = TrainerSettings().min_call_timeout_s + HOLD_ROUND_S
 IMPATIENT_S = 1.0  # a caller that gives up on a call long before its hold ends
 LONG_ROUNDS = 2  # per peer, fed throughout
 

@@ -1,9 +1,12 @@
 """A stage server's hold of training micro-batches (``max_staleness`` 0), driven without a
-network: a micro-batch held past ``HOLD_S`` is admitted and says so (``on_overdue``), and
-one whose caller left while it was held is dropped before it is computed."""
+network: a micro-batch held past ``HOLD_S`` (``HOLD_ROUND_S`` while the round it waits for
+is on its way) is admitted and says so (``on_overdue``), and one whose caller left while
+it was held is dropped before it is computed."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,53 @@ def test_a_held_micro_batch_whose_caller_left_is_not_computed(server, event_log:
     counters = server.counters
     assert counters.held == 2 and counters.overdue == 2 and counters.forward == 1
     assert counters.abandoned == 1 and server.open_samples() == _batch()[0].shape[0]
+
+
+class _RoundServer(_Server):
+    """A stage whose round (its group formed) is on its way while ``on_way``."""
+
+    on_way = False
+
+    def round_on_way(self) -> bool:
+        return self.on_way
+
+    def land(self) -> None:
+        """The round's step lands (its parameters do not matter here): the batch is
+        cleared and the held micro-batches are told (from another thread, as the
+        averager's step is)."""
+        self.optimizer.samples = 0
+        self.on_way = False
+        self.gate_changed()
+
+
+@pytest.fixture
+def round_server(monkeypatch):
+    monkeypatch.setattr(server_module, "HOLD_S", 0.2)
+    monkeypatch.setattr(server_module, "HOLD_ROUND_S", 1.0)
+    stage = Stage(CFG, TWO[0])
+    contract = StageContract.for_stage(CFG, TWO[0], 0, max_tokens=MAX_TOKENS)
+    server = _RoundServer(stage, StageOptimizer(stage, OPT), contract, RUN)
+    yield server
+    _run(server.shutdown())
+
+
+def test_a_round_on_its_way_holds_past_the_short_hold_until_its_step(round_server):
+    """While the round is on its way a micro-batch waits past ``HOLD_S`` and is admitted
+    fresh when the step lands; a round that never lands holds it ``HOLD_ROUND_S``."""
+    server = round_server
+    server.optimizer.accumulated(OPT.target_batch_size)  # the step's batch is in: hold
+    server.on_way = True
+    threading.Timer(0.5, server.land).start()
+    started = time.monotonic()
+    _serve(server, 1, gone=lambda: False)
+    assert 0.5 <= time.monotonic() - started < 1.0
+    counters = server.counters
+    assert (counters.held, counters.overdue, counters.forward) == (1, 0, 1)
+    assert server.overdue_calls == 0
+
+    server.optimizer.accumulated(OPT.target_batch_size)
+    server.on_way = True  # and it never lands
+    started = time.monotonic()
+    _serve(server, 2, gone=lambda: False)
+    assert 1.0 <= time.monotonic() - started < 2.0
+    assert (server.counters.overdue, server.overdue_calls) == (1, 1)

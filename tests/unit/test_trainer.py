@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 
 from node import events
 from node.pipeline.client import StageCallError, StageRefused, StageUnavailable
-from node.pipeline.server import HOLD_S
+from node.pipeline.server import HOLD_ROUND_S
 from node.pipeline.trainer import StageCalls, StageRouter, Trainer, TrainerError, TrainerSettings
 from protocol.identity import peer_id_of
 from protocol.records import PeerInfo
@@ -237,12 +237,12 @@ def test_a_training_call_that_a_stage_may_hold_gets_the_hold_on_top_of_its_timeo
     asyncio.run(trainer.evaluate(1))
     floor, ceiling = settings.min_call_timeout_s, settings.call_timeout_s
     for kind, train, timeout in stages.timeouts:
-        if train:  # a stage may hold it for a step: HOLD_S more than its stage's timeout
-            assert timeout in (floor + HOLD_S, ceiling + HOLD_S), (kind, timeout)
+        if train:  # a stage may hold it for a step: HOLD_ROUND_S more than its stage's timeout
+            assert timeout in (floor + HOLD_ROUND_S, ceiling + HOLD_ROUND_S), (kind, timeout)
         else:  # backwards and evaluations are never held
             assert timeout in (floor, ceiling), (kind, timeout)
     trained = [t for _, train, t in stages.timeouts if train]
-    assert len(trained) == 6 and trained[-2:] == [floor + HOLD_S] * 2  # fast calls: the floor
+    assert len(trained) == 6 and trained[-2:] == [floor + HOLD_ROUND_S] * 2  # fast calls: the floor
 
 
 @dataclass
