@@ -209,7 +209,8 @@ class StageAverager:
         self.server: StageServer | None = None  # set by the server that serves this stage
         self._name = f"stage {stage_index} ({self.peer_id[-6:]})"  # in log lines
         self._busy = False
-        self._idle = asyncio.Event()  # set while no step is in progress
+        # set while no step's task runs (``_busy`` ends before it: once the step is applied)
+        self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False  # ``finish_round`` was called: no new round starts
         self._stepped_now = False  # on_accumulated stepped alone: the epoch is to announce

@@ -142,14 +142,15 @@ from protocol.stage_messages import (
 logger = logging.getLogger(__name__)
 
 # A held training micro-batch is admitted after this long even if the step it waits for has
-# not come (a round that falls back to its timeout, a lost peer). A trainer adds it to its
-# timeout for a training call, on top of what the call's compute takes (``CallTimer``).
+# not come (a round that falls back to its timeout, a lost peer), unless a round is on its
+# way (``HOLD_ROUND_S``).
 HOLD_S = 3.0
 # While the step that the held micro-batch waits for is on its way (``round_on_way``: a
 # gradient round is in progress), it is held up to this long instead: admitted
 # before the step, its gradient would be one step stale, which costs about a fifth of the
 # loss per sample, and a round on a home link (its all-reduce) takes longer than ``HOLD_S``.
-# A trainer adds it to its timeout for a training call.
+# A trainer adds it to its timeout for a training call, on top of what the call's compute
+# takes (``CallTimer``).
 HOLD_ROUND_S = 15.0
 # A peer that has admitted its share of the step's batch (the target over the stage's peers
 # at the epoch) waits this long for its peers to admit theirs before it takes more: two
