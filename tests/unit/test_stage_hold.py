@@ -75,7 +75,7 @@ def test_a_held_micro_batch_whose_caller_left_is_not_computed(server, event_log:
 
 
 class _RoundServer(_Server):
-    """A stage whose round (its group formed) is on its way while ``on_way``."""
+    """A stage whose gradient round is in progress while ``on_way``."""
 
     on_way = False
 
