@@ -118,8 +118,8 @@ class AveragingSpec(BaseModel):
     # (``inner_steps`` AdamW steps of its own), then peers average their parameter deltas
     # and take one outer Nesterov step.
     mode: Literal["gradient", "diloco"] = "gradient"
-    # Of the averaged tensors. uint8 (diloco only): 8-bit values with a power-of-two scale
-    # per block, the rounding error kept in each copy's error-feedback residual.
+    # Of the averaged tensors. uint8: 8-bit values with a power-of-two scale per block, the
+    # rounding error kept in each copy's error-feedback residual.
     compression: Literal["none", "float16", "uint8"] = "none"
     # diloco only: the fraction of the pseudo-gradient's coordinates a round sends (the same
     # coordinates for every groupmate, drawn per epoch: ``protocol.sparsify``); the rest
@@ -146,11 +146,11 @@ class AveragingSpec(BaseModel):
     speculate: bool = False
 
     def model_post_init(self, _context) -> None:
-        if self.mode != "diloco" and (self.density < 1.0 or self.compression == "uint8"):
+        if self.mode != "diloco" and self.density < 1.0:
             raise ValueError(
-                f"averaging.density ({self.density}) below 1 and averaging.compression "
-                f"uint8 need averaging.mode diloco, got {self.mode!r}: they keep what a round "
-                "does not send in a residual of parameter deltas"
+                f"averaging.density ({self.density}) below 1 needs averaging.mode diloco, "
+                f"got {self.mode!r}: it keeps what a round does not send in a residual of "
+                "parameter deltas"
             )
         if self.overlap and self.mode != "diloco":
             raise ValueError(

@@ -1,5 +1,6 @@
-"""Compressed averaging of DiLoCo pseudo-gradients: which coordinates a round sends, how
-their values are rounded to 8 bits, and the lossless wire codec that carries them.
+"""Compressed averaging: which coordinates of a DiLoCo pseudo-gradient a round sends, how
+the values a round sends (those, or gradient mode's mean gradients) are rounded to 8
+bits, and the lossless wire codec that carries them.
 
 hivemind's all-reduce averages fixed dense shapes element by element, so every groupmate
 of a round must send the same coordinates. ``choose_indices`` derives them from a seed
@@ -11,15 +12,16 @@ often; what a copy does not send stays in its error-feedback residual
 (``node.averaging.strategies``) and is sent when its coordinate is drawn.
 
 ``round_to_grid`` rounds values to 8 bits with one power-of-two scale per
-``GRID_BLOCK`` values: the rounded values are exact in ``encode``'s 8-bit blocks (a block
-of values on a grid of 2**e with at most 127 steps is exact on any finer grid too), so
-what travels is exactly what the sender rounded, and its rounding error stays in its
-residual. ``encode`` / ``decode`` is the wire format of one all-reduce part: blocks of
-``CODEC_BLOCK`` values, each as 8-bit integers times a power of two where that is exact,
-else float16 where that is exact, else float32. It never changes a value, so the means a
-reducer returns (float32 differences) reach every groupmate unrounded and the copies
-stay as equal as uncompressed ones. ``decode`` refuses malformed bytes with
-``CodecError``.
+``GRID_BLOCK`` values (DiLoCo's deltas) or per ``CODEC_BLOCK`` (gradient mode's mean
+gradients, whose magnitudes vary more within a block): the rounded values are exact in
+``encode``'s 8-bit blocks (a block of values on a grid of 2**e with at most 127 steps is
+exact on any finer grid too), so what travels is exactly what the sender rounded, and
+its rounding error stays in its residual. ``encode`` / ``decode`` is the wire format of
+one all-reduce part: blocks of ``CODEC_BLOCK`` values, each as 8-bit integers times a
+power of two where that is exact, else float16 where that is exact, else float32. It
+never changes a value, so the means a reducer returns (float32 differences) reach every
+groupmate unrounded and the copies stay as equal as uncompressed ones. ``decode``
+refuses malformed bytes with ``CodecError``.
 
 ``snap_mean`` is what makes those returned means cheap: the reducer rounds the mean of
 one part, per ``CODEC_BLOCK`` values, to the finest power-of-two grid on which every
@@ -112,14 +114,15 @@ def _exponents(absmax: np.ndarray) -> np.ndarray:
     return np.clip(e, MIN_EXP, MAX_EXP).astype(np.int32)
 
 
-def round_to_grid(values: torch.Tensor) -> torch.Tensor:
-    """``values`` (1-d, finite) rounded to 8 bits: per ``GRID_BLOCK`` values, to the
-    nearest of -127..127 times the smallest power of two that holds the block's largest
-    magnitude. float32."""
+def round_to_grid(values: torch.Tensor, block: int = GRID_BLOCK) -> torch.Tensor:
+    """``values`` (1-d, finite) rounded to 8 bits: per ``block`` values, to the nearest of
+    -127..127 times the smallest power of two that holds the block's largest magnitude.
+    float32. ``block`` a multiple or divisor of ``CODEC_BLOCK`` keeps the rounded values
+    exact in ``encode``'s 8-bit blocks."""
     x = values.detach().float().numpy()
     n = len(x)
-    pad = (-n) % GRID_BLOCK
-    blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, GRID_BLOCK)
+    pad = (-n) % block
+    blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, block)
     scale = np.exp2(_exponents(np.abs(blocks).max(axis=1))).astype(np.float32)[:, None]
     q = np.clip(np.rint(blocks / scale), -LEVELS, LEVELS)
     return torch.from_numpy((q * scale).astype(np.float32).reshape(-1)[:n].copy())

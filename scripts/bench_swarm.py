@@ -100,6 +100,7 @@ NAT_SUBNET = "44.77.0"  # public-looking, inside the namespaces only: AutoNAT ne
 # Run settings ``links`` compares (``--configs``): ``write_spec``'s, over the preset's.
 CONFIGS: dict[str, dict] = {
     "default": {},
+    "uint8": {"averaging": {"compression": "uint8"}},
     "diloco": {"averaging": {"mode": "diloco"}},
     "diloco-zip": {"averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"}},
     "diloco-int4-zip": {

@@ -2,7 +2,11 @@
 
 - ``GradientStrategy`` (``mode`` "gradient"): the stage's peers share one target batch;
   a round averages their mean gradients, weighted by their sample counts, and each copy
-  takes the same optimizer step on the result (``StageOptimizer.step_with_mean``).
+  takes the same optimizer step on the result (``StageOptimizer.step_with_mean``). With
+  ``compression`` uint8 (``compressed``) a round sends one flat vector of the mean
+  gradients plus the copy's residual, rounded to 8 bits; the rounding error is the new
+  residual (its own, never shipped), so it is sent in a later round. The mean comes back
+  exact (``BlockCodec``): every copy still takes the same step.
 - ``DiLoCoStrategy`` (``mode`` "diloco"): each copy takes AdamW steps alone, every
   ``target_batch_size`` of its own samples; a round averages the copies' parameter deltas
   since the last outer step, and each takes the same outer Nesterov step from the same
@@ -73,9 +77,9 @@ class Contribution:
     tensors: list[torch.Tensor]  # what is averaged: mean gradients, or parameter deltas
     sums: list[torch.Tensor | None]  # gradient mode: the sums taken out of .grad
     settled: bool = False  # applied, or given back (under the lock): never both
-    # compressed diloco: the delta from the anchor (flat, the residual in it) and the
-    # coordinates of it sent
-    # (``sparsify.choose_indices``; None: all of them, in order)
+    # compressed: what was rounded into ``tensors`` (flat, the residual in it: diloco's
+    # delta from the anchor, or the mean gradients) and, diloco, the coordinates of it
+    # sent (``sparsify.choose_indices``; None: all of them, in order)
     pending: torch.Tensor | None = None
     indices: torch.Tensor | None = None
     # overlapped diloco: the parameters the delta was taken from (the copy steps on from
@@ -260,6 +264,23 @@ class GradientStrategy(Strategy):
         self._round_samples = 0  # samples of the round in flight
         # ``speculate``: the state before the local step taken at the round's start
         self._before: OptimizerSnapshot | None = None
+        self.compressed = self.settings.compression == "uint8"
+        self._numels = [p.numel() for p in self.params]
+        # What the 8-bit rounding left out of the mean gradients this copy sent (flat,
+        # float32): its own, never shipped, added to its next round's mean gradients.
+        self._residual = torch.zeros(sum(self._numels) if self.compressed else 0)
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """What this copy's rounding left out and has not sent yet (flat; empty unless
+        ``compressed``)."""
+        return self._residual
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        if not self.compressed:
+            return super().shapes
+        return [torch.Size([sum(self._numels)])]
 
     @property
     def target(self) -> int:
@@ -306,7 +327,15 @@ class GradientStrategy(Strategy):
             with self.lock:
                 self._before = self.optimizer.snapshot()
                 self.optimizer.step_with_mean(means)
-        return Contribution(weight=n, tensors=means, sums=sums)
+        if not self.compressed:
+            return Contribution(weight=n, tensors=means, sums=sums)
+        # compressed: one flat vector, the residual in it (not with no samples: weight 0
+        # carries nothing), rounded to 8 bits per block of the wire format.
+        pending = torch.cat([m.reshape(-1) for m in means])
+        if n:
+            pending += self._residual
+        sent = sparsify.round_to_grid(pending, block=sparsify.CODEC_BLOCK)
+        return Contribution(weight=n, tensors=[sent], sums=sums, pending=pending)
 
     def step_alone(self) -> bool:
         with self.lock:
@@ -325,11 +354,22 @@ class GradientStrategy(Strategy):
         self.stats.alone += 1
 
     def _apply_locked(self, result: Sequence[torch.Tensor], contribution: Contribution) -> None:
+        """The step on the averaged mean gradients (compressed: one flat vector, and the
+        residual becomes what our rounding left out of what we sent)."""
         self._unspeculate_locked()
+        if self.compressed:
+            (averaged,) = result
+            result = [
+                m.reshape(p.shape)
+                for m, p in zip(averaged.float().split(self._numels), self.params, strict=True)
+            ]
+            if contribution.weight:
+                self._residual = contribution.pending - contribution.tensors[0]
         self.optimizer.step_with_mean(result)
         self._round_samples = 0
 
     def _give_back_locked(self, contribution: Contribution) -> None:
+        # The residual is unchanged: the next round's contribution holds it again.
         self._unspeculate_locked()
         self.optimizer.restore_accumulated(contribution.weight, contribution.sums)
         self._round_samples = 0
@@ -337,9 +377,11 @@ class GradientStrategy(Strategy):
     def _forgo_locked(self, contribution: Contribution) -> None:
         self._unspeculate_locked()
         self._round_samples = 0
+        self._residual.zero_()  # of a copy whose state the download replaces
 
     def _loaded_locked(self, state: StageState) -> None:
         self._before = None  # the downloaded state replaces the speculative step
+        self._residual.zero_()
 
     def _unspeculate_locked(self) -> None:
         """Back to the parameters and optimizer state before the speculative step (if one

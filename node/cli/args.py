@@ -616,7 +616,7 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         "--averaging-compression",
         default="none",
         choices=["none", "float16", "uint8"],
-        help="of the averaged tensors (uint8: diloco only)",
+        help="of the averaged tensors (uint8: 8 bits a value, with error feedback)",
     )
     create.add_argument(
         "--averaging-density",
