@@ -95,6 +95,30 @@ def decide(
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
 
 
+# How long a gradient round waits for the backwards of the micro-batches its peer admitted
+# at the epoch (``drain_wait_s``), so that its step takes their gradients: those that come
+# later go into the next step, one step stale.
+DRAIN_S = 2.0  # at least: a stage with no trip measured waits this long
+DRAIN_MARGIN = 1.5  # times the longest recent trip (admission to gradients) at the stage
+RECENT_TRIPS = 8  # trips the stage remembers
+
+
+def drain_wait_s(
+    admitted_at: Sequence[float], trips_s: Sequence[float], now: float, *, ceiling_s: float
+) -> float:
+    """Seconds a round waits for the open micro-batches admitted at ``admitted_at``: until
+    the last of them is due, ``DRAIN_MARGIN`` times the longest of the stage's recent
+    ``trips_s`` after its admission; at least ``DRAIN_S`` (also with no trip measured),
+    at most ``ceiling_s`` (a lost micro-batch must not hold the stage). 0 with nothing
+    open."""
+    if not admitted_at:
+        return 0.0
+    if not trips_s:
+        return min(DRAIN_S, ceiling_s)
+    due = max(admitted_at) + DRAIN_MARGIN * max(trips_s)
+    return min(ceiling_s, max(DRAIN_S, due - now))
+
+
 # How long a peer waits for a stage's state from a peer of it: the state's bytes over the
 # upload rate its source announces, times ``DOWNLOAD_MARGIN`` (framing, a loaded machine,
 # TCP's ramp over a long round trip), and never less than the round's timeout. A source

@@ -17,10 +17,11 @@ lock when a round starts, so micro-batches served during the round accumulate fo
 next epoch; the round's result is applied under the lock, in a worker thread.
 
 Staleness (``OptimizerConfig.max_staleness`` 0, the default). In gradient mode a round
-takes the gradients of every micro-batch this peer admitted at the epoch (it waits, at
-most ``DRAIN_S``, for the open ones' backwards), and the server admits no new training
-micro-batch while the stage's samples at the epoch, its peers' included (``admission``),
-make up the target batch or a round is in flight. So every step averages gradients of
+takes the gradients of every micro-batch this peer admitted at the epoch (it waits for
+the open ones' backwards, as long as the stage's recent trips say they take:
+``protocol.averaging.drain_wait_s``), and the server admits no new training micro-batch
+while the stage's samples at the epoch, its peers' included (``admission``), make up the
+target batch or a round is in flight. So every step averages gradients of
 exactly the parameters it updates, from about ``target_batch_size`` samples. Each peer
 publishes as it admits and reads its peers' progress before it admits (``push_through``:
 it sends its record straight to its peers, and while they all send theirs, reads the DHT
@@ -108,6 +109,7 @@ from node.averaging.transport import HivemindTransport
 from node.pipeline.server import Admission, StageServer
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import (
+    DRAIN_S,
     Action,
     Progress,
     decide,
@@ -126,9 +128,6 @@ SHUTDOWN_S = 10.0  # the rounds' task is waited for this long after its cancella
 # groupmates wait on its parts), within the round's own all-reduce timeout.
 FINISH_ROUND_S = 20.0
 
-# The longest a step waits for the backwards of the micro-batches its peer admitted (a lost
-# micro-batch must not hold the stage): those that come later go into the next step.
-DRAIN_S = 2.0
 # How long the progress records of peers that claimed to be ahead, but handed over no newer
 # state when asked, are ignored (``ProgressBoard.distrust``).
 UNPROVEN_S = 60.0
@@ -409,10 +408,11 @@ class StageAverager:
             self.server.gate_changed()
 
     async def _drain(self) -> None:
-        """Wait (at most ``DRAIN_S``) for the backwards of the micro-batches admitted at this
-        epoch, so that the step takes their gradients (a shared batch only)."""
+        """Wait for the backwards of the micro-batches admitted at this epoch, as long as
+        the stage's recent trips say they take (``StageServer.drain_wait_s``), so that the
+        step takes their gradients (a shared batch only)."""
         if self.strategy.shares_batch and self.server is not None and self.server.gated:
-            await self.server.wait_drained(DRAIN_S)
+            await self.server.wait_drained(self.server.drain_wait_s())
 
     # -- the compute thread's hook ------------------------------------------------------
 
@@ -701,8 +701,11 @@ class StageAverager:
         group_size: int,
         scheduled: StepControl | None,
     ) -> None:
+        drain_began = time.monotonic()
         await self._drain()
         timeline.mark("drain")
+        # A drain longer than the shortest leaves the round its usual time to average.
+        deadline += max(0.0, time.monotonic() - drain_began - DRAIN_S)
         contribution = await asyncio.to_thread(self.strategy.begin)
         timeline.mark("begin")
         if not within_bounds(contribution.tensors):

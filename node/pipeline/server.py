@@ -83,6 +83,7 @@ import enum
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -127,6 +128,7 @@ from node.rpc.service import (
     write_frames,
 )
 from protocol.admission import BUSY, InFlight, Refusal, request_deadline_s
+from protocol.averaging import RECENT_TRIPS, drain_wait_s
 from protocol.routing import BanList
 from protocol.stage_messages import (
     BACKWARD,
@@ -273,6 +275,8 @@ class StageServer(NodeServicer):
         # the gate may have opened, so that every waiter wakes.
         self._gate_lock = threading.Lock()
         self._open: dict[tuple[str, int], tuple[int, float]] = {}
+        # the latest trips (admission to gradients in .grad, seconds), under ``_gate_lock``
+        self._trips: deque[float] = deque(maxlen=RECENT_TRIPS)
         self._gate_changed: asyncio.Event | None = None
         self._gate_loop: asyncio.AbstractEventLoop | None = None
         self._held = self._overdue = self._waiting = self._abandoned = 0
@@ -477,6 +481,15 @@ class StageServer(NodeServicer):
         changed, self._gate_changed = self._gate_changed, asyncio.Event()
         if changed is not None:
             changed.set()
+
+    def drain_wait_s(self) -> float:
+        """How long a step waits for the open micro-batches' gradients
+        (``protocol.averaging.drain_wait_s`` over this stage's recent trips; at most
+        ``OPEN_S``, after which an open micro-batch is forgotten anyway). Any thread."""
+        with self._gate_lock:
+            admitted = [at for _, at in self._open.values()]
+            trips = list(self._trips)
+        return drain_wait_s(admitted, trips, time.monotonic(), ceiling_s=OPEN_S)
 
     async def wait_drained(self, timeout: float) -> bool:
         """Wait until no admitted micro-batch is open (at most ``timeout`` seconds), so that
@@ -855,7 +868,9 @@ class StageServer(NodeServicer):
         """The executor added a micro-batch's gradients (compute thread, holding ``lock``):
         count its samples, no longer open (the gate never sees a dip), and maybe step."""
         with self._gate_lock:
-            self._open.pop(key, None)
+            opened = self._open.pop(key, None)
+            if opened is not None:
+                self._trips.append(time.monotonic() - opened[1])
             self.optimizer.accumulated(batch_size)
         self.on_accumulated()
         self.gate_changed()

@@ -15,12 +15,15 @@ from models.training import StageOptimizer
 from node.averaging import state as stage_state
 from node.averaging.digests import EQUAL_DISTANCE, ParamDigest, compare_copies
 from protocol.averaging import (
+    DRAIN_MARGIN,
+    DRAIN_S,
     Action,
     Progress,
     ReturnedShare,
     check_returned,
     decide,
     download_patience_s,
+    drain_wait_s,
     fork_lineage,
     reducer_shares,
     resync_source,
@@ -90,6 +93,21 @@ def test_decide():
     assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
     with pytest.raises(ValueError):
         decide("me", 0, 1, [], 0)
+
+
+def test_a_round_drains_until_the_last_open_micro_batch_is_due_by_the_recent_trips():
+    now = 100.0
+    assert drain_wait_s([], [5.0], now, ceiling_s=10.0) == 0.0  # nothing open
+    assert drain_wait_s([now], [], now, ceiling_s=10.0) == DRAIN_S  # no trip measured
+    # A home link: trips of 4-6 s; the last micro-batch admitted 1 s ago is due in
+    # DRAIN_MARGIN x 6 - 1 s.
+    wait = drain_wait_s([now - 3.0, now - 1.0], [4.0, 6.0, 5.0], now, ceiling_s=10.0)
+    assert wait == pytest.approx(DRAIN_MARGIN * 6.0 - 1.0)
+    # Short trips (loopback) still wait the shortest drain; a lost micro-batch's trip
+    # never makes a round wait past the ceiling.
+    assert drain_wait_s([now], [0.3], now, ceiling_s=10.0) == DRAIN_S
+    assert drain_wait_s([now], [60.0], now, ceiling_s=10.0) == 10.0
+    assert drain_wait_s([now], [60.0], now, ceiling_s=1.0) == 1.0
 
 
 def test_a_download_waits_as_long_as_the_state_takes_at_the_announced_rate():

@@ -20,6 +20,7 @@ from node import events
 from node.pipeline import server as server_module
 from node.pipeline.server import CallerGone, StageServer
 from node.pipeline.wire import serialize, split_message
+from protocol import averaging
 from protocol.identity import peer_id_of
 from protocol.stage_messages import FORWARD, StageContract, StageMeta
 from tests.stage_rig import CFG, MAX_TOKENS, OPT, RUN, TWO, _batch, _run
@@ -122,3 +123,21 @@ def test_a_round_on_its_way_holds_past_the_short_hold_until_its_step(round_serve
     _serve(server, 2, gone=lambda: False)
     assert 1.0 <= time.monotonic() - started < 2.0
     assert (server.counters.overdue, server.overdue_calls) == (1, 1)
+
+
+def test_a_stage_drains_as_long_as_its_micro_batches_recently_took(server):
+    """The trip of a micro-batch (admission to its gradients in ``.grad``) is measured,
+    and a step waits for an open one as the longest recent trip says it takes."""
+    assert server.drain_wait_s() == 0.0  # nothing open
+    _serve(server, 1, gone=lambda: False)
+    (key,) = server._open
+    assert server.drain_wait_s() == averaging.DRAIN_S  # no trip measured yet
+    time.sleep(0.2)
+    with server.lock:
+        server._accumulated(key, _batch()[0].shape[0])  # as the executor does on backward
+    (trip,) = server._trips
+    assert 0.2 <= trip < 1.0 and server.open_samples() == 0
+    server._trips.append(4.0)  # a slow trip, as on a home link
+    _serve(server, 2, gone=lambda: False)
+    wait = server.drain_wait_s()
+    assert averaging.DRAIN_MARGIN * 4.0 - 0.5 < wait <= averaging.DRAIN_MARGIN * 4.0
