@@ -771,6 +771,8 @@ class StageAverager:
                 self.board.learn(mates)  # a groupmate is ahead: we catch up
             if averaged is None and not self.board.mates_left(epoch):
                 break  # our groupmates are gone (killed mid-round): no one to wait for
+            if exchange.empty:
+                break  # nobody had samples: the round loop decides again (and drains)
         lineages = {self.peer_id: self.strategy.lineage, **lineages}
         source = None if averaged is None else resync_source(self.peer_id, lineages)
         if source is not None:

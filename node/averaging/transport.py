@@ -120,6 +120,9 @@ class Exchange:
     discarded: bool = False  # a result came (or the step failed) and was thrown away
     # When its all-reduce began (``time.monotonic``; its group had formed); None: it did not.
     allreduce_began: float | None = None
+    # With our weight 0, the result was NaN: every groupmate had weight 0 (nothing to
+    # average), and another try with the same contributions gives the same.
+    empty: bool = False
 
 
 class HivemindTransport:
@@ -347,9 +350,14 @@ class HivemindTransport:
         if averaged is None or not within_bounds(averaged):
             # An average of in-range values is in range: this one has a faulty groupmate's,
             # or (NaN, with our weight 0) every groupmate had weight 0.
+            empty = (
+                weight == 0
+                and averaged is not None
+                and any(bool(t.isnan().any()) for t in averaged)
+            )
             log = logger.info if weight == 0 else logger.warning
             log("%s: discarded a non-finite or out-of-range result", self._name)
-            return Exchange(None, discarded=True, allreduce_began=began)
+            return Exchange(None, discarded=True, allreduce_began=began, empty=empty)
         return Exchange(averaged, mates, lineages, allreduce_began=began)
 
     async def _wait(self, control: StepControl, timeout: float, leave: Callable[[], bool]):

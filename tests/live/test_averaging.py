@@ -442,6 +442,42 @@ def test_a_peer_stopped_in_its_round_finishes_it_before_it_leaves(dhts):
     _run(body())
 
 
+def test_a_group_with_no_samples_at_all_says_so_at_once(dhts):
+    """Two peers that both enter a round with weight 0 (their micro-batches' gradients
+    not back yet) get NaN back: the exchange says it was empty, so the round loop decides
+    again instead of trying the same empty contributions until the round's timeout."""
+    spec = make_spec("avg-empty")
+    peers = [Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2]]
+
+    async def body():
+        try:
+            for peer in peers:
+                await peer.start()
+                await peer.averager.load_state()
+
+            async def exchange(peer: Peer):
+                transport = peer.averager.transport
+                zeros = [torch.zeros(shape) for shape in peer.averager.strategy.shapes]
+                return await transport.exchange(
+                    zeros,
+                    0,
+                    epoch=0,
+                    group_size=2,
+                    deadline=time.monotonic() + 10.0,
+                    leave=lambda: False,
+                )
+
+            results = await asyncio.gather(*(exchange(p) for p in peers))
+            for result in results:
+                assert result.averaged is None and result.discarded and result.empty, result
+            for peer in peers:  # nothing stepped
+                assert peer.averager.epoch == 0 and peer.averager.stats.rounds == 0
+        finally:
+            await _shutdown(*peers)
+
+    _run(body())
+
+
 def _nan(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fault: sends NaN in place of its contribution (past its own finiteness check)."""
     return [torch.full_like(t, math.nan) for t in tensors]
