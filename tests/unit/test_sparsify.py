@@ -28,6 +28,7 @@ from node.averaging.strategies import (
     AveragingStats,
     DiLoCoStrategy,
     GradientStrategy,
+    Strategy,
     make_strategy,
 )
 from node.averaging.transport import BlockCodec, process_settings
@@ -206,18 +207,17 @@ def test_settings_outside_the_bounds_are_refused(bad):
         AveragingSpec(**({"mode": "diloco"} | bad))
 
 
-def _compressed(density: float, compression: str = "uint8") -> DiLoCoStrategy:
-    spec = make_spec(
-        "sparse", mode="diloco", inner_steps=1, density=density, compression=compression
-    )
+def _built(spec) -> Strategy:
     module = _stage(spec)
-    s = make_strategy(
-        module,
-        StageOptimizer(module, spec.optim),
-        threading.Lock(),
-        spec.averaging,
-        AveragingStats(),
-        salt=SALT,
+    optimizer = StageOptimizer(module, spec.optim)
+    return make_strategy(
+        module, optimizer, threading.Lock(), spec.averaging, AveragingStats(), salt=SALT
+    )
+
+
+def _compressed(density: float, compression: str = "uint8") -> DiLoCoStrategy:
+    s = _built(
+        make_spec("sparse", mode="diloco", inner_steps=1, density=density, compression=compression)
     )
     assert isinstance(s, DiLoCoStrategy) and s.compressed
     return s
@@ -326,18 +326,9 @@ def test_a_compressed_spec_signs_with_its_density_and_a_dense_one_without():
         assert decode_run_spec(signed.raw, run=spec.run).spec.averaging == averaging
 
 
-def _compressed_gradient(seed: int = 0) -> GradientStrategy:
-    spec = make_spec("grad8", compression="uint8")
-    assert spec.averaging.mode == "gradient"
-    module = _stage(spec)
-    s = make_strategy(
-        module,
-        StageOptimizer(module, spec.optim),
-        threading.Lock(),
-        spec.averaging,
-        AveragingStats(),
-    )
-    assert isinstance(s, GradientStrategy) and s.compressed
+def _gradient(compression: str = "uint8") -> GradientStrategy:
+    s = _built(make_spec("grad8", compression=compression))
+    assert isinstance(s, GradientStrategy) and s.compressed is (compression == "uint8")
     return s
 
 
@@ -348,7 +339,7 @@ def _accumulate(s: GradientStrategy, seeds) -> None:
 
 
 def test_a_compressed_gradient_round_sends_8_bits_and_keeps_the_rounding_for_later():
-    s = _compressed_gradient()
+    s = _gradient()
     n = sum(p.numel() for p in s.params)
     assert s.shapes == [torch.Size([n])]
     _accumulate(s, [0, 1])
@@ -381,8 +372,8 @@ def test_copies_averaging_compressed_gradients_take_the_same_step_close_to_the_e
     """Two copies on different data, averaged as a reducer does it (``snap_mean``, the
     wire codec both ways): their parameters stay bitwise equal round after round, and near
     an uncompressed pair's."""
-    a, b = _compressed_gradient(), _compressed_gradient()
-    exact = [_strategy_plain(), _strategy_plain()]
+    a, b = _gradient(), _gradient()
+    exact = [_gradient("none"), _gradient("none")]
     for r in range(4):
         for s, seeds in ((a, [r, r + 10]), (b, [r + 50, r + 60])):
             _accumulate(s, seeds)
@@ -406,17 +397,3 @@ def test_copies_averaging_compressed_gradients_take_the_same_step_close_to_the_e
     # Adam magnifies the rounding of its smallest gradients in its first steps: 0.11 of
     # the distance moved after 4 rounds here (float16 rounding: 0.04).
     assert gap < 0.2 * moved, (gap, moved)
-
-
-def _strategy_plain() -> GradientStrategy:
-    spec = make_spec("grad8")
-    module = _stage(spec)
-    s = make_strategy(
-        module,
-        StageOptimizer(module, spec.optim),
-        threading.Lock(),
-        spec.averaging,
-        AveragingStats(),
-    )
-    assert isinstance(s, GradientStrategy) and not s.compressed
-    return s
