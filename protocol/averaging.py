@@ -8,9 +8,10 @@ peer reads all of them and applies the same pure rule (``decide``): when the sam
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
 alone); a peer that sees a peer ahead of it downloads the state instead. ``OuterRound``
 counts a DiLoCo copy's samples around its rounds and says what it may do while one is in
-flight; ``resync_source`` brings copies that stepped alone (``fork_lineage``) back to one,
-and ``download_patience_s`` says how long a download of a stage's state may take. No
-clock, no network here: ``node.averaging`` does the I/O.
+flight; ``resync_source`` brings copies that stepped alone (``fork_lineage``) back to one;
+``download_patience_s`` says how long a download of a stage's state may take, and
+``drain_wait_s`` how long a gradient round waits for the gradients of the micro-batches
+its peer admitted. No clock, no network here: ``node.averaging`` does the I/O.
 """
 
 from __future__ import annotations
