@@ -102,6 +102,10 @@ def decide(
 DRAIN_S = 2.0  # at least: a stage with no trip measured waits this long
 DRAIN_MARGIN = 1.5  # times the longest recent trip (admission to gradients) at the stage
 RECENT_TRIPS = 8  # trips the stage remembers
+# An open micro-batch whose backward has not come after this long is forgotten (its trainer
+# died, or sent the backward to another peer of the stage): it no longer holds a step back,
+# so no drain lasts longer (``drain_wait_s``'s ceiling at a stage server).
+OPEN_S = 10.0
 
 
 def drain_wait_s(

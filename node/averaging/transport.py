@@ -30,7 +30,7 @@ from hivemind.proto import runtime_pb2
 from node.averaging.process import StageAveragerProcess
 from node.rpc.dht import SwarmDHT
 from protocol import sparsify
-from protocol.averaging import averaging_prefix, within_bounds
+from protocol.averaging import OPEN_S, averaging_prefix, within_bounds
 from protocol.run_spec import AveragingSpec, RunSpec
 
 logger = logging.getLogger(__name__)
@@ -88,17 +88,33 @@ class BlockCodec(CompressionBase):
         return sparsify.snap_mean(mean, parts)
 
 
+def first_part_slack_s(settings: AveragingSpec) -> float:
+    """How much later than ``chunk_timeout_s`` a groupmate's first part may come. A
+    gradient round looks for its group while it drains (``schedule``), and each peer
+    hands over its tensors when its own drain ends: at most ``OPEN_S`` after the group
+    formed. A groupmate whose drain ends later than ours is slow to start, not gone, and
+    dropping it fails the round on one side only (its values come back un-averaged: it
+    catches up by downloading the whole state). DiLoCo rounds start at once: no slack."""
+    return OPEN_S if settings.mode == "gradient" else 0.0
+
+
 def process_settings(settings: AveragingSpec) -> dict[str, object]:
     """The round settings of a stage's hivemind averager (``scripts/bench_averaging.py``
-    measures all-reduce with exactly these)."""
+    measures all-reduce with exactly these). A sender is dropped once it is silent for
+    ``chunk_timeout_s`` plus ``first_part_slack_s`` (hivemind has one timeout for the
+    first part and the gaps between parts), a reducer once it is silent for another
+    ``chunk_timeout_s`` (hivemind wants it longer than the sender's)."""
     # float16 is in the buffers' dtype (see ``start``); uint8 values are rounded by the
     # strategy and travel exactly in ``BlockCodec``.
     compression = BlockCodec() if settings.compression == "uint8" else NoCompression()
+    sender_s = settings.chunk_timeout_s + first_part_slack_s(settings)
     return {
         "min_matchmaking_time": settings.matchmaking_s,
         "request_timeout": min(3.0, settings.matchmaking_s / 2),
         "allreduce_timeout": settings.allreduce_timeout_s,
         "next_chunk_timeout": settings.chunk_timeout_s,
+        "sender_timeout": sender_s,
+        "reducer_timeout": sender_s + settings.chunk_timeout_s,
         "compression": compression,
         "part_size_bytes": PART_BYTES,
     }

@@ -128,7 +128,7 @@ from node.rpc.service import (
     write_frames,
 )
 from protocol.admission import BUSY, InFlight, Refusal, request_deadline_s
-from protocol.averaging import RECENT_TRIPS, drain_wait_s
+from protocol.averaging import OPEN_S, RECENT_TRIPS, drain_wait_s
 from protocol.routing import BanList
 from protocol.stage_messages import (
     BACKWARD,
@@ -158,9 +158,6 @@ HOLD_ROUND_S = 15.0
 # at the epoch) waits this long for its peers to admit theirs before it takes more: two
 # peers that admit at once, each before it reads the other's progress, overshoot the batch.
 SHARE_WAIT_S = 0.5
-# An open micro-batch whose backward has not come after this long is forgotten (its trainer
-# died, or sent the backward to another peer of the stage): it no longer holds a step back.
-OPEN_S = 10.0
 # The handler of sessions: streams that carry one request after another (module docstring).
 SESSION = "session"
 # A session with no request for this long is closed: callers reuse a stream for less time

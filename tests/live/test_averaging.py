@@ -391,12 +391,58 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
 
 
 class _LateAllReduce(StageAveragerProcess):
-    """Starts each all-reduce a second late (its groupmates' parts wait): a window in which
-    the test stops this peer while its group waits on it."""
+    """Starts each all-reduce ``late_s`` late (its groupmates' parts wait): a window in
+    which the test stops this peer while its group waits on it."""
+
+    late_s = 1.0
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(self.late_s)
         await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+
+
+class _SlowDrain(_LateAllReduce):
+    """Hands over its parts as a peer whose drain ends 3 s after its groupmate's does:
+    three chunk timeouts of ``FAST`` late."""
+
+    late_s = 3.0
+
+
+def test_a_groupmate_that_drains_longer_is_waited_for_not_dropped(dhts):
+    """A gradient round looks for its group while it drains, so a groupmate whose drain
+    ends later sends its first part later than its chunk timeout (``FAST``: 1 s). It is
+    slow to start, not gone: both peers average, neither catches up nor steps alone, and
+    both copies take the step one process takes on all four micro-batches."""
+    spec = make_spec("avg-slow-drain")
+    slow, prompt = (Peer(SwarmDHT(d, spec.run), spec) for d in dhts[:2])
+    rounds: list[dict] = []
+    stop_listening = events.listen(
+        lambda e: rounds.append(e) if e["event"] == "averaging.round" else None
+    )
+
+    async def body():
+        try:
+            await slow.start(process_class=_SlowDrain)
+            await slow.averager.load_state()
+            await prompt.start()
+            await prompt.averager.load_state()
+            slow.feed(1)
+            slow.feed(2)
+            prompt.feed(3)
+            prompt.feed(4)  # the stage's 16 samples: a round is due
+            await _until(lambda: _at_epoch(1, slow, prompt), 20, "both peers' step")
+            for peer in (slow, prompt):
+                stats = peer.averager.stats
+                assert (stats.rounds, stats.fallbacks, stats.last_group) == (1, 0, 2), stats
+            hows = [e["how"] for e in rounds if e["how"] != "loaded"]
+            assert hows == ["averaged", "averaged"], hows
+            assert _close(slow.params(), prompt.params())
+            assert _close(prompt.params(), _reference([1, 2], [3, 4]))
+        finally:
+            stop_listening()
+            await _shutdown(slow, prompt)
+
+    _run(body())
 
 
 def test_a_peer_stopped_in_its_round_finishes_it_before_it_leaves(dhts):

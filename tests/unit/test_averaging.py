@@ -14,9 +14,11 @@ from models.stages import Stage
 from models.training import StageOptimizer
 from node.averaging import state as stage_state
 from node.averaging.digests import EQUAL_DISTANCE, ParamDigest, compare_copies
+from node.averaging.transport import process_settings
 from protocol.averaging import (
     DRAIN_MARGIN,
     DRAIN_S,
+    OPEN_S,
     Action,
     Progress,
     ReturnedShare,
@@ -29,6 +31,7 @@ from protocol.averaging import (
     resync_source,
     robust_mean,
 )
+from protocol.run_spec import AveragingSpec
 from tests.averaging_peer import (
     CFG,
     STAGE,
@@ -108,6 +111,15 @@ def test_a_round_drains_until_the_last_open_micro_batch_is_due_by_the_recent_tri
     assert drain_wait_s([now], [0.3], now, ceiling_s=10.0) == DRAIN_S
     assert drain_wait_s([now], [60.0], now, ceiling_s=10.0) == 10.0
     assert drain_wait_s([now], [60.0], now, ceiling_s=1.0) == 1.0
+
+
+def test_a_gradient_groupmate_may_start_sending_as_late_as_the_longest_drain():
+    gradient = process_settings(AveragingSpec(chunk_timeout_s=5.0))
+    assert gradient["next_chunk_timeout"] == 5.0  # downloads: as before
+    assert gradient["sender_timeout"] == 5.0 + OPEN_S  # a groupmate still draining
+    assert gradient["reducer_timeout"] > gradient["sender_timeout"]  # as hivemind wants
+    diloco = process_settings(AveragingSpec(mode="diloco", chunk_timeout_s=5.0))
+    assert diloco["sender_timeout"] == 5.0 and diloco["reducer_timeout"] == 10.0  # no drain
 
 
 def test_a_download_waits_as_long_as_the_state_takes_at_the_announced_rate():
