@@ -101,6 +101,7 @@ NAT_SUBNET = "44.77.0"  # public-looking, inside the namespaces only: AutoNAT ne
 CONFIGS: dict[str, dict] = {
     "default": {},
     "uint8": {"averaging": {"compression": "uint8"}},
+    "int4-uint8": {"compression": "int4", "averaging": {"compression": "uint8"}},
     "diloco": {"averaging": {"mode": "diloco"}},
     "diloco-zip": {"averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"}},
     "diloco-int4-zip": {

@@ -40,6 +40,15 @@ def test_configs_become_signed_specs_with_h_and_target_batch(tmp_path) -> None:
     assert len(runs) == 2  # a run (and an owner) per configuration
 
 
+def test_every_named_config_is_a_run_spec_a_node_accepts(tmp_path) -> None:
+    args = argparse.Namespace(inner_steps=None, target_batch=None)
+    for name, settings in CONFIGS.items():
+        spec = read_spec_file(
+            write_spec(tmp_path / name, "tiny", 2, _with(settings, args)).read_text()
+        )
+        assert spec.spec.compression == settings.get("compression", "none"), name
+
+
 def test_config_by_name_or_json_and_bad_ones_refused() -> None:
     assert _config("diloco") == ("diloco", CONFIGS["diloco"])
     assert _config('mine={"compression": "uint8"}') == ("mine", {"compression": "uint8"})
