@@ -408,6 +408,29 @@ class _SlowDrain(_LateAllReduce):
     late_s = 3.0
 
 
+async def _start_with_a_round_due(late: Peer, other: Peer, process_class: type) -> None:
+    """Starts both peers (``late``'s averager a ``process_class``) and feeds them the
+    stage's 16 samples, micro-batches 1 and 2 to ``late``, 3 and 4 to ``other``: a round
+    is due."""
+    await late.start(process_class=process_class)
+    await late.averager.load_state()
+    await other.start()
+    await other.averager.load_state()
+    late.feed(1)
+    late.feed(2)
+    other.feed(3)
+    other.feed(4)
+
+
+def _averaged_once_each(rounds: list[dict], *peers: Peer) -> None:
+    """Each peer averaged in one round of two and neither stepped alone or caught up."""
+    for peer in peers:
+        stats = peer.averager.stats
+        assert (stats.rounds, stats.fallbacks, stats.last_group) == (1, 0, 2), stats
+    hows = [e["how"] for e in rounds if e["how"] != "loaded"]
+    assert hows == ["averaged"] * len(peers), hows
+
+
 def test_a_groupmate_that_drains_longer_is_waited_for_not_dropped(dhts):
     """A gradient round looks for its group while it drains, so a groupmate whose drain
     ends later sends its first part later than its chunk timeout (``FAST``: 1 s). It is
@@ -422,20 +445,9 @@ def test_a_groupmate_that_drains_longer_is_waited_for_not_dropped(dhts):
 
     async def body():
         try:
-            await slow.start(process_class=_SlowDrain)
-            await slow.averager.load_state()
-            await prompt.start()
-            await prompt.averager.load_state()
-            slow.feed(1)
-            slow.feed(2)
-            prompt.feed(3)
-            prompt.feed(4)  # the stage's 16 samples: a round is due
+            await _start_with_a_round_due(slow, prompt, _SlowDrain)
             await _until(lambda: _at_epoch(1, slow, prompt), 20, "both peers' step")
-            for peer in (slow, prompt):
-                stats = peer.averager.stats
-                assert (stats.rounds, stats.fallbacks, stats.last_group) == (1, 0, 2), stats
-            hows = [e["how"] for e in rounds if e["how"] != "loaded"]
-            assert hows == ["averaged", "averaged"], hows
+            _averaged_once_each(rounds, slow, prompt)
             assert _close(slow.params(), prompt.params())
             assert _close(prompt.params(), _reference([1, 2], [3, 4]))
         finally:
@@ -459,27 +471,16 @@ def test_a_peer_stopped_in_its_round_finishes_it_before_it_leaves(dhts):
 
     async def body():
         try:
-            await leaver.start(process_class=_LateAllReduce)
-            await leaver.averager.load_state()
-            await stayer.start()
-            await stayer.averager.load_state()
-            leaver.feed(1)
-            leaver.feed(2)
-            stayer.feed(3)
-            stayer.feed(4)  # the stage's 16 samples: a round is due
+            await _start_with_a_round_due(leaver, stayer, _LateAllReduce)
             await _until(lambda: leaver.averager.transport.in_group, 15, "the leaver's group")
             asked = time.monotonic()
             await leaver.averager.shutdown()
             took = time.monotonic() - asked
             await _until(lambda: _at_epoch(1, stayer), 10, "the stayer's step")
-            for peer in (leaver, stayer):
-                stats = peer.averager.stats
-                assert (stats.rounds, stats.fallbacks, stats.last_group) == (1, 0, 2), stats
-                assert peer.averager.step == 1
+            _averaged_once_each(rounds, leaver, stayer)
+            assert leaver.averager.step == stayer.averager.step == 1
             assert _close(stayer.params(), leaver.params())
             assert _close(stayer.params(), _reference([1, 2], [3, 4]))
-            hows = [e["how"] for e in rounds if e["how"] != "loaded"]
-            assert hows == ["averaged", "averaged"], hows
             assert took < 10, took
         finally:
             stop_listening()

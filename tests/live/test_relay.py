@@ -76,10 +76,10 @@ def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_p
 
         run = "rechoose"
         first = start("p0", net.hosts[0], [], ["--stages", "1"])
-        wait_until(lambda: first.events("node.started"), 60, "the first node to start")
+        first.wait_started(60)
         run = first.run_id
         second = start("p1", net.hosts[1], [_maddr_at(first, net.hosts[0].address)])
-        wait_until(lambda: second.maddrs_file.exists(), 90, "the second node's addresses")
+        second.wait_started(90)
         publics = {first.peer_id: first, second.peer_id: second}
         seeds = [_maddr_at(first, net.hosts[0].address), _maddr_at(second, net.hosts[1].address)]
         home = launch_node(tmp_path, "h0", run, initial_peers=seeds, host_maddr=ANY,
@@ -134,7 +134,7 @@ def test_home_nodes_serve_through_a_relay(net: Network, tmp_path) -> None:
 
         run = "relay"
         first = start("p0", net.hosts[0], [], ["--relay-data-limit-mib", "1"])
-        wait_until(lambda: first.events("node.started"), 60, "the first node to start")
+        first.wait_started(60)
         run, seed = first.run_id, [_maddr_at(first, net.hosts[0].address)]
         public = start("p1", net.hosts[1], seed)
         homes = [start(f"h{i}", home, seed) for i, home in enumerate(net.homes)]
@@ -195,11 +195,11 @@ def test_public_nodes_with_no_relay_leave_a_home_without_one(one_home, tmp_path)
 
         run = "norelay"
         first = start("p0", net.hosts[0], [], ["--stages", "1", "--no-relay"])
-        wait_until(lambda: first.maddrs_file.exists(), 90, "the first node's addresses")
+        first.wait_started(90)
         run = first.run_id
         second = start("p1", net.hosts[1], [_maddr_at(first, net.hosts[0].address)],
                        ["--no-relay"])  # fmt: skip
-        wait_until(lambda: second.maddrs_file.exists(), 90, "the second node's addresses")
+        second.wait_started(90)
         seeds = [_maddr_at(first, net.hosts[0].address), _maddr_at(second, net.hosts[1].address)]
         home = start("h0", net.homes[0], seeds)
 
