@@ -58,7 +58,10 @@ from protocol.identity import peer_id_of
 from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
 
 DEFAULT_CONFIGS = ("2x4-gradient-s0", "2x4-gradient-s1", "2x1-gradient-s0", "1x4-gradient-s0")
-CONFIG = re.compile(r"^(\d+)x(\d+)-(gradient|diloco)-s([01])(-overlap|-spec)?$")
+CONFIG = re.compile(
+    r"^(\d+)x(\d+)-(gradient|diloco)-s([01])(-overlap|-spec)?"
+    r"(?:-b(none|float16|uint8|int4|int2))?(?:-a(none|float16|uint8))?$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +74,26 @@ class SwarmConfig:
     inner_steps: int = 10  # diloco
     overlap: bool = False  # diloco
     speculate: bool = False  # gradient, s1
+    boundary: str | None = None  # the spec's compression (None: its default)
+    averaged: str | None = None  # averaging.compression (None: its default)
 
     @classmethod
     def parse(cls, name: str, inner_steps: int = 10) -> SwarmConfig:
         m = CONFIG.match(name)
         if m is None:
-            raise ValueError(f"configuration {name!r}: write e.g. 2x4-gradient-s0")
+            raise ValueError(
+                f"configuration {name!r}: write e.g. 2x4-gradient-s0, or 2x4-gradient-s0-bint4-"
+                "auint8 for int4 boundaries and 8-bit averaging"
+            )
         return cls(int(m[1]), int(m[2]), m[3], int(m[4]), inner_steps=inner_steps,
-                   overlap=m[5] == "-overlap", speculate=m[5] == "-spec")  # fmt: skip
+                   overlap=m[5] == "-overlap", speculate=m[5] == "-spec",
+                   boundary=m[6], averaged=m[7])  # fmt: skip
 
     @property
     def name(self) -> str:
         suffix = "-overlap" if self.overlap else "-spec" if self.speculate else ""
+        suffix += f"-b{self.boundary}" if self.boundary else ""
+        suffix += f"-a{self.averaged}" if self.averaged else ""
         return f"{self.peers}x{self.in_flight}-{self.mode}-s{self.max_staleness}{suffix}"
 
 
@@ -100,7 +111,9 @@ def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[
             # Named only when on, so that this runs on code without it.
             **({"overlap": True} if config.overlap else {}),
             **({"speculate": True} if config.speculate else {}),
+            **({"compression": config.averaged} if config.averaged else {}),
         ),
+        **({"compression": config.boundary} if config.boundary else {}),
         # Named only when it is not the default, so that this runs on code without it.
         **({"max_staleness": config.max_staleness} if config.max_staleness else {}),
         **optim,
