@@ -287,12 +287,18 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f}"
 
 
+# Bytes a value of an averaging round takes on the wire, by ``averaging.compression``
+# (uint8: a byte a value, its block's scale aside); float32 otherwise.
+AVERAGED_BYTES = {"float16": 2, "uint8": 1}
+
+
 def stage_bytes_per_sample(spec: RunSpec, stage: int) -> tuple[float, float]:
     """(sent, received) bytes per training sample that a peer serving ``stage`` moves, for
     planning: the stage's requests and replies (a forward and a backward, or the last
     stage's one call) at the run's compression, and its share of the averaging rounds
-    (about twice its parameters each way per round, a round per ``target_batch_size``
-    samples, or per ``inner_steps`` of them in DiLoCo). Its own trainer's calls are not
+    (about twice the values it averages each way per round, at the rounds' compression: its
+    parameters, or their ``density`` share; a round per ``target_batch_size`` samples, or
+    per ``inner_steps`` of them in DiLoCo). Its own trainer's calls are not
     counted: they are the trainer's, not the stage's."""
     model, optim, averaging = spec.model, spec.optim, spec.averaging
     hidden = wire_nbytes(compression_name(COMPRESSIONS[spec.compression]), "float32",
@@ -305,7 +311,7 @@ def stage_bytes_per_sample(spec: RunSpec, stage: int) -> tuple[float, float]:
         sent, received = 8 + back, inputs + tokens
     else:  # a forward (inputs in, outputs out), then a backward (both in, a gradient out)
         sent, received = hidden + back, 2 * inputs + hidden
-    element = 2 if averaging.compression == "float16" else 4
+    element = AVERAGED_BYTES.get(averaging.compression, 4) * averaging.density
     per_round = 2 * element * count_stage_memory(model, spec.stage_range(stage)).parameters
     rounds = 1 / optim.target_batch_size
     if averaging.mode == "diloco":

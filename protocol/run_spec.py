@@ -41,6 +41,9 @@ _SPEC_DOMAIN = b"swarmtrain/run-spec"
 # Of activations and gradients between stages: float16, hivemind's 8-bit codebook, or
 # grouped 4- or 2-bit codes with stochastic rounding (``node.pipeline.lowbit``).
 Compression = Literal["none", "float16", "uint8", "int4", "int2"]
+# A new run's defaults (``swarmtrain run create`` and ``swarmtrain node`` name them too).
+DEFAULT_COMPRESSION: Compression = "int4"
+DEFAULT_AVERAGING_COMPRESSION: Literal["none", "float16", "uint8"] = "uint8"
 Seconds = Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
 # A checkpoint file's name: no directories, nothing hidden (read only inside the node's own
 # copy of the checkpoint).
@@ -119,8 +122,9 @@ class AveragingSpec(BaseModel):
     # and take one outer Nesterov step.
     mode: Literal["gradient", "diloco"] = "gradient"
     # Of the averaged tensors. uint8: 8-bit values with a power-of-two scale per block, the
-    # rounding error kept in each copy's error-feedback residual.
-    compression: Literal["none", "float16", "uint8"] = "none"
+    # rounding error kept in each copy's error-feedback residual (the default: a home
+    # upload is what bounds a round; BENCHMARKS.md, "On a home link").
+    compression: Literal["none", "float16", "uint8"] = DEFAULT_AVERAGING_COMPRESSION
     # diloco only: the fraction of the pseudo-gradient's coordinates a round sends (the same
     # coordinates for every groupmate, drawn per epoch: ``protocol.sparsify``); the rest
     # stays in each copy's residual. 1: all of them, uncompressed DiLoCo.
@@ -185,7 +189,9 @@ class RunSpec(BaseModel):
     arch: dict[str, Any]  # ModelConfig fields
     optimizer: dict[str, Any]  # OptimizerConfig fields
     boundaries: Annotated[tuple[tuple[int, int], ...], Field(min_length=1, max_length=256)]
-    compression: Compression = "none"  # of activations and gradients between stages
+    # Of activations and gradients between stages. The default, int4, is for home links,
+    # where the boundary's bytes bound the rate; "none" is faster on a LAN or loopback.
+    compression: Compression = DEFAULT_COMPRESSION
     averaging: AveragingSpec = AveragingSpec()  # among the peers of a stage
     data: Annotated[str, Field(max_length=256)] = "stdlib"
     seed: Annotated[int, Field(ge=0, lt=2**32)] = 0

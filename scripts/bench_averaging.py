@@ -103,7 +103,8 @@ ROUND_SETTINGS: dict[str, float] = {}  # --matchmaking-s, --round-timeout-s, whe
 
 
 def _spec(name: str, preset: str, **averaging) -> RunSpec:
-    settings = AveragingSpec(**(ROUND_SETTINGS | averaging))
+    """A run's spec, its rounds uncompressed unless ``averaging`` names a compression."""
+    settings = AveragingSpec(**({"compression": "none"} | ROUND_SETTINGS | averaging))
     return make_run_spec(name, preset, 2, owner=OWNER, averaging=settings)
 
 

@@ -98,12 +98,16 @@ SLOWDOWN = 5.0
 SCENARIOS = ("wiring", "churn", "straggler", "partition")
 NAT_SUBNET = "44.77.0"  # public-looking, inside the namespaces only: AutoNAT needs one
 # Run settings ``links`` compares (``--configs``): ``write_spec``'s, over the preset's.
+# "default" is the spec's defaults; every other names its compressions, so that it means
+# the same run whatever the defaults are.
+PLAIN = {"compression": "none"}  # uncompressed boundaries (or rounds, under "averaging")
 CONFIGS: dict[str, dict] = {
     "default": {},
-    "uint8": {"averaging": {"compression": "uint8"}},
+    "none": PLAIN | {"averaging": PLAIN},
+    "uint8": PLAIN | {"averaging": {"compression": "uint8"}},
     "int4-uint8": {"compression": "int4", "averaging": {"compression": "uint8"}},
-    "diloco": {"averaging": {"mode": "diloco"}},
-    "diloco-zip": {"averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"}},
+    "diloco": PLAIN | {"averaging": PLAIN | {"mode": "diloco"}},
+    "diloco-zip": PLAIN | {"averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"}},
     "diloco-int4-zip": {
         "compression": "int4",
         "averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"},

@@ -47,7 +47,10 @@ STAGE = 1  # the last stage: block 2 and the head, so a micro-batch has a loss
 MICRO = 4
 TARGET = 16
 # Short timeouts keep the fault tests short; matchmaking stays at 4 report periods.
+# Uncompressed rounds: these tests check the averaging's exact arithmetic (a test of 8-bit
+# rounds names ``compression="uint8"``).
 FAST = {
+    "compression": "none",
     "matchmaking_s": 1.0,
     "round_timeout_s": 4.0,
     "report_period_s": 0.25,
@@ -95,7 +98,8 @@ async def stop_serving(
 
 
 def make_spec(name: str, max_staleness: int = 0, **averaging) -> RunSpec:
-    """A run of ``CFG`` cut in two, owned by ``OWNER``, with ``FAST`` averaging settings."""
+    """A run of ``CFG`` cut in two, owned by ``OWNER``, with ``FAST`` averaging settings
+    and uncompressed stage boundaries."""
     optim = OptimizerConfig(
         micro_batch_size=MICRO, target_batch_size=TARGET, warmup_steps=0,
         max_staleness=max_staleness,
@@ -106,6 +110,7 @@ def make_spec(name: str, max_staleness: int = 0, **averaging) -> RunSpec:
         arch=CFG.to_dict(),
         optimizer=optim.to_dict(),
         boundaries=tuple((r.start, r.end) for r in even_boundaries(CFG, 2)),
+        compression="none",
         averaging=AveragingSpec(**(FAST | averaging)),
     )
 

@@ -18,6 +18,10 @@ from protocol.routing import WINDOW
 
 # ``protocol.run_spec.Compression``, spelled out here so this module stays light
 COMPRESSIONS = ["none", "float16", "uint8", "int4", "int2"]
+# protocol.run_spec's DEFAULT_COMPRESSION and DEFAULT_AVERAGING_COMPRESSION (that module
+# imports torch; tests/unit/test_cli.py checks that the two agree).
+DEFAULT_COMPRESSION = "int4"
+DEFAULT_AVERAGING_COMPRESSION = "uint8"
 
 STDLIB = "stdlib"  # models.data.STDLIB: Python's standard library as a corpus
 DEFAULT_OWNER_KEY = Path("~/.swarmtrain/owner.key")  # the node and run_admin read it here
@@ -311,9 +315,9 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=positive_int, default=2, help="new run only: number of stages")
     p.add_argument(
         "--compression",
-        default="none",
         choices=COMPRESSIONS,
-        help="new run only: compression of activations and gradients",
+        help="new run only: compression of activations and gradients between stages "
+        f"(default {DEFAULT_COMPRESSION}, for home links; none is faster on a LAN)",
     )
     p.add_argument(
         "--throughput",
@@ -609,14 +613,20 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         help="write nothing; print each stage's memory (weights, gradients, AdamW state)",
     )
     create.add_argument("--private", action="store_true", help="only invited peers may join")
-    create.add_argument("--compression", default="none", choices=COMPRESSIONS)
+    create.add_argument(
+        "--compression",
+        default=DEFAULT_COMPRESSION,
+        choices=COMPRESSIONS,
+        help="of activations and gradients between stages (default %(default)s: 4-bit groups, "
+        "for home links; none is faster on a LAN)",
+    )
     create.add_argument("--averaging", default="gradient", choices=["gradient", "diloco"])
     create.add_argument("--inner-steps", type=int, default=50, help="diloco: local steps")
     create.add_argument(
         "--averaging-compression",
-        default="none",
+        default=DEFAULT_AVERAGING_COMPRESSION,
         choices=["none", "float16", "uint8"],
-        help="of the averaged tensors (uint8: 8 bits a value, with error feedback)",
+        help="of the averaged tensors (default %(default)s: 8 bits a value, with error feedback)",
     )
     create.add_argument(
         "--averaging-density",

@@ -1,6 +1,7 @@
 """``swarmtrain demo``: a local swarm trains the ``tiny`` model and survives a kill -9.
 
-It starts ``stages x peers`` node processes on 127.0.0.1, trains through them from this
+It starts ``stages x peers`` node processes of an uncompressed run (``write_spec``) on
+127.0.0.1, trains through them from this
 process with a progress line, SIGKILLs one peer part way through and starts a
 replacement later, then prints a per-stage table and writes the loss curve (CSV and
 PNG). Exit status 0 only if the validation loss fell and the peers of each stage held
@@ -33,10 +34,18 @@ from node.averaging.digests import DIGESTS_ENV, compare_copies
 from node.cli.export import from_swarm
 from node.cli.generate import sample_text
 from node.cli.train import Curve, open_trainer, train_with_progress
+from node.files import load_or_create_key, write_atomic
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerSettings
 from node.rpc.dht import SwarmDHT
-from protocol.run_spec import RunSpec
+from protocol.identity import peer_id_of
+from protocol.run_spec import (
+    AveragingSpec,
+    RunSpec,
+    make_run_spec,
+    sign_run_spec,
+    spec_file_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,28 +58,39 @@ class Demo:
         self.nodes: list[NodeProcess] = []
         self.stage_of: dict[str, int] = {}  # node name -> stage
         self.events: list[tuple[int, str]] = []  # (samples, what happened)
+        self.spec_file = Path()  # ``write_spec``'s
+
+    def write_spec(self) -> Path:
+        """The demo run's signed spec, uncompressed: its peers share one machine, where
+        sending costs nothing and a codec only costs CPU (a run between homes keeps the
+        defaults, ``swarmtrain run create``)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        key = load_or_create_key(self.workdir / "owner.key")
+        spec = make_run_spec(self.run, self.args.preset, self.args.stages,
+                             owner=peer_id_of(key.public_key()), compression="none",
+                             averaging=AveragingSpec(compression="none"))  # fmt: skip
+        path = self.workdir / "demo.spec.json"
+        write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
+        self.run = spec.run  # NAME@FINGERPRINT: how the nodes join
+        return path
 
     def start_swarm(self) -> None:
         a = self.args
         # Its nodes emit their parameter digests: ``copies`` reads them from their events.
         os.environ[DIGESTS_ENV] = "1"
+        self.spec_file = self.write_spec()
         print(f"starting {a.stages} stages x {a.peers} peers on 127.0.0.1 (run {self.run})")
         for i in range(a.stages * a.peers):
             stage = i % a.stages
-            first = not self.nodes
-            extra = ["--stage", str(stage)]
-            if first:
-                extra += ["--preset", a.preset, "--stages", str(a.stages)]
-            peers = [] if first else [self.nodes[0].maddr]
-            self._launch(f"peer{i}", stage, peers, extra)
-            if first:
-                self.run = self.nodes[0].run_id  # NAME@FINGERPRINT: how the others join
+            peers = [self.nodes[0].maddr] if self.nodes else []
+            self._launch(f"peer{i}", stage, peers, ["--stage", str(stage)])
         for n in self.nodes:
             n.wait_serving()
 
     def _launch(
         self, name: str, stage: int, peers: list[str], extra: list[str], wait: bool = True
     ) -> NodeProcess:
+        extra = ["--spec", str(self.spec_file), *extra]
         node = launch_node(
             self.workdir, name, self.run, initial_peers=peers, extra=extra, wait=wait
         )

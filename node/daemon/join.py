@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,18 +96,23 @@ async def find_spec(
         await asyncio.sleep(0.5)
 
 
-def owned_spec(owner_key_path: Path, key: Ed25519PrivateKey, spec: RunSpec) -> SignedSpec:
+def owned_spec(
+    owner_key_path: Path, key: Ed25519PrivateKey, spec: RunSpec, recorded_wins: Iterable[str] = ()
+) -> SignedSpec:
     """The signed spec of the run ``spec`` describes, as its owner created it: the one
     recorded at creation (``runs/RUN_ID.spec.json`` beside the owner key) if its settings
     are ``spec``'s, or ``spec`` signed and recorded now if the run is new. ``ValueError``
-    naming the difference if the run was created with other settings."""
+    naming the difference if the run was created with other settings. ``recorded_wins``:
+    settings (``RunSpec`` fields) the caller did not choose, only defaulted: a recorded
+    run keeps its own (a run created under older defaults restarts as it was)."""
     path = owner_key_path.expanduser().parent / "runs" / f"{spec.run}.spec.json"
     if path.exists():
         try:
             recorded = read_spec_file(path.read_text())
         except (OSError, RecordError) as e:
             raise ValueError(f"cannot read the record of run {spec.run} at {path}: {e}") from None
-        changes = spec_differences(recorded.spec, spec)
+        kept = {name: getattr(recorded.spec, name) for name in recorded_wins}
+        changes = spec_differences(recorded.spec, spec.model_copy(update=kept))
         if changes:
             raise ValueError(
                 f"run {spec.run} exists with other settings (this changes "

@@ -52,7 +52,8 @@ class NodeSettings:
     # Used only by the node that starts a new public run by name: the run's spec.
     preset: str = "tiny"
     n_stages: int = 2
-    compression: str = "none"
+    # A new run's boundary compression; None: the spec's default, or a restarted run's own.
+    compression: str | None = None
     update_period_s: float = 5.0  # records expire after 3 periods without a refresh
     throughput: float | None = None  # declared samples/s for every stage (skips measuring)
     remeasure: bool = False  # measure throughput again instead of using the cached figures

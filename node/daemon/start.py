@@ -46,15 +46,12 @@ def resolve_run(settings: NodeSettings) -> tuple[str, SignedSpec | None]:
         check_run_id(settings.run)  # joining: the run's id, not a name
     owner_key = load_or_create_key(settings.owner_key_path())
     owner = peer_id_of(owner_key.public_key())
-    spec = make_run_spec(
-        settings.run,
-        settings.preset,
-        settings.n_stages,
-        owner=owner,
-        compression=settings.compression,
-    )
+    chosen = {} if settings.compression is None else {"compression": settings.compression}
+    spec = make_run_spec(settings.run, settings.preset, settings.n_stages, owner=owner, **chosen)
+    # What no flag of the node chose stays as the run was created (older defaults too).
+    defaulted = ["averaging", *(() if chosen else ("compression",))]
     try:
-        return spec.run, owned_spec(settings.owner_key_path(), owner_key, spec)
+        return spec.run, owned_spec(settings.owner_key_path(), owner_key, spec, defaulted)
     except ValueError as e:
         raise NodeError(str(e)) from None
 

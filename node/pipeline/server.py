@@ -832,7 +832,8 @@ class StageServer(NodeServicer):
         """On the compute thread: decode, check, and only then run the stage, unless the
         caller left while the request was queued (``gone``: ``CallerGone``). A loss (or
         the logits) travels exact; activations and gradients with the server's
-        compression."""
+        compression, except in answer to an inference forward (generation), which travels
+        exact too: its output is deterministic, as the export's."""
         if gone():
             raise CallerGone()
         with self._busy_lock:
@@ -852,7 +853,9 @@ class StageServer(NodeServicer):
         return [
             serialize(
                 out.detach().float().cpu(),
-                "none" if i == 0 and self.contract.returns_loss else self.compression,
+                "none"
+                if meta.infer or (i == 0 and self.contract.returns_loss)
+                else self.compression,
             )
             for i, out in enumerate(outputs)
         ]

@@ -295,10 +295,18 @@ class StageRouter:
         self, stage: int, x: torch.Tensor, index: int, train: bool = False, infer: bool = False
     ) -> tuple[torch.Tensor, str]:
         self._samples[stage] = (x,)
+        exact = {"compression": "none"} if infer else {}  # generation: deterministic logits
         return await self._call(
             stage,
             lambda peer, opts: self._calls.forward(
-                self.p2p, peer, x, stage=stage, micro_batch=index, train=train, infer=infer, **opts
+                self.p2p,
+                peer,
+                x,
+                stage=stage,
+                micro_batch=index,
+                train=train,
+                infer=infer,
+                **opts | exact,
             ),
             held=train,
         )
@@ -468,7 +476,8 @@ class StageRouter:
         """The vocabulary logits (B, vocab) of the last position of each sequence of
         ``tokens`` (B, T), from one inference forward through the stages (0 .. last), each
         on a peer routing picks, as the trainer's forwards go. Nothing is kept for a
-        backward, no sample counts toward a step, and no stage holds it back for one. The
+        backward, no sample counts toward a step, no stage holds it back for one, and the
+        hidden states travel uncompressed both ways (the logits are deterministic). The
         view is re-read first when it is older than ``refresh_s``. ``TrainerError`` when a
         stage has had no serving peer for ``stage_wait_s`` or refuses the request."""
         if time.monotonic() - self._refreshed >= self.settings.refresh_s:
@@ -479,7 +488,12 @@ class StageRouter:
         out, _ = await self._call(
             last,
             lambda peer, opts: self._calls.logits(
-                self.p2p, peer, x, stage=last, vocab_size=self.spec.model.vocab_size, **opts
+                self.p2p,
+                peer,
+                x,
+                stage=last,
+                vocab_size=self.spec.model.vocab_size,
+                **opts | {"compression": "none"},
             ),
         )
         return out

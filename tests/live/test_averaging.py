@@ -940,7 +940,9 @@ def test_diloco_trains_the_tiny_model_to_a_lower_validation_loss(dhts, corpus):
     steps. After a few outer steps the validation loss is well below where it began, and
     the copies are bitwise equal after every outer step (deltas travel as float16)."""
     inner, outer = 5, 4
-    averaging = AveragingSpec(**FAST, mode="diloco", inner_steps=inner, compression="float16")
+    averaging = AveragingSpec(
+        **FAST | {"mode": "diloco", "inner_steps": inner, "compression": "float16"}
+    )
     spec = make_run_spec("avg-diloco-tiny", "tiny", 1, owner=OWNER, averaging=averaging)
     a, b = (Peer(SwarmDHT(d, spec.run), spec, stage_index=0) for d in dhts[:2])
     model, optim = spec.model, spec.optim

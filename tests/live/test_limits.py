@@ -81,8 +81,9 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
     there, here = net.hosts
     nodes: list[NodeProcess] = []
     try:
+        # Uncompressed boundaries: int4's would leave b's link under its limit.
         a = launch_node(tmp_path, "a", "limits", host_maddr=ANY, wrap=there.exec, train=True,
-                        extra=["--stage", "0"], wait=False)  # fmt: skip
+                        extra=["--stage", "0", "--compression", "none"], wait=False)  # fmt: skip
         nodes.append(a)
         wait_until(lambda: a.events("node.started"), 90, "the first node to start")
         run, seed = a.run_id, [_maddr_at(a, there.address)]

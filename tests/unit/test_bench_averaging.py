@@ -12,7 +12,7 @@ from protocol import sparsify
 from protocol.run_spec import AveragingSpec
 from scripts import bench_averaging as bench
 
-GRADIENT = AveragingSpec()
+GRADIENT = AveragingSpec(compression="none")
 DILOCO = AveragingSpec(mode="diloco", inner_steps=50)
 
 

@@ -8,7 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from protocol.run_spec import read_spec_file
+from protocol.run_spec import (
+    DEFAULT_AVERAGING_COMPRESSION,
+    DEFAULT_COMPRESSION,
+    read_spec_file,
+)
 from scripts.bench_swarm import (
     CONFIGS,
     Record,
@@ -32,7 +36,7 @@ def test_configs_become_signed_specs_with_h_and_target_batch(tmp_path) -> None:
         assert spec.optim.target_batch_size == 16
         if name == "default":
             assert (spec.averaging.mode, spec.averaging.inner_steps) == ("gradient", 50)
-            assert spec.compression == "none"
+            assert (spec.compression, spec.averaging.compression) == ("int4", "uint8")
         else:
             assert (spec.averaging.mode, spec.averaging.inner_steps) == ("diloco", 10)
             assert (spec.averaging.density, spec.averaging.compression) == (0.1, "uint8")
@@ -46,7 +50,9 @@ def test_every_named_config_is_a_run_spec_a_node_accepts(tmp_path) -> None:
         spec = read_spec_file(
             write_spec(tmp_path / name, "tiny", 2, _with(settings, args)).read_text()
         )
-        assert spec.spec.compression == settings.get("compression", "none"), name
+        assert spec.spec.compression == settings.get("compression", DEFAULT_COMPRESSION), name
+        averaging = settings.get("averaging", {}).get("compression", DEFAULT_AVERAGING_COMPRESSION)
+        assert spec.spec.averaging.compression == averaging, name
 
 
 def test_config_by_name_or_json_and_bad_ones_refused() -> None:

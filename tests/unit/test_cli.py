@@ -68,3 +68,24 @@ def test_run_create_sets_compressed_diloco_and_refuses_it_in_one_line(tmp_path, 
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "density" in err and "pydantic" not in err, err
         assert not (tmp_path / "no.json").exists()
+
+
+def test_the_light_module_names_the_specs_default_compressions():
+    from node.cli import args
+    from protocol import run_spec
+
+    assert args.DEFAULT_COMPRESSION == run_spec.DEFAULT_COMPRESSION
+    assert args.DEFAULT_AVERAGING_COMPRESSION == run_spec.DEFAULT_AVERAGING_COMPRESSION
+
+
+def test_run_create_and_a_new_nodes_spec_default_to_int4_boundaries_and_8_bit_rounds(tmp_path):
+    from node.cli.main import build_parser, main
+    from protocol.run_spec import read_spec_file
+
+    out = tmp_path / "home.spec.json"
+    argv = ["run", "create", "home", "--owner-key", str(tmp_path / "owner.key"), "--out", str(out)]
+    assert main(argv) == 0
+    spec = read_spec_file(out.read_text()).spec
+    assert (spec.compression, spec.averaging.compression) == ("int4", "uint8")
+    node = build_parser(["node", "--run", "r"]).parse_args(["node", "--run", "r"])
+    assert node.compression is None  # a new run's default, or a restarted run's own

@@ -202,7 +202,8 @@ def _spec(**settings):
 
 
 def test_what_a_stage_moves_per_sample():
-    spec = _spec()  # tiny: 64 positions of 64 floats, 32 samples a step
+    plain = {"compression": "none", "averaging": {"compression": "none"}}
+    spec = _spec(**plain)  # tiny: 64 positions of 64 floats, 32 samples a step
     hidden, tokens = 64 * 64 * 4, 64 * 8
     params = [count_stage_memory(spec.model, spec.stage_range(s)).parameters for s in (0, 1)]
     rounds = [2 * 4 * p / 32 for p in params]
@@ -210,16 +211,23 @@ def test_what_a_stage_moves_per_sample():
     assert stage_bytes_per_sample(spec, 0) == (hidden + rounds[0], 2 * tokens + hidden + rounds[0])
     # the last stage: hidden states and targets in; the loss and their gradient out
     assert stage_bytes_per_sample(spec, 1) == (8 + hidden + rounds[1], hidden + tokens + rounds[1])
-    half = stage_bytes_per_sample(_spec(compression="float16"), 1)
+    half = stage_bytes_per_sample(_spec(**plain | {"compression": "float16"}), 1)
     assert half[0] == 8 + hidden // 2 + rounds[1]
-    diloco = _spec(averaging={"mode": "diloco", "inner_steps": 10})
+    diloco = _spec(compression="none", averaging={"mode": "diloco", "inner_steps": 10,
+                                                  "compression": "none"})  # fmt: skip
     assert stage_bytes_per_sample(diloco, 1)[0] == 8 + hidden + rounds[1] / 10
+    # The defaults: int4 boundaries (groups of 64: 8 bytes and 32 of codes), 8-bit rounds
+    # (a quarter of float32's); compressed DiLoCo sends its density's share of the values.
+    int4 = hidden // 4 // 64 * (8 + 32)
+    assert stage_bytes_per_sample(_spec(), 1)[0] == 8 + int4 + rounds[1] / 4
+    zipped = _spec(averaging={"mode": "diloco", "inner_steps": 10, "density": 0.1})
+    assert stage_bytes_per_sample(zipped, 1)[0] == pytest.approx(8 + int4 + rounds[1] / 400)
 
 
 def test_the_limits_cap_the_throughput_a_node_announces():
     spec = _spec()
     sent, received = stage_bytes_per_sample(spec, 1)
     assert throughput_within(spec, 1, 100.0, None, None) == 100.0
-    assert throughput_within(spec, 1, 100.0, 8.0, None) == pytest.approx(1e6 / sent)
-    assert throughput_within(spec, 1, 100.0, None, 8.0) == pytest.approx(1e6 / received)
+    assert throughput_within(spec, 1, 100.0, 2.0, None) == pytest.approx(2.5e5 / sent)
+    assert throughput_within(spec, 1, 100.0, None, 2.0) == pytest.approx(2.5e5 / received)
     assert throughput_within(spec, 1, 5.0, 8.0, 8.0) == 5.0  # compute is the bound

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.cli.main import main
 from protocol.identity import peer_id_of
-from protocol.run_spec import make_run_spec, read_spec_file, sign_run_spec
+from protocol.run_spec import AveragingSpec, make_run_spec, read_spec_file, sign_run_spec
 
 # A spec file written before the llama settings and --from-pretrained existed.
 OLD_SPEC = {
@@ -42,9 +42,11 @@ def test_an_old_spec_decodes_and_a_gpt_spec_signs_to_the_same_bytes():
     old = read_spec_file(json.dumps(OLD_SPEC))
     assert old.spec.model.family == "gpt" and old.spec.pretrained is None
     key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    # Its settings, named: the defaults have changed since (int4 boundaries, 8-bit rounds).
     today = make_run_spec(
-        "old", "tiny", 2, owner=peer_id_of(key.public_key()), created=1764547200.0
-    )
+        "old", "tiny", 2, owner=peer_id_of(key.public_key()), created=1764547200.0,
+        compression="none", averaging=AveragingSpec(compression="none"),
+    )  # fmt: skip
     assert sign_run_spec(today, key).raw == old.raw
 
 

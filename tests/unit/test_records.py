@@ -603,7 +603,7 @@ def test_of_two_specs_for_one_run_id_every_peer_keeps_the_earliest():
     assert earliest_spec([first, same_time]) == earliest_spec([same_time, first])
     assert spec_differences(first.spec, later.spec) == [
         "2 -> 3 stages",
-        "compression 'none' -> 'float16'",
+        "compression 'int4' -> 'float16'",
     ]
     # The same settings signed at another time describe the same run.
     again = make_run_spec(RUN, "tiny", 2, owner=OWNER, created=NOW + 99)

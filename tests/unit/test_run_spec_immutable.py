@@ -9,7 +9,8 @@ from node.cli.main import main
 from node.daemon.join import NodeError
 from node.daemon.settings import NodeSettings
 from node.daemon.start import resolve_run
-from protocol.run_spec import read_spec_file
+from node.files import load_or_create_key
+from protocol.run_spec import AveragingSpec, read_spec_file, sign_run_spec, spec_file_text
 
 
 @pytest.fixture
@@ -26,8 +27,20 @@ def test_restarting_a_run_by_name_with_other_settings_is_refused(home):
     assert again.raw == first.raw
     with pytest.raises(NodeError, match=r"2 -> 3 stages.*new name"):
         resolve_run(NodeSettings(run="r3", n_stages=3))
-    with pytest.raises(NodeError, match="compression 'none' -> 'float16'"):
+    with pytest.raises(NodeError, match="compression 'int4' -> 'float16'"):
         resolve_run(NodeSettings(run="r3", n_stages=2, compression="float16"))
+    # What the node's flags did not choose, the recorded run keeps: a run created under
+    # older defaults (uncompressed) restarts as it was; a flag that contradicts it is refused.
+    old = resolve_run(NodeSettings(run="r5", n_stages=2, compression="none"))[1]
+    assert old.spec.compression == "none"
+    recorded = home / ".swarmtrain" / "runs" / f"{old.spec.run}.spec.json"
+    plain = old.spec.model_copy(update={"averaging": AveragingSpec(compression="none")})
+    recorded.write_text(spec_file_text(sign_run_spec(plain, load_or_create_key(
+        home / ".swarmtrain" / "owner.key"))))  # fmt: skip
+    restarted = resolve_run(NodeSettings(run="r5", n_stages=2))[1].spec
+    assert (restarted.compression, restarted.averaging.compression) == ("none", "none")
+    with pytest.raises(NodeError, match="compression 'none' -> 'int4'"):
+        resolve_run(NodeSettings(run="r5", n_stages=2, compression="int4"))
     # Another name is another run.
     assert resolve_run(NodeSettings(run="r4", n_stages=3))[1].spec.n_stages == 3
     recorded = home / ".swarmtrain" / "runs" / f"{run}.spec.json"
