@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from node.harness.local_swarm import NodeProcess
+from protocol.run_spec import read_spec_file
+from scripts.bench_swarm import CONFIGS, write_spec
 from scripts.netem.network import ROOT, Host, NetemUnavailable, Network
 from scripts.netem.profiles import Profile
 from tests.swarm import cli_error, launch_node, status, stop_all, wait_until
@@ -81,9 +83,11 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
     there, here = net.hosts
     nodes: list[NodeProcess] = []
     try:
-        # Uncompressed boundaries: int4's would leave b's link under its limit.
-        a = launch_node(tmp_path, "a", "limits", host_maddr=ANY, wrap=there.exec, train=True,
-                        extra=["--stage", "0", "--compression", "none"], wait=False)  # fmt: skip
+        # Uncompressed (boundaries and rounds): compressed, b would not reach its limit.
+        spec = write_spec(tmp_path, "tiny", 2, CONFIGS["none"])
+        a = launch_node(tmp_path, "a", read_spec_file(spec.read_text()).spec.run,
+                        host_maddr=ANY, wrap=there.exec, train=True,
+                        extra=["--stage", "0", "--spec", str(spec)], wait=False)  # fmt: skip
         nodes.append(a)
         wait_until(lambda: a.events("node.started"), 90, "the first node to start")
         run, seed = a.run_id, [_maddr_at(a, there.address)]
