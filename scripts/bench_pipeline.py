@@ -55,6 +55,8 @@ from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
+from protocol.run_spec import read_spec_file
+from scripts.bench_swarm import CONFIGS, write_spec
 from scripts.swarm_bench.throttle import tree_cpu_seconds, tree_cpu_times
 
 
@@ -224,12 +226,12 @@ def run_swarm(
         os.environ[EARLY_MATCH_ENV] = PATHS[path]  # the nodes inherit it
     with tempfile.TemporaryDirectory() as tmp:
         try:
+            spec = write_spec(Path(tmp), args.preset, args.stages, CONFIGS[args.config])
             for i in range(args.stages * args.peers):
                 stage = i % args.stages
-                extra = ["--stage", str(stage), "--preset", args.preset,
-                         "--stages", str(args.stages)]  # fmt: skip
+                extra = ["--stage", str(stage), "--spec", str(spec)]
                 peers = [nodes[0].maddr] if nodes else []
-                run = nodes[0].run_id if nodes else "bench"
+                run = nodes[0].run_id if nodes else read_spec_file(spec.read_text()).spec.run
                 nodes.append(launch_node(Path(tmp), f"p{i}", run, initial_peers=peers,
                                          extra=extra))  # fmt: skip
             for n in nodes:
@@ -293,6 +295,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument(
+        "--config",
+        default="default",
+        choices=sorted(CONFIGS),
+        help="the run's settings, as bench_swarm names them (none: uncompressed)",
+    )
     p.add_argument("--peers", type=int, default=2, help="peers per stage")
     p.add_argument("--micro-batches", type=int, default=120)
     p.add_argument("--in-flight", type=int, default=4)
