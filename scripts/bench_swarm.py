@@ -106,6 +106,7 @@ CONFIGS: dict[str, dict] = {
     "none": PLAIN | {"averaging": PLAIN},
     "uint8": PLAIN | {"averaging": {"compression": "uint8"}},
     "int4-uint8": {"compression": "int4", "averaging": {"compression": "uint8"}},
+    "uint8-uint8": {"compression": "uint8", "averaging": {"compression": "uint8"}},
     "diloco": PLAIN | {"averaging": PLAIN | {"mode": "diloco"}},
     "diloco-zip": PLAIN | {"averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"}},
     "diloco-int4-zip": {
