@@ -14,9 +14,11 @@ from pathlib import Path
 
 from node.dashboard.address import DEFAULT as DEFAULT_DASHBOARD
 from node.dashboard.address import parse_address
-from protocol.routing import WINDOW
 
 # ``protocol.run_spec.Compression``, spelled out here so this module stays light
+# protocol.routing's WINDOW: micro-batches in flight (that module imports numpy, a third of
+# a second; tests/unit/test_cli.py checks that the two agree).
+WINDOW = 5
 COMPRESSIONS = ["none", "float16", "uint8", "int4", "int2"]
 # protocol.run_spec's DEFAULT_COMPRESSION and DEFAULT_AVERAGING_COMPRESSION (that module
 # imports torch; tests/unit/test_cli.py checks that the two agree).

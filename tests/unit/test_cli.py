@@ -78,6 +78,13 @@ def test_the_light_module_names_the_specs_default_compressions():
     assert args.DEFAULT_AVERAGING_COMPRESSION == run_spec.DEFAULT_AVERAGING_COMPRESSION
 
 
+def test_the_light_module_names_the_routing_window():
+    from node.cli.args import WINDOW as light
+    from protocol.routing import WINDOW
+
+    assert light == WINDOW
+
+
 def test_run_create_and_a_new_nodes_spec_default_to_int4_boundaries_and_8_bit_rounds(tmp_path):
     from node.cli.main import build_parser, main
     from protocol.run_spec import read_spec_file
