@@ -19,6 +19,7 @@ _LATER_FIELDS = (
     "rope_theta",
     "rope_scaling",
     "activation",
+    "boundary_rank",
 )
 
 
@@ -57,6 +58,11 @@ class ModelConfig:
     rope_scaling: tuple[float, float, float, int] | None = None
     # gpt: "gelu" is exact GELU; "gelu_tanh" its tanh approximation (GPT-2's "gelu_new").
     activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    # A low-rank stage boundary (``models.boundary``): blocks write only the first
+    # ``boundary_rank`` coordinates of the residual stream, the rest hold a fixed
+    # embedding of the tokens, so hidden states cross a cut as ``boundary_rank`` values
+    # per token plus the token ids. None: full width, every coordinate trained.
+    boundary_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -89,6 +95,13 @@ class ModelConfig:
             raise ValueError(f"activation must be gelu or gelu_tanh, got {self.activation!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.boundary_rank is not None and not (
+            type(self.boundary_rank) is int and 1 <= self.boundary_rank < self.n_embd
+        ):
+            raise ValueError(
+                f"boundary_rank must be an integer in [1, n_embd = {self.n_embd}) or None, "
+                f"got {self.boundary_rank!r}"
+            )
 
     def _check_rope_scaling(self) -> None:
         if self.family != "llama":
@@ -124,6 +137,11 @@ class ModelConfig:
         if self.family == "llama":
             return 64 * math.ceil(8 * self.n_embd / 3 / 64)
         return 4 * self.n_embd
+
+    @property
+    def boundary_width(self) -> int:
+        """Values per token of the hidden states that cross a stage boundary."""
+        return self.boundary_rank or self.n_embd
 
     @property
     def n_blocks(self) -> int:

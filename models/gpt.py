@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.boundary import FixedTail, written
 from models.config import ModelConfig
 from models.llama import RMSNorm, rotary_tables, rotate
 
@@ -41,6 +42,9 @@ class Embedding(nn.Module):
             nn.Embedding(config.block_size, config.n_embd) if config.family == "gpt" else None
         )
         self.drop = nn.Dropout(config.dropout)
+        # With a low-rank boundary: columns k.. of the initial tables, kept fixed in
+        # place of the trained ones (``models.boundary``); set by ``build_block``.
+        self.tail: FixedTail | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.shape
@@ -49,7 +53,10 @@ class Embedding(nn.Module):
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(t, device=idx.device))
-        return self.drop(x)
+        x = self.drop(x)
+        if self.tail is not None:
+            x = torch.cat([x[..., : self.tail.rank], self.tail(idx).to(x.dtype)], dim=-1)
+        return x
 
 
 class CausalSelfAttention(nn.Module):
@@ -122,10 +129,11 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = norm(config)
         self.mlp = MLP(config)
+        self.rank = config.boundary_rank  # writes only coordinates 0..rank-1 when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + written(self.attn(self.ln_1(x)), self.rank)
+        return x + written(self.mlp(self.ln_2(x)), self.rank)
 
 
 class Head(nn.Module):
@@ -156,6 +164,9 @@ def build_block(config: ModelConfig, index: int) -> nn.Module:
         block = TransformerBlock(config)
     gen = torch.Generator().manual_seed(config.init_seed * 1_000_003 + index)
     _init_weights(block, config, gen)
+    if isinstance(block, Embedding) and config.boundary_rank is not None:
+        wpe = block.wpe.weight if block.wpe is not None else None
+        block.tail = FixedTail(block.wte.weight, wpe, config.boundary_rank)
     return block
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.boundary import fold
 from models.config import ModelConfig
 from models.hf_format import hf_config, tensor_map
 
@@ -31,13 +32,15 @@ class ExportError(ValueError):
 
 def to_hf(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """The whole model's state dict (``blocks.<index>.…``, as ``models.stages.Stage``
-    names it) in the Hugging Face architecture's names. ``ExportError`` if a block is
-    missing or the model cannot be written."""
+    names it) in the Hugging Face architecture's names. A model with a low-rank boundary
+    is written as the plain model that computes the same (``models.boundary.fold``).
+    ``ExportError`` if a block is missing or the model cannot be written."""
     _config_json(config)
     tensors = tensor_map(config, range(config.n_blocks))
     missing = sorted(t.ours for t in tensors if t.ours not in state)
     if missing:
         raise ExportError(f"the model's state lacks {len(missing)} tensors, e.g. {missing[0]}")
+    state = fold(state, config)
     out = {}
     for t in tensors:
         out.update(t.split(state[t.ours].detach().float().cpu()))

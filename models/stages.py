@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from models.boundary import FixedTail, decode, encode
 from models.config import ModelConfig
 from models.gpt import Head, build_block
 
@@ -90,6 +91,10 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): build_block(config, i) for i in indices})
         if config.tie_embeddings and self.takes_tokens and self.returns_loss:
             self.blocks[str(rng.end - 1)].lm_head.weight = self.blocks[str(rng.start)].wte.weight
+        # A low-rank boundary (``models.boundary``): a stage that takes hidden states
+        # takes their trained coordinates and rebuilds the rest from the token ids.
+        self.rank = config.boundary_rank
+        self.tail = FixedTail.of(config) if self.rank and not self.takes_tokens else None
 
     @property
     def takes_tokens(self) -> bool:
@@ -99,18 +104,30 @@ class Stage(nn.Module):
     def returns_loss(self) -> bool:
         return self.range.end == self.config.n_blocks
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) or hidden states (B, T, C) in; hidden states or the loss out."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids (B, T) or hidden states (B, T, W) in; hidden states (B, T, W) or the
+        loss out. W is ``config.boundary_width``; with a low-rank boundary a stage that
+        takes hidden states also takes the sequences' token ids ``tokens`` (B, T)."""
+        x = self._widen(x, tokens)
         for block in self.blocks.values():
             if isinstance(block, Head):
                 if targets is None:
                     raise ValueError("the last stage needs targets to compute the loss")
                 return block(x, targets)
             x = block(x)
-        return x
+        return encode(x, self.rank) if self.rank else x
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The vocabulary logits (B, T, vocab), for a stage that holds the head."""
+        x = self._widen(x, tokens)
         for block in self.blocks.values():
             x = block.logits(x) if isinstance(block, Head) else block(x)
         return x
+
+    def _widen(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        return decode(x, tokens, self.tail) if self.tail is not None else x

@@ -302,11 +302,13 @@ def stage_bytes_per_sample(spec: RunSpec, stage: int) -> tuple[float, float]:
     counted: they are the trainer's, not the stage's."""
     model, optim, averaging = spec.model, spec.optim, spec.averaging
     hidden = wire_nbytes(compression_name(COMPRESSIONS[spec.compression]), "float32",
-                         model.block_size * model.n_embd)  # fmt: skip
+                         model.block_size * model.boundary_width)  # fmt: skip
     tokens = 8 * model.block_size
     first, last = stage == 0, stage == spec.n_stages - 1
     inputs = tokens if first else hidden
     back = 0 if first else hidden  # the gradient w.r.t. the inputs
+    if model.boundary_rank and not first:  # a low-rank boundary: token ids with the states
+        inputs += tokens
     if last:  # one call: inputs and targets in; the loss (8 bytes) and that gradient out
         sent, received = 8 + back, inputs + tokens
     else:  # a forward (inputs in, outputs out), then a backward (both in, a gradient out)

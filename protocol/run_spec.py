@@ -223,6 +223,11 @@ class RunSpec(BaseModel):
                     f"a {self.pretrained.architecture} checkpoint needs family {family!r}, "
                     f"got arch.family {self.model.family!r}"
                 )
+            if self.model.boundary_rank is not None:
+                raise ValueError(
+                    "arch.boundary_rank fixes part of the embedding at its initial values, "
+                    "which a pretrained checkpoint does not have: leave it unset"
+                )
         if self.dataset is not None:
             check_vocabulary(self.dataset.vocab_size, self.model.vocab_size)
         if self.averaging.speculate and self.optim.max_staleness != 1:

@@ -14,10 +14,13 @@ Request layout (tensors by position, after the metadata):
   ``[inputs, grad_outputs]``
 - inference forward (``infer=True``, generation), last stage: ``[inputs]``; it returns
   the logits of each sequence's last position ``(B, vocab)`` instead of a loss
+- with a low-rank boundary (``ModelConfig.boundary_rank``), every request to a stage that
+  takes hidden states ends with the sequences' token ids: ``[..., tokens]``
 
-``inputs`` are token ids ``(B, T)`` int64 at stage 0 and hidden states ``(B, T, C)``
-float32 elsewhere; ``targets`` are token ids ``(B, T)``; ``grad_outputs`` has the shape of
-the stage's outputs, ``(B, T, C)``. Token ids always travel uncompressed.
+``inputs`` are token ids ``(B, T)`` int64 at stage 0 and hidden states ``(B, T, W)``
+float32 elsewhere, W the model's ``boundary_width`` (``n_embd``, or the boundary's rank);
+``targets`` and ``tokens`` are token ids ``(B, T)``; ``grad_outputs`` has the shape of the
+stage's outputs, ``(B, T, W)``. Token ids always travel uncompressed.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from models.config import ModelConfig
 from models.stages import StageRange
 
-INPUTS, TARGETS, GRAD_OUTPUTS = "inputs", "targets", "grad_outputs"
+INPUTS, TARGETS, GRAD_OUTPUTS, TOKENS = "inputs", "targets", "grad_outputs", "tokens"
 FORWARD, BACKWARD = "forward", "backward"
 
 # Grouped low-bit quantization (swarmtrain's own, ``node.pipeline.lowbit``): wire name ->
@@ -70,9 +73,11 @@ class StageContract:
     n_blocks: int
     vocab_size: int
     block_size: int
-    n_embd: int
+    width: int  # values per token of the hidden states it takes and returns
     max_tokens: int  # B * T per request
     max_message_bytes: int  # metadata + tensor buffers of one request, as sent
+    # A low-rank boundary: requests that carry hidden states also carry the token ids.
+    tokens_with_hidden: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < MAX_STAGES:
@@ -103,16 +108,19 @@ class StageContract:
         """
         max_tokens = max_tokens or 32 * config.block_size
         if max_message_bytes is None:
-            max_message_bytes = MAX_METADATA_BYTES + 2 * max_tokens * config.n_embd * 4
+            max_message_bytes = MAX_METADATA_BYTES + max_tokens * (
+                2 * config.boundary_width * 4 + (8 if config.boundary_rank else 0)
+            )
         return cls(
             stage_index=stage_index,
             blocks=blocks,
             n_blocks=config.n_blocks,
             vocab_size=config.vocab_size,
             block_size=config.block_size,
-            n_embd=config.n_embd,
+            width=config.boundary_width,
             max_tokens=max_tokens,
             max_message_bytes=max_message_bytes,
+            tokens_with_hidden=config.boundary_rank is not None and blocks.start > 0,
         )
 
     @property
@@ -126,15 +134,17 @@ class StageContract:
     def roles(self, kind: str, *, infer: bool = False) -> tuple[str, ...]:
         """The tensors a request of ``kind`` carries, in order (``infer``: an inference
         forward, which carries no targets)."""
+        tokens = (TOKENS,) if self.tokens_with_hidden else ()
         if kind == FORWARD:
-            return (INPUTS, TARGETS) if self.returns_loss and not infer else (INPUTS,)
+            with_targets = self.returns_loss and not infer
+            return (INPUTS, TARGETS, *tokens) if with_targets else (INPUTS, *tokens)
         if kind == BACKWARD:
             if self.returns_loss:
                 raise StageRequestError(
                     f"stage {self.stage_index} is the last stage: its backward is a forward "
                     "with train=True, not a backward request"
                 )
-            return (INPUTS, GRAD_OUTPUTS)
+            return (INPUTS, GRAD_OUTPUTS, *tokens)
         raise StageRequestError(f"unknown request kind {kind!r}")
 
 
@@ -245,7 +255,7 @@ def wire_nbytes(compression: str, dtype: str, numel: int) -> int:
 
 def _describe(role: str, contract: StageContract) -> tuple[str, str, int]:
     """What a role holds: (name for messages, dtype name, number of dims)."""
-    if role == TARGETS or (role == INPUTS and contract.takes_tokens):
+    if role in (TARGETS, TOKENS) or (role == INPUTS and contract.takes_tokens):
         return ("targets" if role == TARGETS else "token ids"), "int64", 2
     return ("hidden states" if role == INPUTS else "grad_outputs"), "float32", 3
 
@@ -263,8 +273,8 @@ def check_layout(
     """
     name, want_dtype, ndim = _describe(role, contract)
     shape = tuple(int(s) for s in shape)
-    pattern = "(B, T)" if ndim == 2 else f"(B, T, {contract.n_embd})"
-    if len(shape) != ndim or (ndim == 3 and shape[2] != contract.n_embd):
+    pattern = "(B, T)" if ndim == 2 else f"(B, T, {contract.width})"
+    if len(shape) != ndim or (ndim == 3 and shape[2] != contract.width):
         got = str(shape) if len(shape) <= 4 else f"{len(shape)} dimensions {shape[:4]}..."
         raise StageRequestError(f"expected {name} {pattern}, got {got}")  # bounded: it is logged
     if dtype != want_dtype:
@@ -341,15 +351,17 @@ def check_tensor(
 @dataclass(frozen=True)
 class ForwardRequest:
     meta: StageMeta
-    inputs: torch.Tensor  # token ids (B, T) or hidden states (B, T, C)
+    inputs: torch.Tensor  # token ids (B, T) or hidden states (B, T, W)
     targets: torch.Tensor | None  # (B, T), at the last stage only, and not with infer
+    tokens: torch.Tensor | None = None  # (B, T), with hidden states across a low-rank boundary
 
 
 @dataclass(frozen=True)
 class BackwardRequest:
     meta: StageMeta
     inputs: torch.Tensor  # as sent to the forward
-    grad_outputs: torch.Tensor  # (B, T, C): d(loss * B) / d(outputs)
+    grad_outputs: torch.Tensor  # (B, T, W): d(loss * B) / d(outputs)
+    tokens: torch.Tensor | None = None  # as sent to the forward
 
 
 def parse_request(
@@ -365,6 +377,7 @@ def parse_request(
     batch = check_tensor(contract, roles[0], tensors[0])
     for role, tensor in zip(roles[1:], tensors[1:], strict=True):
         check_tensor(contract, role, tensor, batch)
+    by_role = dict(zip(roles, tensors, strict=True))
     if meta.kind == FORWARD:
-        return ForwardRequest(meta, tensors[0], tensors[1] if len(tensors) > 1 else None)
-    return BackwardRequest(meta, tensors[0], tensors[1])
+        return ForwardRequest(meta, tensors[0], by_role.get(TARGETS), by_role.get(TOKENS))
+    return BackwardRequest(meta, tensors[0], tensors[1], by_role.get(TOKENS))

@@ -22,6 +22,7 @@ runs; and the time to encode and decode one micro-batch of each preset in ``--pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -35,6 +36,17 @@ from models.training import StageOptimizer
 from node.pipeline import lowbit, wire
 
 SETTINGS = ("none", "float16", "uint8", "int4", "int2")
+
+
+def parse_setting(setting: str) -> tuple[int | None, str]:
+    """``none`` / ``int4`` / ``r16`` / ``r16-int4`` -> (boundary rank, compression)."""
+    rank = None
+    if setting.startswith("r") and setting[1:2].isdigit():
+        head, _, setting = setting.partition("-")
+        rank, setting = int(head[1:]), setting or "none"
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown compression {setting!r}: choose one of {SETTINGS}")
+    return rank, setting
 
 
 class Boundary(torch.autograd.Function):
@@ -59,13 +71,18 @@ def _through_wire(tensor: torch.Tensor, setting: str, sent: list[int]) -> torch.
 
 def _loss(stages: list[Stage], x, y, setting: str, sent: list[int]) -> torch.Tensor:
     hidden = Boundary.apply(stages[0](x), setting, sent)
-    return stages[1](hidden, y)
+    if stages[1].rank is None:
+        return stages[1](hidden, y)
+    sent[0] += wire.serialize(x).ByteSize()  # the token ids travel with the hidden states
+    return stages[1](hidden, y, tokens=x)
 
 
 def train(preset_name: str, setting: str, samples: int, run: int) -> tuple[float, float]:
     """(validation loss after ``samples`` samples, bytes per training sample across the
     boundary) for one setting."""
     model, opt = preset(preset_name)
+    rank, setting = parse_setting(setting)
+    model = dataclasses.replace(model, boundary_rank=rank)
     stages = [Stage(model, r) for r in even_boundaries(model, 2)]
     optimizers = [StageOptimizer(s, opt) for s in stages]
     corpus = load_corpus()
@@ -116,9 +133,19 @@ def main() -> int:
     p.add_argument("--preset", default="tiny", help="the model trained for the loss")
     p.add_argument("--samples", type=int, default=3200, help="training samples per run")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=list(SETTINGS),
+        help=f"compressions ({', '.join(SETTINGS)}), or low-rank boundaries r<k>[-<compression>]",
+    )
     p.add_argument("--presets", nargs="*", default=["tiny", "small"], help="codec cost of")
     args = p.parse_args()
+    for setting in args.settings:
+        try:
+            parse_setting(setting)
+        except ValueError as e:
+            p.error(f"--settings {setting}: {e}")
     if "none" not in args.settings:
         args.settings.insert(0, "none")
     torch.set_num_threads(1)  # the settings compete for no cores: figures side by side

@@ -622,6 +622,14 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
         help="of activations and gradients between stages (default %(default)s: 4-bit groups, "
         "for home links; none is faster on a LAN)",
     )
+    create.add_argument(
+        "--boundary-rank",
+        type=positive_int,
+        metavar="K",
+        help="send K values per token across each stage boundary instead of the model's "
+        "width: blocks write only K coordinates of the residual stream, the rest hold a "
+        "fixed embedding of the tokens (default: the full width)",
+    )
     create.add_argument("--averaging", default="gradient", choices=["gradient", "diloco"])
     create.add_argument("--inner-steps", type=int, default=50, help="diloco: local steps")
     create.add_argument(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 import sys
 import time
@@ -96,6 +97,13 @@ def _create(args: argparse.Namespace) -> int:
             architecture=checkpoint.architecture, tied=checkpoint.tied, files=checkpoint.files
         )
         what = f"{checkpoint.architecture} from {args.from_pretrained}"
+    if args.boundary_rank is not None:
+        from models.config import preset
+
+        if args.from_pretrained is not None:
+            raise ValueError("--boundary-rank trains a model from its initial weights, not "
+                             "from --from-pretrained")  # fmt: skip
+        model = dataclasses.replace(model or preset(what)[0], boundary_rank=args.boundary_rank)
     if args.dry_run:
         from models.config import preset
 

@@ -128,7 +128,7 @@ class Offer:
         rates = [min(p.bandwidth_up_mbps, p.bandwidth_down_mbps)
                  for p in peers if p.peer_id == relay_id]  # fmt: skip
         model = spec.model
-        per_sample = 2 * model.block_size * model.n_embd * 4  # activations and grads, fp32
+        per_sample = 2 * model.block_size * model.boundary_width * 4  # activations, grads
         return relayed_throughput(self.throughput, rates[0] if rates else 0.0, per_sample)
 
     async def measure_bandwidth(

@@ -85,12 +85,13 @@ def measure_stage(spec: RunSpec, stage: int, device: Device, min_time_s: float =
     if module.takes_tokens:
         x = torch.randint(0, model.vocab_size, (b, t), device=device.torch)
     else:
-        x = torch.randn(b, t, model.n_embd, device=device.torch, requires_grad=True)
+        x = torch.randn(b, t, model.boundary_width, device=device.torch, requires_grad=True)
     y = torch.randint(0, model.vocab_size, (b, t), device=device.torch)
+    tokens = None if module.tail is None else y  # a low-rank boundary's token ids
 
     def step() -> None:
         with autocast_for(device.torch):
-            out = module(x, y) if module.returns_loss else module(x)
+            out = module(x, y, tokens) if module.returns_loss else module(x, tokens=tokens)
         out.backward(torch.ones_like(out))
 
     step()  # warm-up: allocations, kernel selection

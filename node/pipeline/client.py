@@ -383,16 +383,21 @@ async def forward(
     train: bool = False,
     infer: bool = False,
     compression: str = "none",
+    tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
 ) -> torch.Tensor:
-    """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, C) ->
-    hidden states (B, T, C). ``train``: a backward for ``micro_batch`` will follow, and the
-    server may keep the forward's graph for it (sent to this peer, it skips the recompute).
+    """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, W) ->
+    hidden states (B, T, W). ``tokens``: the sequences' token ids, which a stage that takes
+    hidden states across a low-rank boundary (``models.boundary``) needs with every request
+    (the same keyword in ``loss``, ``logits`` and ``backward``). ``train``: a backward for
+    ``micro_batch`` will follow, and the server may keep the forward's graph for it (sent
+    to this peer, it skips the recompute).
     ``infer``: an inference forward (generation), counted apart from training and
     validation forwards."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train, infer)
     tensors = [serialize(inputs, compression)]
+    tensors += [serialize(tokens)] if tokens is not None else []
     out = await call(
         p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )
@@ -413,6 +418,7 @@ async def loss(
     train: bool,
     micro_batch: int = 0,
     compression: str = "none",
+    tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -422,6 +428,7 @@ async def loss(
     stage's parameter gradients on the server; without it nothing changes there."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression), serialize(targets)]
+    tensors += [serialize(tokens)] if tokens is not None else []
     out = await call(
         p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )
@@ -441,6 +448,7 @@ async def logits(
     vocab_size: int,
     micro_batch: int = 0,
     compression: str = "none",
+    tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
 ) -> torch.Tensor:
@@ -449,6 +457,7 @@ async def logits(
     is kept or accumulated on the server."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, infer=True)
     tensors = [serialize(inputs, compression)]
+    tensors += [serialize(tokens)] if tokens is not None else []
     out = await call(
         p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )
@@ -465,6 +474,7 @@ async def backward(
     stage: int,
     micro_batch: int = 0,
     compression: str = "none",
+    tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
 ) -> torch.Tensor | None:
@@ -473,6 +483,7 @@ async def backward(
     ``inputs`` (None at stage 0, whose inputs are token ids)."""
     meta = _meta(run_id, stage, BACKWARD, micro_batch)
     tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
+    tensors += [serialize(tokens)] if tokens is not None else []
     out = await call(
         p2p, peer_id, BACKWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )

@@ -47,6 +47,7 @@ class _Kept:
     """A forward's autograd graph, kept for the backward of the same micro-batch."""
 
     inputs: torch.Tensor  # as received; requires grad where the stage takes hidden states
+    tokens: torch.Tensor | None  # the token ids that came with them (low-rank boundary)
     outputs: torch.Tensor
     versions: tuple[tuple[int, int], ...]  # the parameters' (id, version) when it ran
     at: float  # time.monotonic() when it ran
@@ -96,7 +97,7 @@ class StageExecutor:
     def _on_device(self, request: ForwardRequest | BackwardRequest):
         if self.device.type == "cpu":
             return request
-        tensors = ("inputs", "targets", "grad_outputs")
+        tensors = ("inputs", "targets", "grad_outputs", "tokens")
         moved = {f: getattr(request, f).to(self.device) for f in tensors
                  if getattr(request, f, None) is not None}  # fmt: skip
         return dataclasses.replace(request, **moved)
@@ -115,36 +116,38 @@ class StageExecutor:
         raise RuntimeError(f"this peer's parameters are non-finite ({what}: {n_bad} values)")
 
     def _forward(self, request: ForwardRequest, caller: str) -> list[torch.Tensor]:
-        x = request.inputs  # (B, T) token ids or (B, T, C) hidden states
+        x = request.inputs  # (B, T) token ids or (B, T, W) hidden states
+        tokens = request.tokens  # (B, T) with hidden states across a low-rank boundary
         key = (caller, request.meta.micro_batch)
         if request.meta.infer:
             with torch.no_grad():
                 if self.contract.returns_loss:  # the whole sequence, as a whole model does
-                    out = self._finite(self.stage.logits(x)[:, -1], "logits")  # (B, vocab)
+                    logits = self.stage.logits(x, tokens)[:, -1]
+                    out = self._finite(logits, "logits")  # (B, vocab)
                 else:
-                    out = self._finite(self.stage(x), "outputs")  # (B, T, C)
+                    out = self._finite(self.stage(x, tokens=tokens), "outputs")  # (B, T, W)
             self.inferred += 1
             return [out]
         if not self.contract.returns_loss:
             if request.meta.train and self.keep_graphs > 0:
                 if not self.contract.takes_tokens:
                     x.requires_grad_()
-                out = self._finite(self.stage(x), "outputs")  # (B, T, C)
-                self._keep(key, _Kept(x, out, self._versions(), time.monotonic()))
+                out = self._finite(self.stage(x, tokens=tokens), "outputs")  # (B, T, W)
+                self._keep(key, _Kept(x, tokens, out, self._versions(), time.monotonic()))
             else:
                 with torch.no_grad():
-                    out = self._finite(self.stage(x), "outputs")
+                    out = self._finite(self.stage(x, tokens=tokens), "outputs")
             self.forward += 1
             return [out]
         if not request.meta.train:
             with torch.no_grad():
-                loss = self._finite(self.stage(x, request.targets), "loss")
+                loss = self._finite(self.stage(x, request.targets, tokens), "loss")
             self.forward += 1
             return [loss]
         wrt_inputs = not self.contract.takes_tokens
         if wrt_inputs:
             x.requires_grad_()
-        loss = self._finite(self.stage(x, request.targets), "loss")
+        loss = self._finite(self.stage(x, request.targets, tokens), "loss")
         grad_x = self._accumulate(loss * len(x), None, x if wrt_inputs else None, len(x), key)
         self.forward += 1
         self.backward += 1
@@ -158,6 +161,8 @@ class StageExecutor:
             kept is not None
             and kept.versions == self._versions()
             and torch.equal(kept.inputs.detach(), request.inputs)
+            and (kept.tokens is None) == (request.tokens is None)
+            and (kept.tokens is None or torch.equal(kept.tokens, request.tokens))
         ):
             x, out = kept.inputs, kept.outputs
             self.reused += 1
@@ -165,7 +170,7 @@ class StageExecutor:
             x = request.inputs  # parameters
             if wrt_inputs:
                 x.requires_grad_()
-            out = self.stage(x)
+            out = self.stage(x, tokens=request.tokens)
         grad_x = self._accumulate(out, request.grad_outputs, x if wrt_inputs else None, len(x), key)
         self.backward += 1
         return [grad_x] if wrt_inputs else []

@@ -182,7 +182,8 @@ class StageRouter:
         # Calls probe unproven peers only where no peer is proven; elsewhere ``_probe`` does.
         self._probation = Probation(probe_share=0.0)
         self._probation.trust(self._own_id)
-        self._samples: dict[int, tuple[torch.Tensor, ...]] = {}  # stage -> an input it took
+        # stage -> an input it took: the call's positional tensors and keyword tensors
+        self._samples: dict[int, tuple[tuple[torch.Tensor, ...], dict]] = {}
         self._probes: Counter = Counter()  # stage -> probes of unproven peers in flight
         self._connected: frozenset[str] = frozenset()  # peers our p2p daemon holds a link to
         self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
@@ -291,10 +292,24 @@ class StageRouter:
             "local": local,
         }
 
+    def _tokens(self, stage: int, tokens: torch.Tensor) -> dict:
+        """The ``tokens`` keyword of a call to ``stage`` about sequences ``tokens``: given
+        to a stage that takes hidden states across a low-rank boundary, else none."""
+        return {"tokens": tokens} if self.spec.model.boundary_rank and stage > 0 else {}
+
     async def _forward(
-        self, stage: int, x: torch.Tensor, index: int, train: bool = False, infer: bool = False
+        self,
+        stage: int,
+        x: torch.Tensor,
+        index: int,
+        tokens: torch.Tensor,
+        train: bool = False,
+        infer: bool = False,
     ) -> tuple[torch.Tensor, str]:
-        self._samples[stage] = (x,)
+        """Stage ``stage``'s forward of ``x``, the hidden states (or, at stage 0, the token
+        ids) of the sequences ``tokens``."""
+        with_tokens = self._tokens(stage, tokens)
+        self._samples[stage] = ((x,), with_tokens)
         exact = {"compression": "none"} if infer else {}  # generation: deterministic logits
         return await self._call(
             stage,
@@ -306,18 +321,28 @@ class StageRouter:
                 micro_batch=index,
                 train=train,
                 infer=infer,
-                **opts | exact,
+                **opts | exact | with_tokens,
             ),
             held=train,
         )
 
-    async def _loss(self, x: torch.Tensor, y: torch.Tensor, index: int, train: bool):
+    async def _loss(
+        self, x: torch.Tensor, y: torch.Tensor, index: int, tokens: torch.Tensor, train: bool
+    ):
         last = self.spec.n_stages - 1
-        self._samples[last] = (x, y)
+        with_tokens = self._tokens(last, tokens)
+        self._samples[last] = ((x, y), with_tokens)
         return await self._call(
             last,
             lambda peer, opts: self._calls.loss(
-                self.p2p, peer, x, y, stage=last, train=train, micro_batch=index, **opts
+                self.p2p,
+                peer,
+                x,
+                y,
+                stage=last,
+                train=train,
+                micro_batch=index,
+                **opts | with_tokens,
             ),
             held=train,
         )
@@ -418,7 +443,7 @@ class StageRouter:
         """Send one unproven peer of ``stage`` (``route`` picks it) an evaluation call on
         an input the stage took lately: it changes nothing on the peer, and its outcome
         proves the peer or makes it a suspect (``Probation``)."""
-        sample, now = self._samples.get(stage), time.monotonic()
+        sample, now = self._samples.get(stage), time.monotonic()  # (args, keywords)
         fresh = [
             c
             for c in self._view[stage]
@@ -434,10 +459,13 @@ class StageRouter:
                 self._opts(stage, peer, self._timer.timeout(stage)),
                 PeerID.from_base58(peer),
             )
+            args, keywords = sample
             if last:
-                await self._calls.loss(self.p2p, target, *sample, stage=stage, train=False, **opts)
+                await self._calls.loss(
+                    self.p2p, target, *args, stage=stage, train=False, **opts | keywords
+                )
             else:
-                await self._calls.forward(self.p2p, target, sample[0], stage=stage, **opts)
+                await self._calls.forward(self.p2p, target, *args, stage=stage, **opts | keywords)
         except (StageCallError, MembershipRefused) as e:
             logger.debug("probe of stage %d peer %s failed: %s", stage, peer[-8:], e)
             self._probation.failed(peer, time.monotonic())
@@ -484,7 +512,7 @@ class StageRouter:
             await self.refresh()
         last, x = self.spec.n_stages - 1, tokens
         for s in range(last):
-            x, _ = await self._forward(s, x, index=0, infer=True)
+            x, _ = await self._forward(s, x, index=0, tokens=tokens, infer=True)
         out, _ = await self._call(
             last,
             lambda peer, opts: self._calls.logits(
@@ -493,7 +521,7 @@ class StageRouter:
                 x,
                 stage=last,
                 vocab_size=self.spec.model.vocab_size,
-                **opts | {"compression": "none"},
+                **opts | {"compression": "none"} | self._tokens(last, tokens),
             ),
         )
         return out
@@ -596,18 +624,24 @@ class Trainer(StageRouter):
             clock = now
 
         for s in range(last):
-            hidden, peer = await self._forward(s, inputs[s], index, train=True)
+            hidden, peer = await self._forward(s, inputs[s], index, tokens=x, train=True)
             lap()
             inputs.append(hidden)
             route.append(peer)
-        (loss, grad), peer = await self._loss(inputs[last], y, index, train=True)
+        (loss, grad), peer = await self._loss(inputs[last], y, index, tokens=x, train=True)
         lap()
         route.append(peer)
         for s in reversed(range(last)):
             grad, _ = await self._call(
                 s,
                 lambda peer, opts, s=s, g=grad: self._calls.backward(
-                    self.p2p, peer, inputs[s], g, stage=s, micro_batch=index, **opts
+                    self.p2p,
+                    peer,
+                    inputs[s],
+                    g,
+                    stage=s,
+                    micro_batch=index,
+                    **opts | self._tokens(s, x),
                 ),
                 prefer=route[s],  # it kept the forward's graph: no recompute there
             )
@@ -619,9 +653,10 @@ class Trainer(StageRouter):
         model, optim = self.spec.model, self.spec.optim
         windows = eval_batches(self.corpus.val, model.block_size, optim.micro_batch_size, n_batches)
         losses = []
-        for x, y in windows:
+        for tokens, y in windows:
+            x = tokens
             for s in range(self.spec.n_stages - 1):
-                x, _ = await self._forward(s, x, index=0)
-            (loss, _), _ = await self._loss(x, y, index=0, train=False)
+                x, _ = await self._forward(s, x, index=0, tokens=tokens)
+            (loss, _), _ = await self._loss(x, y, index=0, tokens=tokens, train=False)
             losses.append(float(loss))
         return sum(losses) / len(losses)

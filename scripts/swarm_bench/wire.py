@@ -52,7 +52,7 @@ def required_bytes(spec: RunSpec, peers_per_stage: int) -> dict:
     model, optim = spec.model, spec.optim
     micro = optim.micro_batch_size
     hidden = wire_nbytes(
-        _wire_name(spec.compression), "float32", micro * model.block_size * model.n_embd
+        _wire_name(spec.compression), "float32", micro * model.block_size * model.boundary_width
     )
     activations = 2 * (spec.n_stages - 1) * hidden / micro
     avg_width = 2 if spec.averaging.compression == "float16" else 4

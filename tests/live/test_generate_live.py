@@ -11,6 +11,7 @@ in; a member exports it with an invite; a machine with neither is refused in one
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -161,5 +162,36 @@ def test_a_private_run_exports_to_its_members_only(tmp_path: Path) -> None:
         assert f"stage 0: step 1 from peer {a.peer_id}" in out
         assert f"stage 1: step 1 from peer {b.peer_id}" in out
         assert through == _sample(tmp_path, "--model", str(guest / "model"))
+    finally:
+        stop_all(nodes)
+
+
+def test_a_low_rank_run_trains_generates_and_exports_a_plain_model(tmp_path: Path) -> None:
+    """A run whose stage boundary carries 16 of tiny's 64 values per token (``run create
+    --boundary-rank 16``) trains through the wire's low-rank requests; its exported model
+    is a plain GPT-2 that writes what generation through the stages writes."""
+    spec = tmp_path / "narrow.spec.json"
+    key = tmp_path / "owner.key"
+    created = _cli(tmp_path, "run", "create", "narrow", "--boundary-rank", 16, "--stages", 2,
+                   "--owner-key", key, "--out", spec).stdout.decode()  # fmt: skip
+    run = re.search(r"created public run (\S+)", created).group(1)
+    nodes = []
+    try:
+        a = launch_node(tmp_path, "a", run, extra=["--spec", spec, "--stage", "0"])
+        nodes.append(a)
+        b = launch_node(tmp_path, "b", run, initial_peers=[a.maddr],
+                        extra=["--spec", spec, "--stage", "1"])  # fmt: skip
+        nodes.append(b)
+        assert a.wait_serving() == 0 and b.wait_serving() == 1
+        swarm = _swarm_args(run, a.maddr)
+
+        _cli(tmp_path, "train", *swarm, "--micro-batches", 4 * STEPS)
+        wait_until(lambda: _stepped(a, STEPS) and _stepped(b, STEPS), 30, "both stages' steps")
+        export = _start(tmp_path, "export", *swarm, "--out", tmp_path / "model")
+        through = _sample(tmp_path, *swarm)
+        _done(export)
+        config = json.loads((tmp_path / "model" / "config.json").read_text())
+        assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_embd"] == 64
+        assert _sample(tmp_path, "--model", str(tmp_path / "model")) == through
     finally:
         stop_all(nodes)
