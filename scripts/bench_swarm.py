@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -78,6 +79,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from models.config import preset as preset_config
 from node.cli.plot import PlotUnavailable, write_line_chart
 from node.files import load_or_create_key, write_atomic
 from node.limits import ACTIVATIONS, AVERAGING, GRADIENTS, SENT, STATE
@@ -112,6 +114,12 @@ CONFIGS: dict[str, dict] = {
     "diloco-int4-zip": {
         "compression": "int4",
         "averaging": {"mode": "diloco", "density": 0.1, "compression": "uint8"},
+    },
+    # small's 384-wide residual stream crossing a cut as 96 values per token (a quarter)
+    "r96-int4-uint8": {
+        "compression": "int4",
+        "averaging": {"compression": "uint8"},
+        "arch": {"boundary_rank": 96},
     },
 }
 
@@ -671,11 +679,14 @@ def paired_ratios(turns: list[str], rates: list[float]) -> list[float]:
 def write_spec(workdir: Path, preset: str, stages: int, settings: dict) -> Path:
     """A run's signed spec file in ``workdir`` (owned by a key made there): ``preset`` cut
     into ``stages``, with ``settings`` (``make_run_spec``'s: ``RunSpec`` and optimizer
-    fields; ``averaging`` as a dict of ``AveragingSpec`` fields) over its defaults."""
+    fields; ``averaging`` as a dict of ``AveragingSpec`` fields; ``arch`` as a dict of
+    ``ModelConfig`` fields) over its defaults."""
     key = load_or_create_key(workdir / "owner.key")
     settings = dict(settings)
     if "averaging" in settings:
         settings["averaging"] = AveragingSpec(**settings["averaging"])
+    if "arch" in settings:
+        settings["model"] = dataclasses.replace(preset_config(preset)[0], **settings.pop("arch"))
     spec = make_run_spec("bench", preset, stages, owner=peer_id_of(key.public_key()), **settings)
     path = workdir / "bench.spec.json"
     write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())

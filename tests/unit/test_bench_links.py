@@ -47,10 +47,13 @@ def test_configs_become_signed_specs_with_h_and_target_batch(tmp_path) -> None:
 def test_every_named_config_is_a_run_spec_a_node_accepts(tmp_path) -> None:
     args = argparse.Namespace(inner_steps=None, target_batch=None)
     for name, settings in CONFIGS.items():
+        preset = "small" if "arch" in settings else "tiny"  # a rank is a width's share
         spec = read_spec_file(
-            write_spec(tmp_path / name, "tiny", 2, _with(settings, args)).read_text()
+            write_spec(tmp_path / name, preset, 2, _with(settings, args)).read_text()
         )
         assert spec.spec.compression == settings.get("compression", DEFAULT_COMPRESSION), name
+        for field, value in settings.get("arch", {}).items():
+            assert getattr(spec.spec.model, field) == value, name
         averaging = settings.get("averaging", {}).get("compression", DEFAULT_AVERAGING_COMPRESSION)
         assert spec.spec.averaging.compression == averaging, name
 
