@@ -80,3 +80,16 @@ def load_or_create_identity(path: Path) -> tuple[Ed25519PrivateKey, int]:
             "own with --identity PATH"
         ) from None
     return key, lock_fd
+
+
+def write_run_spec(path: Path, key_file: Path, name: str, preset: str, stages: int, **settings):
+    """A new run's spec (``protocol.run_spec.make_run_spec`` of ``name``, ``preset``,
+    ``stages`` and ``settings``), owned by the key in ``key_file`` (made there if there is
+    none), signed and written to ``path``; returns the spec."""
+    from protocol.identity import peer_id_of  # the spec's modules import torch: not at start
+    from protocol.run_spec import make_run_spec, sign_run_spec, spec_file_text
+
+    key = load_or_create_key(key_file)
+    spec = make_run_spec(name, preset, stages, owner=peer_id_of(key.public_key()), **settings)
+    write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
+    return spec

@@ -49,13 +49,12 @@ from models.data import eval_batches, load_corpus, sample_batches, stream_seed
 from models.stages import Stage, even_boundaries
 from models.training import StageOptimizer, evaluate, pipeline_loss, train_baseline
 from node.cli.train import open_trainer
-from node.files import load_or_create_key, write_atomic
+from node.files import write_run_spec
 from node.harness.local_swarm import LOCAL, launch_node, stop_all
 from node.pipeline.trainer import Trainer, TrainerSettings
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import decode_progress, progress_key
-from protocol.identity import peer_id_of
-from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
+from protocol.run_spec import AveragingSpec
 
 DEFAULT_CONFIGS = ("2x4-gradient-s0", "2x4-gradient-s1", "2x1-gradient-s0", "1x4-gradient-s0")
 CONFIG = re.compile(
@@ -99,12 +98,13 @@ class SwarmConfig:
 
 def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[str, Path]:
     """A public run's signed spec for ``config`` (tiny preset): its id and its file."""
-    key = load_or_create_key(workdir / "owner.key")
-    spec = make_run_spec(
+    path = workdir / f"{name}.spec.json"
+    spec = write_run_spec(
+        path,
+        workdir / "owner.key",
         name,
         "tiny",
         config.stages,
-        owner=peer_id_of(key.public_key()),
         averaging=AveragingSpec(
             mode=config.mode,
             inner_steps=config.inner_steps,
@@ -118,8 +118,6 @@ def write_spec(workdir: Path, name: str, config: SwarmConfig, **optim) -> tuple[
         **({"max_staleness": config.max_staleness} if config.max_staleness else {}),
         **optim,
     )
-    path = workdir / f"{name}.spec.json"
-    write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
     return spec.run, path
 
 

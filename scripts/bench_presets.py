@@ -48,12 +48,10 @@ from models.data import load_corpus
 from models.memory import GIB, stage_memory
 from models.stages import even_boundaries
 from node.cli.train import open_trainer
-from node.files import load_or_create_key, write_atomic
+from node.files import write_atomic, write_run_spec
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
-from protocol.identity import peer_id_of
-from protocol.run_spec import make_run_spec, sign_run_spec, spec_file_text
 from scripts.bench_pipeline import baseline_rate, swarm_rates
 from scripts.bench_swarm import _spread
 from scripts.swarm_bench.swarm import BenchSwarm
@@ -113,12 +111,10 @@ def swarm_need(name: str, stages: int) -> int:
 def write_spec(workdir: Path, name: str, stages: int) -> tuple[str, Path]:
     """A public run of preset ``name`` whose every micro-batch is an optimizer step: its
     id and its signed spec file."""
-    key = load_or_create_key(workdir / "owner.key")
     _, optim = preset(name)
-    spec = make_run_spec("mem-" + name, name, stages, owner=peer_id_of(key.public_key()),
-                         target_batch_size=optim.micro_batch_size)  # fmt: skip
     path = workdir / f"{name}.spec.json"
-    write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
+    spec = write_run_spec(path, workdir / "owner.key", "mem-" + name, name, stages,
+                          target_batch_size=optim.micro_batch_size)  # fmt: skip
     return spec.run, path
 
 

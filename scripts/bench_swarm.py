@@ -81,11 +81,10 @@ from pathlib import Path
 
 from models.config import preset as preset_config
 from node.cli.plot import PlotUnavailable, write_line_chart
-from node.files import load_or_create_key, write_atomic
+from node.files import write_run_spec
 from node.limits import ACTIVATIONS, AVERAGING, GRADIENTS, SENT, STATE
-from protocol.identity import peer_id_of
 from protocol.routing import WINDOW
-from protocol.run_spec import AveragingSpec, make_run_spec, sign_run_spec, spec_file_text
+from protocol.run_spec import AveragingSpec
 from scripts.netem.network import ROOT, NetemUnavailable, Network
 from scripts.netem.profiles import profile
 from scripts.swarm_bench.swarm import BenchSwarm
@@ -681,15 +680,13 @@ def write_spec(workdir: Path, preset: str, stages: int, settings: dict) -> Path:
     into ``stages``, with ``settings`` (``make_run_spec``'s: ``RunSpec`` and optimizer
     fields; ``averaging`` as a dict of ``AveragingSpec`` fields; ``arch`` as a dict of
     ``ModelConfig`` fields) over its defaults."""
-    key = load_or_create_key(workdir / "owner.key")
     settings = dict(settings)
     if "averaging" in settings:
         settings["averaging"] = AveragingSpec(**settings["averaging"])
     if "arch" in settings:
         settings["model"] = dataclasses.replace(preset_config(preset)[0], **settings.pop("arch"))
-    spec = make_run_spec("bench", preset, stages, owner=peer_id_of(key.public_key()), **settings)
     path = workdir / "bench.spec.json"
-    write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
+    write_run_spec(path, workdir / "owner.key", "bench", preset, stages, **settings)
     return path
 
 

@@ -34,17 +34,13 @@ from node.averaging.digests import DIGESTS_ENV, compare_copies
 from node.cli.export import from_swarm
 from node.cli.generate import sample_text
 from node.cli.train import Curve, open_trainer, train_with_progress
-from node.files import load_or_create_key, write_atomic
+from node.files import write_run_spec
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline.trainer import MicroBatchResult, Trainer, TrainerSettings
 from node.rpc.dht import SwarmDHT
-from protocol.identity import peer_id_of
 from protocol.run_spec import (
     AveragingSpec,
     RunSpec,
-    make_run_spec,
-    sign_run_spec,
-    spec_file_text,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,12 +61,10 @@ class Demo:
         sending costs nothing and a codec only costs CPU (a run between homes keeps the
         defaults, ``swarmtrain run create``)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        key = load_or_create_key(self.workdir / "owner.key")
-        spec = make_run_spec(self.run, self.args.preset, self.args.stages,
-                             owner=peer_id_of(key.public_key()), compression="none",
-                             averaging=AveragingSpec(compression="none"))  # fmt: skip
         path = self.workdir / "demo.spec.json"
-        write_atomic(path, spec_file_text(sign_run_spec(spec, key)).encode())
+        spec = write_run_spec(path, self.workdir / "owner.key", self.run, self.args.preset,
+                              self.args.stages, compression="none",
+                              averaging=AveragingSpec(compression="none"))  # fmt: skip
         self.run = spec.run  # NAME@FINGERPRINT: how the nodes join
         return path
 
