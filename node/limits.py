@@ -42,7 +42,7 @@ from hivemind.p2p import P2P
 from models.memory import stage_memory as count_stage_memory
 from node.pipeline.wire import COMPRESSIONS, compression_name
 from protocol.run_spec import RunSpec
-from protocol.stage_messages import wire_nbytes
+from protocol.stage_messages import token_dtype, wire_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def stage_bytes_per_sample(spec: RunSpec, stage: int) -> tuple[float, float]:
     inputs = tokens if first else hidden
     back = 0 if first else hidden  # the gradient w.r.t. the inputs
     if model.boundary_rank and not first:  # a low-rank boundary: token ids with the states
-        inputs += tokens
+        inputs += wire_nbytes("NONE", token_dtype(model.vocab_size - 1), model.block_size)
     if last:  # one call: inputs and targets in; the loss (8 bytes) and that gradient out
         sent, received = 8 + back, inputs + tokens
     else:  # a forward (inputs in, outputs out), then a backward (both in, a gradient out)

@@ -20,7 +20,8 @@ Request layout (tensors by position, after the metadata):
 ``inputs`` are token ids ``(B, T)`` int64 at stage 0 and hidden states ``(B, T, W)``
 float32 elsewhere, W the model's ``boundary_width`` (``n_embd``, or the boundary's rank);
 ``targets`` and ``tokens`` are token ids ``(B, T)``; ``grad_outputs`` has the shape of the
-stage's outputs, ``(B, T, W)``. Token ids always travel uncompressed.
+stage's outputs, ``(B, T, W)``. Token ids always travel uncompressed, as int64, except
+``tokens``, which may come in any of ``TOKEN_DTYPES`` (they are widened on receipt).
 """
 
 from __future__ import annotations
@@ -54,7 +55,18 @@ MAX_RUN_ID_CHARS = 64 + 1 + 24
 MAX_STAGES = 2**16
 MAX_MICRO_BATCH_ID = 2**63 - 1
 
-_ITEMSIZE = {"int64": 8, "float32": 4}
+_ITEMSIZE = {"int64": 8, "float32": 4, "int32": 4, "int16": 2, "uint8": 1}
+# The ``tokens`` of a low-rank boundary travel in the narrowest of these that holds them
+# (``node.pipeline.wire.narrow_ids``): one byte a token for a byte-level vocabulary.
+TOKEN_DTYPES = ("uint8", "int16", "int32", "int64")
+
+
+def token_dtype(top: int) -> str:
+    """The narrowest of ``TOKEN_DTYPES`` that holds the ids 0..``top``."""
+    for dtype, limit in (("uint8", 2**8), ("int16", 2**15), ("int32", 2**31)):
+        if top < limit:
+            return dtype
+    return "int64"
 
 
 WRONG_STAGE = "this server serves stage "  # a peer that moved: the caller's view is stale
@@ -277,7 +289,7 @@ def check_layout(
     if len(shape) != ndim or (ndim == 3 and shape[2] != contract.width):
         got = str(shape) if len(shape) <= 4 else f"{len(shape)} dimensions {shape[:4]}..."
         raise StageRequestError(f"expected {name} {pattern}, got {got}")  # bounded: it is logged
-    if dtype != want_dtype:
+    if dtype != want_dtype and not (role == TOKENS and dtype in TOKEN_DTYPES):
         raise StageRequestError(f"expected {name} of dtype {want_dtype}, got {dtype}")
     b, t = shape[0], shape[1]
     if batch is not None:
@@ -333,7 +345,7 @@ def check_tensor(
     name, _, _ = _describe(role, contract)
     dtype = str(tensor.dtype).removeprefix("torch.")
     bt = check_layout(contract, role, dtype, tuple(tensor.shape), batch)
-    if tensor.dtype == torch.int64:
+    if not tensor.is_floating_point():
         lo, hi = int(tensor.min()), int(tensor.max())
         if lo < 0 or hi >= contract.vocab_size:
             bad = lo if lo < 0 else hi
@@ -378,6 +390,8 @@ def parse_request(
     for role, tensor in zip(roles[1:], tensors[1:], strict=True):
         check_tensor(contract, role, tensor, batch)
     by_role = dict(zip(roles, tensors, strict=True))
+    if TOKENS in by_role:
+        by_role[TOKENS] = by_role[TOKENS].long()  # what embeddings index with
     if meta.kind == FORWARD:
         return ForwardRequest(meta, tensors[0], by_role.get(TARGETS), by_role.get(TOKENS))
     return BackwardRequest(meta, tensors[0], tensors[1], by_role.get(TOKENS))

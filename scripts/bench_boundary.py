@@ -73,7 +73,7 @@ def _loss(stages: list[Stage], x, y, setting: str, sent: list[int]) -> torch.Ten
     hidden = Boundary.apply(stages[0](x), setting, sent)
     if stages[1].rank is None:
         return stages[1](hidden, y)
-    sent[0] += wire.serialize(x).ByteSize()  # the token ids travel with the hidden states
+    sent[0] += wire.serialize(wire.narrow_ids(x)).ByteSize()  # token ids with the states
     return stages[1](hidden, y, tokens=x)
 
 

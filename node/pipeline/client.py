@@ -45,6 +45,7 @@ from node.pipeline.wire import (
     decode_response_meta,
     deserialize,
     generic_header_check,
+    narrow_ids,
     serialize,
     split_message,
 )
@@ -397,7 +398,7 @@ async def forward(
     validation forwards."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train, infer)
     tensors = [serialize(inputs, compression)]
-    tensors += [serialize(tokens)] if tokens is not None else []
+    tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
         p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )
@@ -428,7 +429,7 @@ async def loss(
     stage's parameter gradients on the server; without it nothing changes there."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression), serialize(targets)]
-    tensors += [serialize(tokens)] if tokens is not None else []
+    tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
         p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )
@@ -457,7 +458,7 @@ async def logits(
     is kept or accumulated on the server."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, infer=True)
     tensors = [serialize(inputs, compression)]
-    tensors += [serialize(tokens)] if tokens is not None else []
+    tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
         p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )
@@ -483,7 +484,7 @@ async def backward(
     ``inputs`` (None at stage 0, whose inputs are token ids)."""
     meta = _meta(run_id, stage, BACKWARD, micro_batch)
     tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
-    tensors += [serialize(tokens)] if tokens is not None else []
+    tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
         p2p, peer_id, BACKWARD, meta, tensors, stage=stage, timeout=timeout, local=local
     )

@@ -32,6 +32,7 @@ from protocol.stage_messages import (
     LOWBIT_BITS,
     UNIFORM_8BIT_BINS,
     StageRequestError,
+    token_dtype,
     wire_nbytes,
 )
 
@@ -82,6 +83,12 @@ def compression_type(name: str) -> int:
         raise ValueError(
             f"unknown compression {name!r}; choose one of {sorted(COMPRESSIONS)}"
         ) from None
+
+
+def narrow_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Token ids (non-negative) in the narrowest integer dtype that holds them all
+    (``protocol.stage_messages.TOKEN_DTYPES``): how a low-rank boundary's ``tokens`` travel."""
+    return ids.to(getattr(torch, token_dtype(int(ids.max()) if ids.numel() else 0)))
 
 
 def serialize(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:

@@ -17,6 +17,7 @@ from models.hf_export import from_hf, to_hf
 from models.stages import Stage, even_boundaries
 from node.limits import stage_bytes_per_sample
 from node.pipeline.executor import StageExecutor
+from node.pipeline.wire import deserialize, narrow_ids, serialize
 from protocol.identity import peer_id_of
 from protocol.run_spec import PretrainedSpec, make_run_spec
 from protocol.stage_messages import (
@@ -145,7 +146,18 @@ def test_requests_across_a_low_rank_boundary_carry_the_token_ids():
     x, y = _data(GPT, 2)
     h = torch.randn(2, 16, RANK)
     request = parse_request(last, StageMeta("r", 2, FORWARD, 0, train=True), [h, y, x])
-    assert request.targets is y and request.tokens is x
+    assert request.targets is y and torch.equal(request.tokens, x)
+    # the token ids travel in a byte each (a byte-level vocabulary), widened on receipt
+    narrow = narrow_ids(x)
+    assert narrow.dtype == torch.uint8 and serialize(narrow).ByteSize() < 2 * 16 + 64
+    assert narrow_ids(torch.tensor([0, 2**15])).dtype == torch.int32
+    header = serialize(narrow)
+    _, n = check_header(middle, TOKENS, dtype=header.dtype, shape=(2, 16), compression="NONE")
+    assert n == 2 * 16
+    request = parse_request(middle, StageMeta("r", 1, FORWARD, 0), [h, deserialize(header)])
+    assert request.tokens.dtype == torch.int64 and torch.equal(request.tokens, x)
+    with pytest.raises(StageRequestError, match="dtype int64, got uint8"):
+        check_header(last, TARGETS, dtype="uint8", shape=(2, 16), compression="NONE")
     with pytest.raises(StageRequestError, match="carries 3 tensors"):
         parse_request(last, StageMeta("r", 2, FORWARD, 0, train=True), [h, y])
     outside = x.clone()
@@ -197,4 +209,4 @@ def test_link_planning_counts_the_rank_and_the_token_ids():
     sent_low, received_low = stage_bytes_per_sample(low, 1)
     averaging = sent_full - (8 + t * c * 4)  # the last stage: the loss and a gradient out
     assert sent_low == pytest.approx(averaging + 8 + t * 16 * 4)
-    assert received_low == pytest.approx(received_full - t * (c - 16) * 4 + 8 * t)
+    assert received_low == pytest.approx(received_full - t * (c - 16) * 4 + t)  # a byte an id
