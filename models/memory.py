@@ -16,9 +16,11 @@ GIB = 1024**3
 class StageMemory:
     """Bytes one peer needs to train a stage in float32: its weights, their gradients,
     and AdamW's two moments per weight. Activations come on top (they grow with the
-    micro-batch and the context, and bf16 autocast on CUDA halves them)."""
+    micro-batch and the context, and bf16 autocast on CUDA halves them). ``fixed``: values
+    of buffers that are not trained (a low-rank boundary's fixed embedding columns)."""
 
     parameters: int
+    fixed: int = 0
 
     @property
     def weights(self) -> int:
@@ -34,7 +36,7 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + 4 * self.fixed
 
 
 def stage_memory(config: ModelConfig, blocks: StageRange | tuple[int, int]) -> StageMemory:
@@ -42,4 +44,6 @@ def stage_memory(config: ModelConfig, blocks: StageRange | tuple[int, int]) -> S
     1B model's stage is counted in milliseconds and no memory."""
     with torch.device("meta"):
         module = Stage(config, blocks)
-    return StageMemory(sum(p.numel() for p in module.parameters()))
+    return StageMemory(
+        sum(p.numel() for p in module.parameters()), sum(b.numel() for b in module.buffers())
+    )

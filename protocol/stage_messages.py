@@ -115,14 +115,16 @@ class StageContract:
         """The contract of stage ``stage_index`` (blocks ``blocks``) of ``config``.
 
         By default a request may carry 32 full-length sequences, and the byte limit is the
-        size of the largest request that fits the token limit uncompressed (a backward at
-        a middle stage: hidden states and their gradients), so the token limit binds.
+        size of the largest request that fits the token limit uncompressed (a backward:
+        hidden states and their gradients; or the last stage's forward: hidden states and
+        targets; either with the token ids across a low-rank boundary), so the token limit
+        binds.
         """
         max_tokens = max_tokens or 32 * config.block_size
         if max_message_bytes is None:
-            max_message_bytes = MAX_METADATA_BYTES + max_tokens * (
-                2 * config.boundary_width * 4 + (8 if config.boundary_rank else 0)
-            )
+            width, ids = config.boundary_width, 8 if config.boundary_rank else 0
+            per_token = max(2 * width * 4, width * 4 + 8) + ids
+            max_message_bytes = MAX_METADATA_BYTES + max_tokens * per_token
         return cls(
             stage_index=stage_index,
             blocks=blocks,

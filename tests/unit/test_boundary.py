@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from models.boundary import fold
 from models.config import ModelConfig, preset
 from models.hf_export import from_hf, to_hf
+from models.memory import stage_memory
 from models.stages import Stage, even_boundaries
 from node.limits import stage_bytes_per_sample
 from node.pipeline.executor import StageExecutor
@@ -135,6 +136,10 @@ def test_requests_across_a_low_rank_boundary_carry_the_token_ids():
     assert middle.roles(BACKWARD) == (INPUTS, GRAD_OUTPUTS, TOKENS)
     assert last.roles(FORWARD) == (INPUTS, TARGETS, TOKENS)
     assert last.roles(FORWARD, infer=True) == (INPUTS, TOKENS)
+    one = dataclasses.replace(GPT, boundary_rank=1)  # the widest requests fit the byte limit
+    tokens = 32 * one.block_size
+    widest = tokens * max(4 + 8 + 8, 2 * 4 + 8)  # states, targets, ids; states, grads, ids
+    assert StageContract.for_stage(one, last.blocks, 2).max_message_bytes >= widest
 
     _, n = check_header(middle, INPUTS, dtype="float32", shape=(2, 16, RANK), compression="NONE")
     assert n == 2 * 16 * RANK * 4
@@ -192,6 +197,15 @@ def test_a_stage_server_executes_a_low_rank_forward_and_its_backward():
     other = parse_request(contract, StageMeta("r", 1, BACKWARD, 7), [h, g, x.flip(0)])
     executor.run(other, "caller")
     assert executor.reused == 1
+
+
+def test_memory_counts_the_fixed_columns_every_stage_holds():
+    for blocks in even_boundaries(GPT, 2):
+        plain = stage_memory(dataclasses.replace(GPT, boundary_rank=None), blocks)
+        low = stage_memory(GPT, blocks)
+        fixed = (GPT.vocab_size + GPT.block_size) * (GPT.n_embd - RANK)  # wte and wpe columns
+        assert (low.parameters, low.fixed) == (plain.parameters, fixed)
+        assert low.total == plain.total + 4 * fixed
 
 
 def test_link_planning_counts_the_rank_and_the_token_ids():
