@@ -1,10 +1,10 @@
 """The limits a volunteer sets, on real nodes.
 
-``--max-upload-mbps 8`` on a node whose link (``scripts.netem``: a network namespace with
-a 100 Mbit/s veth) could carry far more: measured at the link, it sends at most about
-8 Mbit/s while it serves, trains and averages, its sends wait for the limit, and its
-record advertises at most 8 Mbit/s up, and only the samples/s that 8 Mbit/s carries for
-its stage. Skipped, saying why, where network namespaces, veth
+``--max-upload-mbps 2.5`` on a node whose link (``scripts.netem``: a network namespace
+with a 100 Mbit/s veth) could carry far more: it counts at most 2.5 Mbit/s sent, and the
+link carries little more, while it serves, trains and averages; its sends wait for the
+limit, and its record advertises at most 2.5 Mbit/s up, and only the samples/s that the
+limit carries for its stage. Skipped, saying why, where network namespaces, veth
 pairs, bridges or ``tbf`` cannot be used (``NetemUnavailable``).
 
 ``--max-memory`` smaller than any stage of the run: the node refuses the stage, with a
@@ -31,12 +31,15 @@ from tests.swarm import cli_error, launch_node, status, stop_all, wait_until
 
 ANY = "/ip4/0.0.0.0/tcp/0"
 LINK = Profile("link100", up_mbit=100, down_mbit=100, delay_ms=0)
-LIMIT_MBPS = 8.0
+# Below what b sends unlimited even on a loaded machine (3.3 Mbit/s in a CI run of three
+# test workers on two cores; about 9 idle), so that the limit binds either way.
+LIMIT_MBPS = 2.5
 DOWN_LIMIT_MBPS = 20.0  # above what the node receives here: only its record is checked
 WINDOW_S = 20.0  # the link is read over this long, once the node serves and averages
-# What the link carries over the limit: TCP/IP headers (about 5 % of full segments),
-# libp2p's framing and encryption, and what is not limited (DHT, gossip, pings).
-OVERHEAD = 1.2
+# What the link carries over the limit: TCP/IP headers (about 5 % of full segments) and
+# libp2p's framing and encryption, in proportion; and what is not limited (DHT, gossip,
+# pings: about 0.5 Mbit/s among these three nodes).
+OVERHEAD, UNLIMITED_MBPS = 1.1, 0.75
 
 
 @pytest.fixture
@@ -77,7 +80,7 @@ def _averaged(node: NodeProcess) -> int:
 
 def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_path) -> None:
     """Three nodes of a tiny 2-stage run, all training: ``a`` (stage 0) and ``c`` (stage
-    1) share one host, ``b`` (stage 1, ``--max-upload-mbps 8``) is alone on the other, so
+    1) share one host, ``b`` (stage 1, ``--max-upload-mbps 2.5``) is alone on the other, so
     everything it sends crosses its link: its trainer's calls to stage 0, its replies to
     the others' trainers, and its averaging rounds with ``c``."""
     there, here = net.hosts
@@ -123,7 +126,9 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
         print(f"b sent {mbps:.2f} Mbit/s at its link over {elapsed:.0f} s (limit {LIMIT_MBPS}) "
               f"and received {down_mbps:.2f}; its sends waited {waited:.1f} s; bytes sent by "
               f"purpose: {sent}")  # fmt: skip
-        assert mbps <= LIMIT_MBPS * OVERHEAD, f"{mbps:.2f} Mbit/s sent at the link"
+        assert mbps <= LIMIT_MBPS * OVERHEAD + UNLIMITED_MBPS, f"{mbps:.2f} Mbit/s at the link"
+        counted = sum(sent.values()) * 8 / elapsed / 1e6  # what the limit applies to
+        assert counted <= LIMIT_MBPS * 1.1, f"{counted:.2f} Mbit/s counted"
         # The limit held it back: its sends waited for it, and the node was busy. (How
         # busy varies with the machine's load, and routing sends fewer calls to a peer
         # whose queue grows: these bounds are loose on purpose.)
@@ -141,7 +146,7 @@ def test_an_upload_limit_holds_at_the_link_and_is_advertised(net: Network, tmp_p
         up, down = record["bandwidth_up_mbps"], record["bandwidth_down_mbps"]
         assert 0 < up <= LIMIT_MBPS and 0 < down <= DOWN_LIMIT_MBPS, record
         assert now["advertised_mbps"] == {"up": up, "down": down}
-        # and its stage's samples/s no more than 8 Mbit/s carries (it declared 100: the
+        # and its stage's samples/s no more than the limit carries (it declared 100: the
         # harness's --throughput)
         assert 0 < record["throughput"] < 100, record
     finally:
