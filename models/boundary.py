@@ -9,9 +9,10 @@ embedding tables' columns k.., never trained. Every peer builds those tables fro
 values and the token ids rebuilds the whole hidden state exactly: a cut sends k / C of
 the values a full-width boundary sends, and no information is lost at the cut. The
 layers still read all C coordinates (the fixed part carries each token's identity into
-every block), which is what keeps a low rank from costing much of the loss (Pluralis'
-Protocol Models keep block outputs in a subspace and the token embedding high-rank for
-the same reason; here the subspace is the first k axes, so encoding is a slice).
+every block), so that a low rank costs less of the loss than a narrower model would
+(Pluralis' Protocol Models keep block outputs in a subspace and the token embedding
+high-rank for the same reason; here the subspace is the first k axes, so encoding is a
+slice). What it still costs is measured in BENCHMARKS.md, "Low-rank boundaries".
 
 ``fold`` turns such a model's state dict into a plain one (write rows outside the
 subspace zeroed, the fixed columns written into the embedding tables), which computes
@@ -19,6 +20,8 @@ the same function without any of this: the model its owner exports is a standard
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -44,14 +47,12 @@ class FixedTail(nn.Module):
 
     @classmethod
     def of(cls, config: ModelConfig) -> FixedTail:
-        """The fixed tail of ``config``'s model, from the initial embedding block."""
-        from models.gpt import build_block  # models.gpt builds its embedding with this
+        """The fixed tail of ``config``'s model: the initial embedding block's."""
+        from models.gpt import build_block  # which gives the embedding its tail
 
         if config.boundary_rank is None:
             raise ValueError("the model has no low-rank boundary (boundary_rank is None)")
-        embedding = build_block(config, 0)
-        wpe = embedding.wpe.weight if embedding.wpe is not None else None
-        return cls(embedding.wte.weight, wpe, config.boundary_rank)
+        return build_block(config, 0).tail
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> the fixed coordinates (B, T, C - k)."""
@@ -86,7 +87,7 @@ def decode(sent: torch.Tensor, tokens: torch.Tensor, tail: FixedTail) -> torch.T
     return torch.cat([sent, tail(tokens).to(sent.dtype)], dim=-1)
 
 
-def fold(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def fold(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """A whole model's state dict (``Stage(config)``'s names) rewritten so that a model
     without ``boundary_rank`` computes the same function: the write projections' rows
     k.. (and biases) zeroed, the embedding tables' columns k.. set to the fixed tail."""

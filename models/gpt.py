@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.boundary import FixedTail, written
+from models.boundary import FixedTail, decode, encode, written
 from models.config import ModelConfig
 from models.llama import RMSNorm, rotary_tables, rotate
 
@@ -54,8 +54,8 @@ class Embedding(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(t, device=idx.device))
         x = self.drop(x)
-        if self.tail is not None:
-            x = torch.cat([x[..., : self.tail.rank], self.tail(idx).to(x.dtype)], dim=-1)
+        if self.tail is not None:  # the trained columns, then the fixed ones
+            x = decode(encode(x, self.tail.rank), idx, self.tail)
         return x
 
 
