@@ -1,6 +1,6 @@
 # The README's commands: `make demo`, `make test` and `make test-fast`. Each builds .venv on first use:
 # torch==2.13.0 first (a CPU build that is on this kind of machine), then the project with
-# its test tools and matplotlib (the demo's loss curve PNG).
+# its test tools, matplotlib (the demo's loss curve PNG) and pyarrow (Parquet input).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,plot]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,plot,parquet]'
 	touch $(STAMP)
 
 demo: $(STAMP)
