@@ -37,6 +37,9 @@ fields:
   ``source`` (the peer or archive node's id, or the checkpoint's path; null for
   ``"initial"``), ``step`` (the optimizer steps that state holds).
 - ``stage.released``: ``stage``.
+- ``stage.load_failed``: ``stage``, ``error`` (the exception's class and message), ``retry_s``:
+  taking the stage as the node's first failed (its live peers handed over no valid state
+  in time, say); the node tries again after ``retry_s`` seconds, serving none of it meanwhile.
 - ``stage.refused``: ``stage``, ``need`` (bytes training it takes), ``max_memory``
   (``--max-memory``, bytes), ``reason`` (one line): the node refuses to take a stage that
   would not fit (a pinned one, or any of a run none of whose stages fits: it then stops).

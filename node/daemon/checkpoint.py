@@ -143,7 +143,10 @@ def _header(path: Path) -> dict:
         if size > MAX_HEADER_BYTES:
             raise ValueError(f"its header declares {size} bytes")
         header = json.loads(f.read(size))
-    return json.loads(header["__metadata__"]["swarmtrain"])
+    meta = json.loads(header["__metadata__"]["swarmtrain"])
+    if not isinstance(meta, dict):
+        raise ValueError(f"its metadata is a {type(meta).__name__}, not an object")
+    return meta
 
 
 def read(path: Path, spec: RunSpec, stage: int) -> Checkpoint:

@@ -244,6 +244,7 @@ class Node:
         """This node's record as of now."""
         assert self.spec is not None and self.device is not None
         up_down, stages = self.offer.advertised_bandwidth(), self.stages
+        now = get_dht_time()
         return PeerInfo(
             peer_id=self.peer_id,
             run=self.settings.run,
@@ -259,12 +260,12 @@ class Node:
             stage=stages.stage,
             state=state or self.state,
             load=stages.load(),
-            timestamp=get_dht_time(),
+            timestamp=now,
             membership=self.membership,
             second_stage=stages.second if stages.stage is not None else None,
             second_serving=stages.serving_second is not None,
             samples_served=stages.micro_batches_served() * self.spec.optim.micro_batch_size,
-            started=self.started,
+            started=min(self.started, now),  # a clock stepped back: no start in the future
             ttl_s=self.settings.record_ttl_s,
             reachable=self.reach.reachability.reachable,
             relay=self.reach.relay,
@@ -407,7 +408,7 @@ class Node:
             if serves and s.checkpoint_every_s > 0:
                 own(checkpointer.every(s.checkpoint_every_s), "checkpoint")
             if s.bandwidth_mbps is None:
-                tasks.create_task(self._measure_bandwidth(), name="bandwidth")  # ends by itself
+                own(self._measure_bandwidth(), "bandwidth")  # ends by itself
             if s.train:
                 own(self.training.run(), "trainer")
             private = self.spec.private
@@ -434,8 +435,15 @@ class Node:
     async def _measure_bandwidth(self) -> None:
         """Measure up/down against a serving peer (``Offer.measure_bandwidth``) and
         re-announce with the measured figures; on failure it stays unknown."""
-        records = await self.dht.peers()
-        if await self.offer.measure_bandwidth(self.p2p, records, self.peer_id, self._reached):
+        try:
+            records = await self.dht.peers()
+            measured = await self.offer.measure_bandwidth(
+                self.p2p, records, self.peer_id, self._reached
+            )
+        except Exception as e:  # a DHT hiccup, a peer's malformed answer: stays unknown
+            logger.warning("measuring our bandwidth failed: %s: %s", type(e).__name__, e)
+            return
+        if measured:
             self._changed.set()
 
     async def _watch(self) -> None:

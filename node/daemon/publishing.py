@@ -50,9 +50,13 @@ async def announce_peer(
     soon as ``changed`` is set or ``period_s`` has passed, until cancelled."""
     while True:
         changed.clear()
-        info = record()
-        await publish_peer(dht, info, key)
-        await placement.announce(info.stage, info.state, info.load)
+        try:
+            info = record()
+        except ValueError as e:  # e.g. a figure out of a record's bounds: the next try may fit
+            logger.warning("could not build our record: %s", e)
+        else:
+            await publish_peer(dht, info, key)
+            await placement.announce(info.stage, info.state, info.load)
         # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
         # that lands as the event fires (seen: a node that ignored SIGTERM).
         with contextlib.suppress(TimeoutError):
@@ -79,20 +83,26 @@ async def refresh_spec(dht: SwarmDHT, signed: SignedSpec) -> None:
     """Publish the run's signed spec again every ``SPEC_REFRESH_S``."""
     while True:
         await asyncio.sleep(SPEC_REFRESH_S)
-        await dht.publish_spec(signed)
+        try:
+            await dht.publish_spec(signed)
+        except Exception as e:  # a DHT hiccup: the next period retries
+            logger.warning("publishing the run's spec failed: %s", e)
 
 
 async def follow_revocations(dht: SwarmDHT, spec: RunSpec, membership: str | None) -> None:
     """In a private run, follow the owner's revocations every ``REVOCATIONS_REFRESH_S``;
     ``NodeError`` once they (or time) end this node's ``membership``. Returns at once in
     a public run."""
+    latest = get_dht_time()
     while spec.private:
         await asyncio.sleep(REVOCATIONS_REFRESH_S)
         try:
             await dht.refresh_revocations(restore=True)
         except Exception as e:  # a DHT hiccup: the next period retries
             logger.warning("reading the run's revocations failed: %s", e)
+        # The latest time seen: a clock stepped back must not put our own claim in the future.
+        latest = max(latest, get_dht_time())
         try:
-            dht.policy.check(dht.peer_id, membership, get_dht_time())
+            dht.policy.check(dht.peer_id, membership, latest)
         except MembershipError as e:
             raise NodeError(f"this node is no longer a member of the run: {e}") from None

@@ -29,6 +29,7 @@ from node import events
 from node.averaging.averager import AveragedStageServer, StageAverager
 from node.averaging.progress_push import ProgressInbox
 from node.daemon import checkpoint
+from node.daemon.join import NodeError
 from node.daemon.offer import Offer
 from node.daemon.settings import NodeSettings
 from node.daemon.start import Steps
@@ -44,6 +45,13 @@ from protocol.run_spec import RunSpec
 from protocol.stage_messages import StageContract
 
 logger = logging.getLogger(__name__)
+
+# A first stage that failed to load (its peers handed over no state in time, its averager
+# did not start, the daemon refused a handler) is loaded again after this many seconds,
+# doubling up to ``LOAD_RETRY_MAX_S``: a peer that is busy, frozen for a while or on a slow
+# link, or a loaded machine, must not stop the node that joins or moves to a stage.
+LOAD_RETRY_S = 5.0
+LOAD_RETRY_MAX_S = 60.0
 
 
 async def import_optimizer_code() -> None:
@@ -137,8 +145,28 @@ class StageLifecycle:
         finally:
             imported.cancel()  # it stops being waited for; the import ends in its thread
         self.set_state(PeerState.LOADING)
-        await self.hold(self.stages.stage, "first")
+        await self._hold_first(self.stages.stage)
         self.set_state(PeerState.SERVING)
+
+    async def _hold_first(self, stage: int) -> None:
+        """Hold ``stage`` as the node's first stage, loading it again (after
+        ``LOAD_RETRY_S``, doubling up to ``LOAD_RETRY_MAX_S``) for as long as it fails (its
+        live peers hand over no state, say): the node serves no weights older than its
+        peers', and stays up. A ``NodeError`` (the stage does not fit) is final."""
+        wait = LOAD_RETRY_S
+        while True:
+            try:
+                await self.hold(stage, "first")
+                return
+            except NodeError:
+                raise
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                logger.warning("could not load stage %d (%s); trying again in %.0f s", stage,
+                               error, wait)  # fmt: skip
+                events.emit("stage.load_failed", stage=stage, error=error[:300], retry_s=wait)
+            await asyncio.sleep(wait)
+            wait = min(LOAD_RETRY_MAX_S, 2 * wait)
 
     async def _choose_stage(self) -> None:
         """Choose a stage (``--stage`` pins it; a node that kept a checkpoint takes that
@@ -203,7 +231,7 @@ class StageLifecycle:
             self.stages.stage = move.to_stage
             self.set_state(PeerState.LOADING)
             await self.release(move.from_stage)
-            await self.hold(move.to_stage, "first")
+            await self._hold_first(move.to_stage)
             self.set_state(PeerState.SERVING)
             logger.info(
                 "moved from stage %d to %d in %.1f s (announced, confirmed, loaded)",

@@ -109,8 +109,8 @@ class Training:
             with contextlib.suppress(Exception):  # else the share waits for the watch loop
                 self._peers.update(await self._dht.peers())
         while True:  # whatever stops the trainer pauses it: the node goes on serving
-            share = self._read_share(trainer, share)
             try:
+                share = self._read_share(trainer, share)  # shards gone: a pause, no exit
                 await trainer.train(100, on_result)
             except TrainerError as e:
                 logger.warning("training paused for %.0f s: %s", PAUSE_S, e)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -192,32 +193,35 @@ async def reservation_holds(
     maddr = circuit_maddr(relay, peer_id)
     target = PeerID.from_base58(peer_id)
     probe: P2P | None = None
-    with tempfile.TemporaryDirectory(prefix="relay-probe-", dir="/tmp") as sockets:
-        try:
-            async with asyncio.timeout(timeout_s):
-                # No libp2p DHT (-dhtClient=false): with one, a failed dial through the
-                # relay falls back to the node's addresses found there, and from the
-                # node's own network the probe reaches it directly, reservation or not.
-                with p2pd_options(socket_dir=sockets, extra_args=NO_ROUTING_FLAGS):
-                    probe = await P2P.create(
-                        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                        dht_mode="client",
-                        auto_nat=False,
-                        nat_port_map=False,
-                        use_relay=True,
-                        startup_timeout=timeout_s,
-                    )
-                await connect(probe, target, [Multiaddr(maddr)])
-                links = [str(a) for p in await probe.list_peers() if p.peer_id == target
-                         for a in p.addrs]  # fmt: skip
-            if not any("p2p-circuit" in a for a in links):
-                return f"reached the node, but not through the relay ({', '.join(links)})"[:200]
-            return None
-        except TimeoutError:
-            return f"no connection through the relay within {timeout_s:.0f} s"
-        except (P2PDaemonError, ValueError, OSError) as e:
-            return _one_line(f"{type(e).__name__}: {e}")
-        finally:
-            if probe is not None:
-                with contextlib.suppress(Exception):
-                    await probe.shutdown()
+    sockets: str | None = None
+    try:
+        sockets = tempfile.mkdtemp(prefix="relay-probe-", dir="/tmp")  # a full /tmp: an OSError
+        async with asyncio.timeout(timeout_s):
+            # No libp2p DHT (-dhtClient=false): with one, a failed dial through the
+            # relay falls back to the node's addresses found there, and from the
+            # node's own network the probe reaches it directly, reservation or not.
+            with p2pd_options(socket_dir=sockets, extra_args=NO_ROUTING_FLAGS):
+                probe = await P2P.create(
+                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    dht_mode="client",
+                    auto_nat=False,
+                    nat_port_map=False,
+                    use_relay=True,
+                    startup_timeout=timeout_s,
+                )
+            await connect(probe, target, [Multiaddr(maddr)])
+            links = [str(a) for p in await probe.list_peers() if p.peer_id == target
+                     for a in p.addrs]  # fmt: skip
+        if not any("p2p-circuit" in a for a in links):
+            return f"reached the node, but not through the relay ({', '.join(links)})"[:200]
+        return None
+    except TimeoutError:
+        return f"no connection through the relay within {timeout_s:.0f} s"
+    except (P2PDaemonError, ValueError, OSError, EOFError) as e:
+        return _one_line(f"{type(e).__name__}: {e}")
+    finally:
+        if probe is not None:
+            with contextlib.suppress(Exception):
+                await probe.shutdown()
+        if sockets is not None:
+            shutil.rmtree(sockets, ignore_errors=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.swarm import StatusWatch, launch_node, stop_all
+from tests.swarm import StatusWatch, launch_node, stop_all, wait_until
 
 
 def _present(view: dict) -> dict[str, int]:
@@ -125,3 +125,45 @@ def test_exit_closed_runs_exit_handlers_and_flushes(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (3, "buffered", "and stderr")
     assert mark.read_text() == "yes"
+
+
+def _averager(node) -> psutil.Process:
+    """The averager process of a one-stage node: the newest of the children it forked (the
+    first is its DHT)."""
+    forked = [c for c in psutil.Process(node.proc.pid).children()
+              if c.name() not in ("p2pd", "torch_shm_manager")]  # fmt: skip
+    assert len(forked) == 2, [(c.pid, c.name(), c.cmdline()[:3]) for c in forked]
+    return max(forked, key=lambda c: c.create_time())
+
+
+def test_a_joiner_whose_stage_peer_hands_over_no_state_waits_for_it(tmp_path):
+    """A joiner of a stage whose only peer answers no state download (its averager frozen,
+    as a peer busy or on a slow link can be, while its progress records stay fresh) stays
+    up, says so, and loads the stage from that peer once it answers again."""
+    nodes = []
+    frozen = None
+    try:
+        a = launch_node(tmp_path, "a", "stalled", extra=["--stage", "0"])
+        nodes.append(a)
+        a.wait_serving(120)
+        frozen = _averager(a)
+        frozen.suspend()
+        b = launch_node(tmp_path, "b", a.run_id, initial_peers=[a.maddr], extra=["--stage", "0"])
+        nodes.append(b)
+
+        def failed() -> list[dict]:
+            assert b.alive(), b.output()[-3000:]
+            return b.events("stage.load_failed")
+
+        (first, *_) = wait_until(failed, 150, "the joiner to fail its first load", every=0.5)
+        assert first["stage"] == 0 and first["retry_s"] > 0, first
+        assert b.stage() is None and b.alive()
+        frozen.resume()
+        frozen = None
+        assert b.wait_serving(120) == 0
+        (held,) = b.events("stage.held")
+        assert (held["loaded"], held["source"]) == ("peers", a.peer_id), held
+    finally:
+        if frozen is not None:
+            frozen.resume()
+        stop_all(nodes)

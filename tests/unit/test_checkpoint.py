@@ -115,3 +115,18 @@ def test_a_checkpoint_records_the_data_position_of_its_stream(tmp_path):
     assert checkpoint.data_position(tmp_path, SPEC, stream=5) == 42  # the furthest
     assert checkpoint.data_position(tmp_path, SPEC, stream=6) == 0  # another stream's
     assert checkpoint.data_position(tmp_path, OTHER, stream=5) == 0  # another spec's
+
+
+def test_a_checkpoint_whose_metadata_is_not_an_object_is_refused_everywhere(tmp_path):
+    """Valid safetensors whose ``swarmtrain`` metadata is JSON but not an object: refused
+    with a CheckpointError, skipped by the header-only readers, never an AttributeError."""
+    from safetensors.torch import save_file
+
+    module, optimizer = _trained(0, steps=1)
+    path = checkpoint.write(tmp_path, SPEC, 0, *_capture(module, optimizer, 1))
+    save_file({"x": torch.zeros(1)}, str(path), metadata={"swarmtrain": "[1, 2]"})
+    with pytest.raises(CheckpointError, match="not an object"):
+        checkpoint.read(path, SPEC, 0)
+    assert checkpoint.newest(tmp_path, SPEC, 0) is None
+    assert checkpoint.kept_stages(tmp_path, SPEC) == []
+    assert checkpoint.data_position(tmp_path, SPEC, 0) == 0
