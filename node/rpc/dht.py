@@ -350,6 +350,7 @@ class SwarmDHT:
         self._drops_logged = LogBudget("records dropped as they were read")
         self._spec_checked = False  # publish_spec looked for a conflicting spec
         self._kept_spec: bytes | None = None  # the spec ``spec`` last chose
+        self._visible: list[str] | None = None  # ``visible_maddrs``, once asked
         self._conflicts: set[bytes] = set()  # later specs for this run id, already reported
         self._claims_seen: dict[tuple[str, str], Claim | None] = {}  # (peer, proof) -> claim
 
@@ -429,7 +430,13 @@ class SwarmDHT:
         return self.dht.peer_id.to_base58()
 
     def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        """The addresses peers dial this DHT's daemon at. Asked of the DHT process once
+        (hivemind's answer does not change: its daemon's, as read at start), then
+        remembered: the question blocks the caller, and a later one from the event loop
+        would stall every task of the node, forever if the DHT process has died."""
+        if self._visible is None:
+            self._visible = [str(m) for m in self.dht.get_visible_maddrs()]
+        return list(self._visible)
 
     async def replicate_p2p(self) -> hivemind.P2P:
         """A P2P handle in this process on the DHT's daemon: same peer id, for RPCs."""

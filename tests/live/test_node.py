@@ -167,3 +167,19 @@ def test_a_joiner_whose_stage_peer_hands_over_no_state_waits_for_it(tmp_path):
         if frozen is not None:
             frozen.resume()
         stop_all(nodes)
+
+
+def test_a_node_whose_dht_process_dies_stops_with_one_line(tmp_path):
+    """The DHT process killed under a training node (the OOM killer can pick it): the node
+    does not live on unseen, it exits 2 within a minute, naming the cause in one line."""
+    node = launch_node(tmp_path, "a", "orphaned", extra=["--stage", "0"], train=True)
+    try:
+        node.wait_serving(120)
+        forked = [c for c in psutil.Process(node.proc.pid).children()
+                  if c.name() not in ("p2pd", "torch_shm_manager")]  # fmt: skip
+        min(forked, key=lambda c: c.create_time()).kill()  # the first it forks: the DHT
+        assert node.proc.wait(60) == 2, node.output()[-3000:]
+        (line,) = [x for x in node.output().splitlines() if x.startswith("swarmtrain node:")]
+        assert line == "swarmtrain node: error: this node's DHT process exited (exit code -9)"
+    finally:
+        stop_all([node])
