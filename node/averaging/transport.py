@@ -416,6 +416,11 @@ class HivemindTransport:
         finally:
             self.process.lock_averaged_tensors.release()
 
+    def exited(self) -> int | None:
+        """The averager process's exit code once it has exited (before ``close``: it
+        died); None while it runs."""
+        return None if self.process.is_alive() else self.process.exitcode
+
     async def close(self) -> None:
         """Stop the process (killed if it does not stop within 5 s)."""
         await asyncio.to_thread(self._stop)

@@ -75,7 +75,7 @@ from protocol.run_spec import RunSpec, SignedSpec
 logger = logging.getLogger(__name__)
 
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
-DHT_CHECK_S = 2.0  # how often the node checks that its DHT process still runs
+CHILDREN_CHECK_S = 2.0  # how often the node checks that its DHT and averagers still run
 
 
 class Node:
@@ -371,7 +371,7 @@ class Node:
             async with asyncio.TaskGroup() as tasks:
                 own = Owned(tasks)
                 own(archive.run(), "archive")
-                own(self._watch_dht(stop), "dht-process")
+                own(self._watch_children(stop), "children")
                 own(self._refresh_spec(), "refresh-spec")
                 own(self._follow_revocations(), "revocations")
                 if on_ready is not None:
@@ -394,7 +394,7 @@ class Node:
             own(self._announce(), "announce")
             own(self._refresh_spec(), "refresh-spec")
             own(self._follow_revocations(), "revocations")
-            own(self._watch_dht(stop), "dht-process")
+            own(self._watch_children(stop), "children")
             own(self._follow_gossip(stop), "gossip")
             own(self.placement.keep_connected(), "gossip-peers")
             own(self._watch(), "watch")
@@ -437,28 +437,35 @@ class Node:
                     await stop.wait()
             if not stop.is_set():
                 # The DHT process's death takes its p2pd along: name the cause.
-                raise self._dht_exited() or NodeError(f"this node's p2pd stopped: {e}") from None
+                raise self._child_exited() or NodeError(f"this node's p2pd stopped: {e}") from None
 
-    async def _watch_dht(self, stop: asyncio.Event) -> None:
-        """Stop the node with a ``NodeError`` once its DHT process has exited (the OOM
-        killer, say): every record, progress read and averaging round goes through it, so
-        without it the node would live on, serving nothing and unseen. A stop that follows
-        within ``P2PD_GONE_GRACE_S`` (a Ctrl-C signals the whole process group) just ends
-        this task."""
-        while (exited := self._dht_exited()) is None:
-            await asyncio.sleep(DHT_CHECK_S)
+    async def _watch_children(self, stop: asyncio.Event) -> None:
+        """Stop the node with a ``NodeError`` once its DHT process or the averager process
+        of a stage it holds has exited (the OOM killer, say): every record, progress read
+        and averaging round goes through them, so without one the node would live on,
+        serving nothing or a copy no longer averaged. A stop that follows within
+        ``P2PD_GONE_GRACE_S`` (a Ctrl-C signals the whole process group) just ends this
+        task."""
+        while (exited := self._child_exited()) is None:
+            await asyncio.sleep(CHILDREN_CHECK_S)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(P2PD_GONE_GRACE_S):
                 await stop.wait()
         if not stop.is_set():
             raise exited
 
-    def _dht_exited(self) -> NodeError | None:
-        """The error to stop with if the DHT process has exited; None while it runs."""
+    def _child_exited(self) -> NodeError | None:
+        """The error to stop with if the DHT process or a held stage's averager process
+        has exited; None while they run."""
         process = self.dht.dht
-        if process.is_alive():
-            return None
-        return NodeError(f"this node's DHT process exited (exit code {process.exitcode})")
+        if not process.is_alive():
+            return NodeError(f"this node's DHT process exited (exit code {process.exitcode})")
+        for stage, held in list(self.stages.held.items()):
+            if (code := held.averager.transport.exited()) is not None:
+                return NodeError(
+                    f"this node's averager process of stage {stage} exited (exit code {code})"
+                )
+        return None
 
     async def _measure_bandwidth(self) -> None:
         """Measure up/down against a serving peer (``Offer.measure_bandwidth``) and

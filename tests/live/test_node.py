@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.swarm import StatusWatch, launch_node, stop_all, wait_until
 
@@ -127,13 +128,14 @@ def test_exit_closed_runs_exit_handlers_and_flushes(tmp_path):
     assert mark.read_text() == "yes"
 
 
-def _averager(node) -> psutil.Process:
-    """The averager process of a one-stage node: the newest of the children it forked (the
-    first is its DHT)."""
-    forked = [c for c in psutil.Process(node.proc.pid).children()
-              if c.name() not in ("p2pd", "torch_shm_manager")]  # fmt: skip
+def _forked(node) -> list[psutil.Process]:
+    """The processes a one-stage node forked, oldest first: its DHT's, then its stage's
+    averager's."""
+    forked = sorted((c for c in psutil.Process(node.proc.pid).children()
+                     if c.name() not in ("p2pd", "torch_shm_manager")),
+                    key=lambda c: c.create_time())  # fmt: skip
     assert len(forked) == 2, [(c.pid, c.name(), c.cmdline()[:3]) for c in forked]
-    return max(forked, key=lambda c: c.create_time())
+    return forked
 
 
 def test_a_joiner_whose_stage_peer_hands_over_no_state_waits_for_it(tmp_path):
@@ -146,7 +148,7 @@ def test_a_joiner_whose_stage_peer_hands_over_no_state_waits_for_it(tmp_path):
         a = launch_node(tmp_path, "a", "stalled", extra=["--stage", "0"])
         nodes.append(a)
         a.wait_serving(120)
-        frozen = _averager(a)
+        frozen = _forked(a)[-1]
         frozen.suspend()
         b = launch_node(tmp_path, "b", a.run_id, initial_peers=[a.maddr], extra=["--stage", "0"])
         nodes.append(b)
@@ -169,17 +171,21 @@ def test_a_joiner_whose_stage_peer_hands_over_no_state_waits_for_it(tmp_path):
         stop_all(nodes)
 
 
-def test_a_node_whose_dht_process_dies_stops_with_one_line(tmp_path):
-    """The DHT process killed under a training node (the OOM killer can pick it): the node
-    does not live on unseen, it exits 2 within a minute, naming the cause in one line."""
+@pytest.mark.parametrize("child", ["DHT", "averager"])
+def test_a_node_whose_dht_or_averager_process_dies_stops_with_one_line(tmp_path, child):
+    """A child process killed under a training node (the OOM killer can pick one): the
+    node does not live on unseen, serving nothing or a copy no longer averaged; it
+    checkpoints and exits 2 within a minute, naming the process in one line."""
     node = launch_node(tmp_path, "a", "orphaned", extra=["--stage", "0"], train=True)
     try:
         node.wait_serving(120)
-        forked = [c for c in psutil.Process(node.proc.pid).children()
-                  if c.name() not in ("p2pd", "torch_shm_manager")]  # fmt: skip
-        min(forked, key=lambda c: c.create_time()).kill()  # the first it forks: the DHT
+        dht, averager = _forked(node)
+        killed = time.time()
+        (dht if child == "DHT" else averager).kill()
         assert node.proc.wait(60) == 2, node.output()[-3000:]
         (line,) = [x for x in node.output().splitlines() if x.startswith("swarmtrain node:")]
-        assert line == "swarmtrain node: error: this node's DHT process exited (exit code -9)"
+        what = "DHT process" if child == "DHT" else "averager process of stage 0"
+        assert line == f"swarmtrain node: error: this node's {what} exited (exit code -9)"
+        assert [e for e in node.events("checkpoint.written") if e["t"] >= killed]
     finally:
         stop_all([node])
