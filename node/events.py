@@ -128,7 +128,10 @@ fields:
 A process holds at most one open log (``open_log``); ``emit`` anywhere in the process
 writes to it, and does nothing when none is open, so library code emits unconditionally.
 Lines are appended with one ``write`` each on a file opened ``O_APPEND``, so a forked child
-(a hivemind averager) may emit into the same file without interleaving.
+(a hivemind averager) may emit into the same file without interleaving. A node runs for
+days: past ``MAX_LOG_BYTES`` the process that opened the log copies it to ``NAME.1``
+(replacing the copy before) and empties it in place, so that the children's appends go on
+into the same file; a child's line written during the copy may be lost.
 
 In-process listeners (``listen``; the dashboard counts events this way) get every event
 emitted in the process that registered them, log open or not, on the emitting thread;
@@ -141,6 +144,8 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -148,17 +153,23 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+MAX_LOG_BYTES = 64 * 2**20  # an event log past this is rotated (one older copy kept)
+
 _fd: int | None = None
+_path: Path | None = None  # the open log's
+_owner: int | None = None  # the pid that opened it: the one process that rotates it
+_writing = threading.Lock()  # the owner's writes and rotation (never taken in a child)
 Listener = Callable[[dict[str, Any]], None]
 _listeners: list[tuple[int, Listener]] = []  # (the pid that registered it, the listener)
 
 
 def open_log(path: Path) -> None:
     """Open ``path`` (created, appended to) as this process's event log."""
-    global _fd
+    global _fd, _path, _owner
     close_log()
     path.parent.mkdir(parents=True, exist_ok=True)
     _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _path, _owner = path, os.getpid()
 
 
 def close_log() -> None:
@@ -190,11 +201,34 @@ def emit(event: str, **fields: Any) -> None:
         _notify(record)
     if _fd is None:
         return
-    line = json.dumps(record, default=str)
+    data = (json.dumps(record, default=str) + "\n").encode()
     try:
-        os.write(_fd, (line + "\n").encode())
+        if os.getpid() != _owner:  # a forked child: the lock may have been held at the fork
+            os.write(_fd, data)
+            return
+        with _writing:
+            os.write(_fd, data)
+            if os.fstat(_fd).st_size > MAX_LOG_BYTES:
+                _rotate(_fd)
     except OSError as e:
         logger.debug("event %s not written: %s", event, e)
+
+
+def _rotate(fd: int) -> None:
+    """Copy the open log to ``NAME.1`` (atomically replacing the older copy), then empty
+    it in place (holding ``_writing``). A copy that fails (a full disk) is given up: the
+    log is emptied all the same, rather than grow or be copied again at every event."""
+    assert _path is not None
+    backup = _path.with_name(_path.name + ".1")
+    partial = backup.with_name(backup.name + ".tmp")
+    try:
+        shutil.copyfile(_path, partial)
+        os.replace(partial, backup)
+    except OSError as e:
+        logger.warning("could not keep a copy of the event log %s (%s): emptying it", _path, e)
+        with contextlib.suppress(OSError):
+            partial.unlink()
+    os.ftruncate(fd, 0)
 
 
 def _notify(record: dict[str, Any]) -> None:

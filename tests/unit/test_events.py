@@ -5,6 +5,7 @@ is written as a ``peer.banned`` event."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,31 @@ def test_a_caller_banned_by_a_service_is_one_peer_banned_event(event_log: Path) 
     assert banned["peer"] == caller.to_base58() and banned["service"] == "swarmtrain.test"
     assert service.ban_refusal(_context(caller)) is not None
     assert service.ban_refusal(_context(other)) is None
+
+
+def test_a_log_past_its_limit_keeps_one_older_copy_and_a_child_appends_on(
+    event_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``MAX_LOG_BYTES`` the log is copied to ``NAME.1`` and emptied in place: no
+    event of the process is lost across one rotation, at most two files' worth is kept,
+    and a forked child (holding the same open file) appends to the live log, unrotated."""
+    monkeypatch.setattr(events, "MAX_LOG_BYTES", 2_000)
+    for i in range(30):  # ~60 bytes each: one rotation
+        events.emit("train.progress", micro_batches=i, loss=1.0)
+    backup = event_log.with_name(event_log.name + ".1")
+    kept = events.read_events(backup) + events.read_events(event_log)
+    assert [e["micro_batches"] for e in kept] == list(range(30))
+    assert 0 < event_log.stat().st_size < backup.stat().st_size <= 2_100
+    for i in range(30, 100):  # more rotations: the oldest copies go
+        events.emit("train.progress", micro_batches=i, loss=1.0)
+    kept = events.read_events(backup) + events.read_events(event_log)
+    assert [e["micro_batches"] for e in kept] == list(range(100 - len(kept), 100))
+    assert sorted(p.name for p in event_log.parent.iterdir()) == [event_log.name, backup.name]
+
+    # A forked child (another pid than the log's opener) appends through the same open
+    # file, and never rotates: the opener does.
+    monkeypatch.setattr(events, "_owner", os.getpid() + 1)
+    for _ in range(40):
+        events.emit("node.state", state="child")
+    assert len(events.read_events(event_log, "node.state")) == 40
+    assert event_log.stat().st_size > 2_000
