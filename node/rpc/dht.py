@@ -155,6 +155,14 @@ def _start_failure(e: BaseException, initial_peers: Sequence[str], host_maddrs: 
             f"cannot reach any initial peer ({peers}): is a node of the run running at that "
             "address, and is its port open to this machine? (a node prints its address at start)"
         )
+    if m := re.search(r"local time must be within .*local: ([\d.]+), peer: ([\d.]+)", text):
+        ahead = float(m.group(1)) - float(m.group(2))
+        return (
+            f"this machine's clock is {abs(ahead):.1f} s {'ahead of' if ahead > 0 else 'behind'} "
+            "an initial peer's, and peers refuse a clock more than 3 s off theirs (averaging "
+            "needs well under 1 s): turn on time synchronization (timedatectl set-ntp true) "
+            "and start again"
+        )
     if "failed to listen" in text:
         reason = m.group(1) if (m := re.search(r"bind: ([^\]]+)", text)) else text
         return (

@@ -43,6 +43,12 @@ def test_daemon_errors_read_as_one_line():
     assert "cannot listen on /ip4/127.0.0.1/tcp/45123: address already in use" in text
     other = _start_failure(RuntimeError("Daemon failed to start: boom\nmore"), [], [])
     assert "\n" not in other and "boom" in other
+    # hivemind's DHT refuses a peer whose clock is more than 3 s off (its words, verbatim)
+    skewed = ValueError("local time must be within 3 seconds  of others(local: "
+                        "1796414657.98202, peer: 1796414652.99232)")  # fmt: skip
+    text = _start_failure(skewed, [], [])
+    assert text.startswith("this machine's clock is 5.0 s ahead of an initial peer's"), text
+    assert "timedatectl set-ntp true" in text
 
 
 def test_light_module_knows_the_corpus_name():
