@@ -85,6 +85,10 @@ fields:
 - ``averaging.resync``: ``stage``, ``epoch``, ``source`` (a groupmate's peer id): the
   group of the round of ``epoch`` held copies of different lineages (a fallback forked
   them), and this copy downloads ``source``'s (``protocol.averaging.resync_source``).
+- ``averaging.clock_skew``: ``stage``, ``offset_s`` (how far the clocks of the stage's
+  peers that push their records are ahead of ours, the median over them; negative:
+  behind), ``peers``: at least ``protocol.clock.WARN_S`` apart, which fails rounds; at
+  most every ``protocol.clock.REPEAT_S`` while it lasts.
 - ``averaging.state_refused``: ``averager`` (its name in log lines: stage and peer),
   ``source`` (the peer the state came from, as the transport knows it), ``reason``: a
   downloaded state did not fit the stage, or claimed an epoch far ahead of the others;

@@ -361,6 +361,14 @@ class StageAverager:
         """A peer pushed its record (on the event loop): ``RecordError`` if invalid."""
         if not self.board.accept(raw, sender):
             return False
+        if (skew := self.board.clocks.verdict(get_dht_time())) is not None:
+            logger.warning("%s: %s", self._name, skew.line())
+            events.emit(
+                "averaging.clock_skew",
+                stage=self.stage_index,
+                offset_s=round(skew.offset_s, 3),
+                peers=skew.peers,
+            )
         self._taken += 1
         self._wake.set()  # it may complete the batch
         self._gate_changed()

@@ -38,6 +38,7 @@ from hivemind.utils import get_dht_time
 
 from node.rpc.dht import SwarmDHT
 from protocol.averaging import Action, decide
+from protocol.clock import ClockCheck
 from protocol.progress import (
     Progress,
     ProgressRecord,
@@ -149,6 +150,7 @@ class ProgressBoard:
         self.reads = 0  # DHT reads of the stage's records (``refresh``)
         self.stores = 0  # DHT stores of our record (``publish``)
         self._pushed: dict[str, tuple[ProgressRecord, float]] = {}  # peer -> newest, when (clock)
+        self.clocks = ClockCheck()  # the pushing peers' clocks against ours (DHT time)
 
     @property
     def can_publish(self) -> bool:
@@ -244,8 +246,10 @@ class ProgressBoard:
         of that peer."""
         if sender == self.peer_id or sender not in self._in_run or self._ignored(sender):
             return False  # before the signature is checked: a stranger's push costs little
-        signed = decode_progress_record(raw, subkey=sender, run=self.spec.run, now=get_dht_time())
+        now = get_dht_time()
+        signed = decode_progress_record(raw, subkey=sender, run=self.spec.run, now=now)
         peer = signed.peer_id
+        self.clocks.observe(peer, signed.timestamp, now)
         if signed.timestamp <= self._stamps.get(peer, -math.inf):
             return False
         self._pushed[peer] = (signed, self._clock())
