@@ -2,11 +2,11 @@
 
 Averaging needs the peers' clocks to agree to well under a second: hivemind's matchmaking
 orders and expires a round's declarations by clock time, over a window of
-``AveragingSpec.matchmaking_s`` (2 s by default). On one machine, with one of a stage's
-two peers' clocks shifted by libfaketime, peers 2 s apart averaged in no round in three
-runs of 45-60 s (either way), peers 1 s apart in one run of two (none in the other), and
-peers in step in every round. The node cannot set the clock; it can say that it is off,
-and by how much.
+``AveragingSpec.matchmaking_s`` (2 s by default). With one of a stage's two peers' clocks
+shifted by libfaketime (``scripts/bench_clock.py``, BENCHMARKS.md "Clocks"), peers 2 s
+apart averaged in no round in five runs of 45-60 s (either way), peers 1 s apart in four
+runs of five (none in the fifth). The node cannot set the clock; it can say that it is
+off, and by how much.
 
 A pushed progress record carries its signer's clock at signing; received at once, its
 timestamp less our clock at receipt is the signer's clock offset from ours less the
