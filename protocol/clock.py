@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 WARN_S = 0.5  # an offset from the peers' median at least this large is warned about
 WINDOW_S = 60.0  # how long an observation counts
 REPEAT_S = 600.0  # a warning still true is repeated this often
+CHECK_S = 5.0  # ``verdict`` looks at the observations at most this often
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ClockCheck:
 
     _seen: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     _warned_at: float = -math.inf
+    _checked_at: float = -math.inf
 
     def observe(self, peer: str, sent: float, received: float) -> None:
         """A record of ``peer`` signed at ``sent`` (its clock) came in at ``received``
@@ -77,9 +79,13 @@ class ClockCheck:
 
     def verdict(self, now: float) -> Skew | None:
         """The skew to warn about now: at least ``WARN_S`` off, and not warned about in the
-        last ``REPEAT_S`` seconds; else None."""
+        last ``REPEAT_S`` seconds; else None. It is called at every pushed record, so it
+        looks at the observations at most every ``CHECK_S`` seconds."""
+        if now - self._warned_at < REPEAT_S or now - self._checked_at < CHECK_S:
+            return None
+        self._checked_at = now
         skew = self.skew(now)
-        if skew is None or abs(skew.offset_s) < WARN_S or now - self._warned_at < REPEAT_S:
+        if skew is None or abs(skew.offset_s) < WARN_S:
             return None
         self._warned_at = now
         return skew

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from protocol.clock import REPEAT_S, WARN_S, WINDOW_S, ClockCheck
+from protocol.clock import CHECK_S, REPEAT_S, WARN_S, WINDOW_S, ClockCheck
 
 
 def test_the_least_delayed_record_estimates_a_peer_and_the_median_the_stage() -> None:
@@ -27,13 +27,15 @@ def test_a_skew_is_warned_once_then_every_repeat_and_old_records_stop_counting()
     assert check.verdict(now=0.0) is None  # nobody observed
     check.observe("a", sent=10.0 - WARN_S / 2, received=10.0)
     assert check.verdict(now=10.0) is None  # within the tolerance
-    check.observe("a", sent=11.0 + 2 * WARN_S, received=11.0)
-    first = check.verdict(now=11.0)
+    t = 10.0 + CHECK_S
+    check.observe("a", sent=t - 1.0 + 2 * WARN_S, received=t - 1.0)
+    assert check.verdict(now=t - 1.0) is None  # looked less than CHECK_S ago
+    first = check.verdict(now=t)
     assert first is not None and first.offset_s == 2 * WARN_S and first.peers == 1
     assert "ahead of this machine's" in first.line() and "timedatectl" in first.line()
-    check.observe("a", sent=12.0 + 2 * WARN_S, received=12.0)
-    assert check.verdict(now=12.0) is None  # warned already
-    late = 11.0 + REPEAT_S
+    check.observe("a", sent=t + CHECK_S + 2 * WARN_S, received=t + CHECK_S)
+    assert check.verdict(now=t + CHECK_S) is None  # warned already
+    late = t + REPEAT_S
     assert check.skew(now=late) is None  # the observations are older than the window
     check.observe("a", sent=late - 2 * WARN_S, received=late)
     again = check.verdict(now=late)
