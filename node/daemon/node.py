@@ -76,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
 CHILDREN_CHECK_S = 2.0  # how often the node checks that its DHT and averagers still run
+DHT_ASK_S = 10.0  # how often the node asks its DHT process something that needs no network
+DHT_PATIENCE_S = 30.0  # an ask unanswered this long: the DHT process is alive but stuck
 
 
 class Node:
@@ -121,6 +123,7 @@ class Node:
         self.started = get_dht_time()  # for the uptime in our record
         self.dashboard: Dashboard | None = None
         self.training: Training | None = None  # once it runs
+        self.archive: Archive | None = None  # an archive node's stages, once opened
         self.run_peers = RunPeers()  # the run's peers, as ``watch_run`` last read them
         # Whether peers can dial us, and the relay it serves through if they cannot.
         self.reach = Reach(dht, settings, self._reached, self._changed.set)
@@ -367,6 +370,7 @@ class Node:
             record_ttl_s=self.settings.record_ttl_s,
         )
         self._resources.push_async_callback(archive.close)
+        self.archive = archive
         try:
             async with asyncio.TaskGroup() as tasks:
                 own = Owned(tasks)
@@ -441,13 +445,36 @@ class Node:
 
     async def _watch_children(self, stop: asyncio.Event) -> None:
         """Stop the node with a ``NodeError`` once its DHT process or the averager process
-        of a stage it holds has exited (the OOM killer, say): every record, progress read
-        and averaging round goes through them, so without one the node would live on,
-        serving nothing or a copy no longer averaged. A stop that follows within
-        ``P2PD_GONE_GRACE_S`` (a Ctrl-C signals the whole process group) just ends this
-        task."""
-        while (exited := self._child_exited()) is None:
-            await asyncio.sleep(CHILDREN_CHECK_S)
+        of a stage it holds has exited (the OOM killer, say), or once its DHT process has
+        left an ask that needs no network (the size of its routing table) unanswered for
+        ``DHT_PATIENCE_S`` (alive but stuck: stopped, or its event loop blocked). Every
+        record, progress read and averaging round goes through them, so without one the
+        node would live on, serving nothing or a copy no longer averaged; stopped, a
+        service manager restarts it. A stop that follows within ``P2PD_GONE_GRACE_S`` (a
+        Ctrl-C signals the whole process group) just ends this task."""
+        loop = asyncio.get_running_loop()
+        ask: asyncio.Future | None = None
+        asked = next_ask = loop.time()
+        try:
+            while (exited := self._child_exited()) is None:
+                now = loop.time()
+                if ask is not None and ask.done():
+                    if not ask.cancelled() and ask.exception() is not None:
+                        logger.debug("asking the DHT process failed: %r", ask.exception())
+                    ask = None
+                if ask is None and now >= next_ask:
+                    ask = asyncio.ensure_future(self.dht.known_peers())
+                    asked, next_ask = now, now + DHT_ASK_S
+                elif ask is not None and now - asked >= DHT_PATIENCE_S:
+                    exited = NodeError(
+                        f"this node's DHT process has not answered for {now - asked:.0f} s "
+                        "(it runs but is stuck)"
+                    )
+                    break
+                await asyncio.sleep(CHILDREN_CHECK_S)
+        finally:
+            if ask is not None:
+                ask.cancel()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(P2PD_GONE_GRACE_S):
                 await stop.wait()
@@ -455,13 +482,16 @@ class Node:
             raise exited
 
     def _child_exited(self) -> NodeError | None:
-        """The error to stop with if the DHT process or a held stage's averager process
-        has exited; None while they run."""
+        """The error to stop with if the DHT process or the averager process of a held
+        (or, on an archive node, kept) stage has exited; None while they run."""
         process = self.dht.dht
         if not process.is_alive():
             return NodeError(f"this node's DHT process exited (exit code {process.exitcode})")
-        for stage, held in list(self.stages.held.items()):
-            if (code := held.averager.transport.exited()) is not None:
+        averagers = [(stage, held.averager) for stage, held in self.stages.held.items()]
+        if self.archive is not None:
+            averagers += [(kept.stage, kept.averager) for kept in self.archive.stages]
+        for stage, averager in averagers:
+            if (code := averager.transport.exited()) is not None:
                 return NodeError(
                     f"this node's averager process of stage {stage} exited (exit code {code})"
                 )

@@ -838,10 +838,15 @@ class SwarmDHT:
         self.policy.admit(peer_id, proof, get_dht_time())  # raises if another claim holds
 
     def shutdown(self) -> None:
-        """Stop the DHT process and its ``p2pd`` (blocking, about a second), and remove
-        their sockets."""
+        """Stop the DHT process and its ``p2pd`` (blocking, about a second; a process that
+        does not end when asked, stopped or stuck, is killed), and remove their sockets."""
         try:
             self.dht.shutdown()
+            if self.dht.is_alive():  # a stopped process keeps SIGTERM pending: kill it
+                self.dht.join(1)
+                if self.dht.is_alive():
+                    self.dht.kill()
+                    self.dht.join(5)
         finally:
             if self._socket_dir is not None:
                 shutil.rmtree(self._socket_dir, ignore_errors=True)

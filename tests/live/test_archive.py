@@ -10,6 +10,8 @@ import asyncio
 import math
 import signal
 
+import psutil
+
 from node.cli.export import newest_of_each_stage
 from node.harness.local_swarm import NodeProcess, launch_node, stop_all, wait_until
 from tests.live.test_resume import _train_and_validate
@@ -71,5 +73,19 @@ def test_a_stage_whose_peers_all_died_comes_back_from_the_archive(tmp_path):
         # What the archive keeps is a whole model: it exports like nodes' checkpoints.
         _, chosen = newest_of_each_stage([directory])
         assert [c.stage for c in chosen] == [0, 1] and chosen[1].metadata["step"] >= archived
+
+        # An archive whose averager of a stage dies (the OOM killer) stops in one line, so
+        # that its service manager restarts it, instead of keeping a stage no longer pulled.
+        forked = sorted((c for c in psutil.Process(archive.proc.pid).children()
+                         if c.name() not in ("p2pd", "torch_shm_manager")),
+                        key=lambda c: c.create_time())  # fmt: skip
+        assert len(forked) == 3, forked  # its DHT's, then one averager per stage
+        forked[-1].kill()
+        assert archive.proc.wait(60) == 2, archive.output()[-3000:]
+        (line,) = [x for x in archive.output().splitlines() if x.startswith("swarmtrain node:")]
+        assert (
+            line == "swarmtrain node: error: this node's averager process of stage 1 exited "
+            "(exit code -9)"
+        )
     finally:
         stop_all(nodes)

@@ -1,5 +1,6 @@
 """Node daemons on a real local swarm: discovery, status, departure, identity."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -171,21 +172,33 @@ def test_a_joiner_whose_stage_peer_hands_over_no_state_waits_for_it(tmp_path):
         stop_all(nodes)
 
 
-@pytest.mark.parametrize("child", ["DHT", "averager"])
+@pytest.mark.parametrize("child", ["DHT", "averager", "DHT stuck"])
 def test_a_node_whose_dht_or_averager_process_dies_stops_with_one_line(tmp_path, child):
-    """A child process killed under a training node (the OOM killer can pick one): the
-    node does not live on unseen, serving nothing or a copy no longer averaged; it
-    checkpoints and exits 2 within a minute, naming the process in one line."""
+    """A child process killed under a training node (the OOM killer can pick one), or its
+    DHT process alive but stuck (stopped here): the node does not live on unseen, serving
+    nothing or a copy no longer averaged; it checkpoints and exits 2 within a minute,
+    naming the process in one line, and leaves no process behind."""
     node = launch_node(tmp_path, "a", "orphaned", extra=["--stage", "0"], train=True)
     try:
         node.wait_serving(120)
         dht, averager = _forked(node)
         killed = time.time()
-        (dht if child == "DHT" else averager).kill()
-        assert node.proc.wait(60) == 2, node.output()[-3000:]
+        if child == "DHT stuck":
+            dht.suspend()
+        else:
+            (dht if child == "DHT" else averager).kill()
+        assert node.proc.wait(75) == 2, node.output()[-3000:]
         (line,) = [x for x in node.output().splitlines() if x.startswith("swarmtrain node:")]
-        what = "DHT process" if child == "DHT" else "averager process of stage 0"
-        assert line == f"swarmtrain node: error: this node's {what} exited (exit code -9)"
+        if child == "DHT stuck":
+            assert re.fullmatch(
+                r"swarmtrain node: error: this node's DHT process has not answered for "
+                r"\d+ s \(it runs but is stuck\)",
+                line,
+            ), line
+            assert not dht.is_running() or dht.status() == psutil.STATUS_ZOMBIE
+        else:
+            what = "DHT process" if child == "DHT" else "averager process of stage 0"
+            assert line == f"swarmtrain node: error: this node's {what} exited (exit code -9)"
         assert [e for e in node.events("checkpoint.written") if e["t"] >= killed]
     finally:
         stop_all([node])
