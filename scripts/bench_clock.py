@@ -5,25 +5,25 @@ time), and what each node says about it.
     python -m scripts.bench_clock [--shifts 0 1 -1 2 -2] [--seconds 60] [--runs 1]
 
 Per shift and run: a 2-stage run on 127.0.0.1 with two peers of stage 0 (``a``, which
-trains, and ``b``, started under ``faketime -f SHIFTs``) and one of stage 1; after all
-serve, ``--seconds`` of training, then the stage-0 epoch ``a`` reached, the rounds it
+trains, and ``b``, its clock shifted by SHIFT s with libfaketime) and one of stage 1;
+after all serve, ``--seconds`` of training, then the stage-0 epoch ``a`` reached, the rounds it
 averaged with ``b`` (``averaging.round`` with ``how`` averaged and 2 peers) and those it
 stepped alone or fell back in, and the offsets each node reported
 (``averaging.clock_skew``). A shift beyond 3 s is refused at join by hivemind's DHT, so
-the script prints the node's error line instead. Needs ``faketime`` (Debian package).
+the script prints the node's error line instead. Needs libfaketime (Debian package
+``faketime``).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from node.harness.local_swarm import NodeProcess, launch_node, stop_all
+from node.harness.local_swarm import NodeProcess, launch_node, shifted_clock, stop_all
 
 
 def _error_line(node: NodeProcess) -> str:
@@ -31,7 +31,7 @@ def _error_line(node: NodeProcess) -> str:
     return lines[-1] if lines else node.output()[-300:]
 
 
-def run_once(faketime: str, shift: float, seconds: float, workdir: Path) -> str:
+def run_once(shift: float, seconds: float, workdir: Path) -> str:
     """One swarm with ``b``'s clock shifted by ``shift`` seconds; its line of figures."""
     nodes: list[NodeProcess] = []
     try:
@@ -40,9 +40,8 @@ def run_once(faketime: str, shift: float, seconds: float, workdir: Path) -> str:
         run = a.run_id
         c = launch_node(workdir, "c", run, initial_peers=[a.maddr], extra=["--stage", "1"])
         nodes.append(c)
-        shifted = [faketime, "-f", f"{shift:+g}s"] if shift else []
         b = launch_node(workdir, "b", run, initial_peers=[a.maddr], extra=["--stage", "0"],
-                        wrap=lambda command: [*shifted, *command], wait=False)  # fmt: skip
+                        wrap=shifted_clock(shift) if shift else None, wait=False)  # fmt: skip
         nodes.append(b)
         try:
             b.wait_started()
@@ -71,13 +70,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
-    faketime = shutil.which("faketime")
-    if faketime is None:
-        sys.exit("bench_clock: needs faketime on PATH (Debian: apt-get install faketime)")
+    if shifted_clock(0) is None:
+        sys.exit("bench_clock: needs libfaketime (Debian: apt-get install faketime)")
     for run in range(args.runs):
         for shift in args.shifts:
             with tempfile.TemporaryDirectory(prefix="bench-clock-") as tmp:
-                line = run_once(faketime, shift, args.seconds, Path(tmp))
+                line = run_once(shift, args.seconds, Path(tmp))
             print(f"run {run + 1}, b's clock {shift:+g} s: {line}", flush=True)
 
 

@@ -6,6 +6,7 @@ Each node is a real ``swarmtrain node`` process with its own ``p2pd``; nothing i
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -35,6 +36,19 @@ def wait_until(check: Callable[[], T], timeout: float, what: str, every: float =
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(every)
+
+
+def shifted_clock(shift_s: float) -> Callable[[list[str]], list[str]] | None:
+    """A ``wrap`` for ``launch_node`` that runs the node with its clock ``shift_s`` seconds
+    off (libfaketime, preloaded through ``env``, which execs: the node is the launched
+    process itself, so stopping it leaves nothing behind, where the ``faketime`` command
+    forks the node and leaves it running when it is killed); None if libfaketime is not
+    installed (Debian: ``faketime``). Its ``p2pd``, a Go binary, keeps the true clock."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    if not found:
+        return None
+    preload = [f"LD_PRELOAD={found[0]}", f"FAKETIME={shift_s:+g}s"]
+    return lambda command: ["env", *preload, *command]
 
 
 @dataclass

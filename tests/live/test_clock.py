@@ -4,25 +4,23 @@ which its p2pd, a Go binary, does not see): each says so, in a warning and an
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
+from node.harness.local_swarm import shifted_clock
 from tests.swarm import launch_node, stop_all, wait_until
 
-FAKETIME = shutil.which("faketime")
 SHIFT_S = 2.0
+SHIFTED = shifted_clock(SHIFT_S)
 
 
-@pytest.mark.skipif(not FAKETIME, reason="needs faketime (Debian: apt-get install faketime)")
+@pytest.mark.skipif(SHIFTED is None, reason="needs libfaketime (Debian: apt-get install faketime)")
 def test_peers_whose_clocks_differ_say_by_how_much(tmp_path) -> None:
     nodes = []
     try:
         a = launch_node(tmp_path, "a", "clocks", extra=["--stage", "0"])
         nodes.append(a)
-        shifted = [FAKETIME, "-f", f"+{SHIFT_S}s"]
         b = launch_node(tmp_path, "b", a.run_id, initial_peers=[a.maddr], extra=["--stage", "0"],
-                        wrap=lambda command: [*shifted, *command])  # fmt: skip
+                        wrap=SHIFTED)  # fmt: skip
         nodes.append(b)
 
         def warned(node) -> list[dict]:
