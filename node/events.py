@@ -132,10 +132,10 @@ fields:
 A process holds at most one open log (``open_log``); ``emit`` anywhere in the process
 writes to it, and does nothing when none is open, so library code emits unconditionally.
 Lines are appended with one ``write`` each on a file opened ``O_APPEND``, so a forked child
-(a hivemind averager) may emit into the same file without interleaving. A node runs for
-days: past ``MAX_LOG_BYTES`` the process that opened the log copies it to ``NAME.1``
-(replacing the copy before) and empties it in place, so that the children's appends go on
-into the same file; a child's line written during the copy may be lost.
+(a hivemind averager) may emit into the same file without interleaving; a child opens the
+log by its path for each line. A node runs for days: past ``MAX_LOG_BYTES`` the process
+that opened the log renames it to ``NAME.1`` (replacing the one before) and opens a new
+one, so a child's line lands in one of the two, never lost.
 
 In-process listeners (``listen``; the dashboard counts events this way) get every event
 emitted in the process that registered them, log open or not, on the emitting thread;
@@ -148,7 +148,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -172,6 +171,7 @@ def open_log(path: Path) -> None:
     global _fd, _path, _owner
     close_log()
     path.parent.mkdir(parents=True, exist_ok=True)
+    path = path.absolute()  # a child opens it by this path, wherever it runs
     _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     _path, _owner = path, os.getpid()
 
@@ -208,31 +208,36 @@ def emit(event: str, **fields: Any) -> None:
     data = (json.dumps(record, default=str) + "\n").encode()
     try:
         if os.getpid() != _owner:  # a forked child: the lock may have been held at the fork
-            os.write(_fd, data)
+            assert _path is not None
+            fd = os.open(_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
             return
         with _writing:
             os.write(_fd, data)
             if os.fstat(_fd).st_size > MAX_LOG_BYTES:
-                _rotate(_fd)
+                _rotate()
     except OSError as e:
         logger.debug("event %s not written: %s", event, e)
 
 
-def _rotate(fd: int) -> None:
-    """Copy the open log to ``NAME.1`` (atomically replacing the older copy), then empty
-    it in place (holding ``_writing``). A copy that fails (a full disk) is given up: the
-    log is emptied all the same, rather than grow or be copied again at every event."""
-    assert _path is not None
-    backup = _path.with_name(_path.name + ".1")
-    partial = backup.with_name(backup.name + ".tmp")
+def _rotate() -> None:
+    """Rename the open log to ``NAME.1`` (replacing the older one) and open a new log at
+    its path (holding ``_writing``). A rename that fails empties the log in place instead,
+    rather than let it grow or try again at every event."""
+    global _fd
+    assert _path is not None and _fd is not None
     try:
-        shutil.copyfile(_path, partial)
-        os.replace(partial, backup)
+        os.replace(_path, _path.with_name(_path.name + ".1"))
     except OSError as e:
-        logger.warning("could not keep a copy of the event log %s (%s): emptying it", _path, e)
-        with contextlib.suppress(OSError):
-            partial.unlink()
-    os.ftruncate(fd, 0)
+        logger.warning("could not keep the event log %s (%s): emptying it", _path, e)
+        os.ftruncate(_fd, 0)
+        return
+    fresh = os.open(_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.close(_fd)
+    _fd = fresh
 
 
 def _notify(record: dict[str, Any]) -> None:

@@ -100,9 +100,9 @@ def test_a_caller_banned_by_a_service_is_one_peer_banned_event(event_log: Path) 
 def test_a_log_past_its_limit_keeps_one_older_copy_and_a_child_appends_on(
     event_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past ``MAX_LOG_BYTES`` the log is copied to ``NAME.1`` and emptied in place: no
+    """Past ``MAX_LOG_BYTES`` the log is renamed to ``NAME.1`` and a new one opened: no
     event of the process is lost across one rotation, at most two files' worth is kept,
-    and a forked child (holding the same open file) appends to the live log, unrotated."""
+    and a forked child appends to the live log by its path, never rotating it."""
     monkeypatch.setattr(events, "MAX_LOG_BYTES", 2_000)
     for i in range(30):  # ~60 bytes each: one rotation
         events.emit("train.progress", micro_batches=i, loss=1.0)
@@ -116,10 +116,18 @@ def test_a_log_past_its_limit_keeps_one_older_copy_and_a_child_appends_on(
     assert [e["micro_batches"] for e in kept] == list(range(100 - len(kept), 100))
     assert sorted(p.name for p in event_log.parent.iterdir()) == [event_log.name, backup.name]
 
-    # A forked child (another pid than the log's opener) appends through the same open
-    # file, and never rotates: the opener does.
+    # A forked child (another pid than the log's opener) appends to the file at the log's
+    # path, the one the opener writes to since its last rotation, and never rotates.
+    owner = events._owner
     monkeypatch.setattr(events, "_owner", os.getpid() + 1)
     for _ in range(40):
         events.emit("node.state", state="child")
     assert len(events.read_events(event_log, "node.state")) == 40
     assert event_log.stat().st_size > 2_000
+    # The opener rotates at its next event; the child's next line goes to the new log.
+    monkeypatch.setattr(events, "_owner", owner)
+    events.emit("train.progress", micro_batches=100, loss=1.0)
+    monkeypatch.setattr(events, "_owner", os.getpid() + 1)
+    events.emit("node.state", state="after")
+    assert [e["state"] for e in events.read_events(backup, "node.state")] == ["child"] * 40
+    assert [e["state"] for e in events.read_events(event_log, "node.state")] == ["after"]
