@@ -378,19 +378,26 @@ class StageServer(NodeServicer):
         return self.optimizer.config.max_staleness == 0
 
     def open_samples(self) -> int:
-        """Samples admitted whose gradients are not in ``.grad`` yet (any thread)."""
-        cutoff = time.monotonic() - OPEN_S
+        """Samples admitted whose gradients are not in ``.grad`` yet (any thread); a
+        micro-batch open longer than ``OPEN_S`` is forgotten (its backward went to another
+        peer of the stage, or never came)."""
         with self._gate_lock:
-            for key in [k for k, (_, at) in self._open.items() if at < cutoff]:
-                del self._open[key]
+            self._forget_expired()
             return sum(n for n, _ in self._open.values())
 
     def committed_samples(self) -> int:
         """Samples accumulated in ``.grad`` plus those open, read together (any thread): a
         micro-batch moves from one to the other at once."""
         with self._gate_lock:
+            self._forget_expired()
             accumulated = self.optimizer.samples
             return accumulated + sum(n for n, _ in self._open.values())
+
+    def _forget_expired(self) -> None:
+        """Drop the micro-batches open longer than ``OPEN_S`` (holding ``_gate_lock``)."""
+        cutoff = time.monotonic() - OPEN_S
+        for key in [k for k, (_, at) in self._open.items() if at < cutoff]:
+            del self._open[key]
 
     def _admission(self) -> Admission:
         """Whether a new training micro-batch may enter now. On the event loop."""

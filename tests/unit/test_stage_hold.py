@@ -141,3 +141,15 @@ def test_a_stage_drains_as_long_as_its_micro_batches_recently_took(server):
     _serve(server, 2, gone=lambda: False)
     wait = server.drain_wait_s()
     assert averaging.DRAIN_MARGIN * 4.0 - 0.5 < wait <= averaging.DRAIN_MARGIN * 4.0
+
+
+def test_a_micro_batch_whose_backward_never_came_stops_counting(server):
+    """A forward admitted here whose backward went to another peer of the stage (or never
+    came) counts toward the step's batch for ``OPEN_S`` at most, however the count is read:
+    kept, it would fill the batch for good (a DiLoCo stage reads only this count)."""
+    _serve(server, 1, gone=lambda: False)
+    samples = _batch()[0].shape[0]
+    assert server.committed_samples() == samples
+    ((key, (n, admitted)),) = server._open.items()
+    server._open[key] = (n, admitted - averaging.OPEN_S - 1.0)  # admitted that long ago
+    assert server.committed_samples() == 0 and not server._open
