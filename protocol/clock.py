@@ -67,12 +67,14 @@ class ClockCheck:
 
     def skew(self, now: float) -> Skew | None:
         """The peers' median offset from our clock (the largest difference each showed in
-        the window); None without a peer observed in it."""
-        estimates = [
-            max(d for at, d in seen if now - at <= WINDOW_S)
-            for seen in self._seen.values()
-            if any(now - at <= WINDOW_S for at, _ in seen)
-        ]
+        the window); None without a peer observed in it. Peers not observed in the window
+        are forgotten."""
+        self._seen = {
+            peer: recent
+            for peer, seen in self._seen.items()
+            if (recent := [(at, d) for at, d in seen if now - at <= WINDOW_S])
+        }
+        estimates = [max(d for _, d in seen) for seen in self._seen.values()]
         if not estimates:
             return None
         return Skew(statistics.median(estimates), len(estimates))

@@ -199,6 +199,7 @@ class ProgressBoard:
         read, keep the last ones. Invalid records are dropped and logged; records of peers
         without a valid peer record in the run are dropped."""
         self.reads += 1
+        self._forget_gone()
         try:
             async with asyncio.timeout(DHT_CALL_S):
                 found = await self.dht.dht.get(self._key, latest=True, return_future=True)
@@ -221,20 +222,38 @@ class ProgressBoard:
                 pushed = self._pushed.get(signed.peer_id)
                 if pushed is not None and pushed[0].timestamp > signed.timestamp:
                     signed = pushed[0]  # this DHT copy is older than what the peer pushed
-                self._stamps[signed.peer_id] = signed.timestamp
-                result.append(Progress(signed.peer_id, signed.epoch, signed.samples))
-                expires = self._expires.get(signed.peer_id, -math.inf)
-                self._expires[signed.peer_id] = max(expires, item.expiration_time)
-        read = {r.peer_id for r in result}
+                result.append((signed, item.expiration_time))
+        read = {signed.peer_id for signed, _ in result}
         for peer, (signed, at) in list(self._pushed.items()):  # pushed, missing from this read
             if self._clock() - at > self.ttl:
                 del self._pushed[peer]
             elif peer not in read:
-                result.append(Progress(peer, signed.epoch, signed.samples))
-        result = [r for r in result if not self._ignored(r.peer_id)]
-        in_run = await self._peers_in_run({r.peer_id for r in result})
-        self.records = [r for r in result if r.peer_id in in_run]
+                result.append((signed, signed.timestamp + self.ttl))
+        result = [r for r in result if not self._ignored(r[0].peer_id)]
+        in_run = await self._peers_in_run({signed.peer_id for signed, _ in result})
+        # Only the records kept are remembered: anyone can store a record signed by a fresh
+        # key, and a flood of them must not grow what this board keeps.
+        self.records = []
+        for signed, expires in result:
+            if (peer := signed.peer_id) in in_run:
+                self._stamps[peer] = max(self._stamps.get(peer, -math.inf), signed.timestamp)
+                self._expires[peer] = max(self._expires.get(peer, -math.inf), expires)
+                self.records.append(Progress(peer, signed.epoch, signed.samples))
         return self.records
+
+    def _forget_gone(self) -> None:
+        """Drop what this board keeps of peers that left the view (and whose newest
+        record is past its time to live), and the distrust that has run out: a node runs
+        for days among peers that come and go."""
+        in_view, now = set(self._seen) | set(self._pushed), get_dht_time()
+        for peer in [p for p, t in self._stamps.items() if p not in in_view and now - t > self.ttl]:
+            del self._stamps[peer]
+        for peer in [p for p, t in self._expires.items() if p not in in_view and t < now]:
+            del self._expires[peer]
+        for peer in [p for p in self._known if p not in in_view]:
+            del self._known[peer]
+        for peer in list(self._unproven):
+            self._ignored(peer)  # deletes an expired entry
 
     def accept(self, raw: object, sender: str) -> bool:
         """A record ``sender`` (the peer the connection authenticates) pushed to us: True

@@ -113,6 +113,38 @@ def test_a_read_keeps_signed_records_of_peers_in_the_run_only():
     clock[0] += PEERS_REFRESH_S
     asyncio.run(board.refresh())
     assert len(reads) == 2
+    # What the board keeps per peer is a's alone: records signed by made-up keys (anyone
+    # can store them, a thousand a read) leave nothing behind.
+    assert set(board._stamps) == set(board._expires) == {ids["a"]}
+
+
+def test_a_board_forgets_peers_that_left_and_distrust_that_ran_out():
+    """A node runs for days among peers that come and go: once a peer has left the view
+    and its newest record is past its time to live, the board keeps nothing of it."""
+    spec = make_spec("progress")
+    found = SimpleNamespace(value={})
+
+    async def get(key, latest, return_future):
+        return found
+
+    async def peers():
+        return []
+
+    dht = SimpleNamespace(peer_id="me", dht=SimpleNamespace(get=get), peers=peers)
+    clock = [100.0]
+    board = ProgressBoard(dht, spec, 1, ttl_s=TTL, name="stage 1", clock=lambda: clock[0])
+    now = get_dht_time()
+    for i in range(50):  # peers seen once each, as churn brings them
+        peer = f"peer{i}"
+        board._stamps[peer], board._expires[peer] = now - 2 * TTL, now - TTL
+        board.learn({peer: 3})
+    board.distrust(["liar"], 1.0)
+    assert board.peers == 50
+    clock[0] += TTL + 1.0
+    assert board.view() == []
+    asyncio.run(board.refresh())
+    kept = (board._stamps, board._expires, board._known, board._seen, board._unproven)
+    assert [len(table) for table in kept] == [0, 0, 0, 0, 0]
 
 
 def test_a_dht_call_that_never_answers_counts_as_failed(monkeypatch):

@@ -37,6 +37,7 @@ def test_a_skew_is_warned_once_then_every_repeat_and_old_records_stop_counting()
     assert check.verdict(now=t + CHECK_S) is None  # warned already
     late = t + REPEAT_S
     assert check.skew(now=late) is None  # the observations are older than the window
+    assert not check._seen  # and the peers that made them are forgotten
     check.observe("a", sent=late - 2 * WARN_S, received=late)
     again = check.verdict(now=late)
     assert again is not None and "behind this machine's" in again.line()
