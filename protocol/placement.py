@@ -501,6 +501,7 @@ class ArrivalCount:
 
     def arrived(self, now: float) -> None:
         self._times.append(now)
+        self._forget(now)
 
     def present(self, count: int, now: float) -> None:
         if self._since is None:
@@ -509,11 +510,16 @@ class ArrivalCount:
 
     def rate(self, now: float) -> float | None:
         """None until watched for a whole window (or while nobody is present)."""
-        while self._times and self._times[0] < now - self.window_s:
-            self._times.popleft()
+        self._forget(now)
         if self._since is None or now - self._since < self.window_s or not self._present:
             return None
         return len(self._times) * 3600.0 / self.window_s / self._present
+
+    def _forget(self, now: float) -> None:
+        """Drop the arrivals before the window: a node that never asks for the rate (it
+        stays on its stage) keeps counting them for days."""
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
 
 
 __all__ = [

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -54,6 +55,8 @@ from protocol import sparsify
 from protocol.averaging import OuterRound, Progress
 from protocol.run_spec import AveragingSpec
 
+ROUNDS_KEPT = 1024  # successful rounds whose durations ``AveragingStats`` keeps
+
 
 @dataclass
 class AveragingStats:
@@ -66,7 +69,8 @@ class AveragingStats:
     inner_steps: int = 0  # diloco: local AdamW steps
     last_round_s: float = math.nan  # from our trigger to the applied result
     last_group: int = 0  # peers in the last successful round, us included
-    round_s: list[float] = field(default_factory=list)  # every successful round's duration
+    # the last ``ROUNDS_KEPT`` successful rounds' durations
+    round_s: deque[float] = field(default_factory=lambda: deque(maxlen=ROUNDS_KEPT))
 
 
 @dataclass

@@ -91,7 +91,7 @@ def _finite(x: float) -> float | None:
 
 def _averaging(averager) -> AveragingSnapshot:
     stats = averager.stats
-    recent = stats.round_s[-RECENT_ROUNDS:]
+    recent = list(stats.round_s)[-RECENT_ROUNDS:]
     return AveragingSnapshot(
         mode=averager.mode,
         epoch=averager.epoch,

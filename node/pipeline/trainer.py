@@ -215,6 +215,7 @@ class StageRouter:
         grace = self.settings.view_grace_s
         gone = [PeerID.from_base58(k) for k, (_, t) in self._seen.items() if now - t > grace]
         self._seen = {k: (p, t) for k, (p, t) in self._seen.items() if now - t <= grace}
+        self._presented &= self._seen.keys()  # one back later presents itself again
         stage_client.forget_peers(self.p2p, gone)  # their idle streams, if any, close now
         recent = self._kept([p for p, _ in self._seen.values()], now)
         dials = self.settings.dials_relays
@@ -421,6 +422,8 @@ class StageRouter:
                 continue
             finally:
                 self._in_flight[peer] -= 1
+                if not self._in_flight[peer]:
+                    del self._in_flight[peer]  # a peer called once is not kept for good
                 self._probes[stage] -= probe
             self.stats.calls[(stage, peer)] += 1
             return result, peer

@@ -73,3 +73,8 @@ def test_arrivals_are_counted_per_peer_hour_over_a_window():
     count.saw(first - {"p0"}, 900.0)
     count.saw(first, 950.0)  # p0 was gone, and known from before the window: counted again
     assert count.rate(950.0) == pytest.approx(1 * 6 / 10)
+    # A node that never asks for the rate (it stays on its stage) keeps no more than a
+    # window's arrivals, however many peers come and go.
+    for t in range(1000, 100_000, 10):
+        count.saw(frozenset({f"churn{t}"}), float(t))
+    assert len(count._times) <= 600 / 10 + 1
