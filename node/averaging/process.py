@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 MEMBERS_REFRESH_S = 2.0  # a peer we do not know yet is looked up at most this often
 REJECTED_S = REFUSED_S  # how long a groupmate whose returned means we refused is refused
+MAX_REDUCERS = 4096  # groupmates whose record as a reducer is kept (refused ones always)
 
 EPOCH_BITS = 16  # epochs that differ by a multiple of 2**16 share a group key
 
@@ -179,8 +180,6 @@ class StageAveragerProcess(AveragerCompat):
             refusal = check_returned(share, own, weight)
             record = self._reducers.setdefault(reducer, ReducerRecord())
             banned = record.reduced(self._round, refusal, now)
-            if record.idle(now):
-                del self._reducers[reducer]
             if refusal is None:
                 continue
             refused[reducer] = refusal.reason
@@ -196,6 +195,11 @@ class StageAveragerProcess(AveragerCompat):
                 reason=refusal.reason,
                 refused=banned,
             )
+        for reducer, record in list(self._reducers.items()):  # groupmates of past rounds too
+            if record.idle(now) or (
+                len(self._reducers) > MAX_REDUCERS and not record.refuses(now)
+            ):  # past the cap, the oldest records of a refusal or two go first
+                del self._reducers[reducer]
         return refused
 
     def split_shares(self, clients: list[bool]) -> tuple[float, ...]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import math
+import time
+from types import SimpleNamespace
 
 import torch
 
@@ -162,3 +164,25 @@ def test_a_reducer_is_refused_at_once_or_after_strikes_in_distinct_rounds():
     banned = ReducerRecord()
     assert banned.reduced("r0", Refusal("non-finite", ban=True), now=0)
     assert banned.refuses(REFUSED_S - 1)
+
+
+def test_an_averager_keeps_reducer_records_of_past_groupmates_within_bounds(monkeypatch):
+    """A groupmate's record as a reducer is dropped once it holds nothing (after any round,
+    not only one it reduced in), and past ``MAX_REDUCERS`` the oldest records of a refusal
+    or two go; a refused groupmate is always kept."""
+    from hivemind.p2p import PeerID
+
+    from node.averaging import process
+    from protocol.averaging import ReducerRecord
+
+    monkeypatch.setattr(process, "MAX_REDUCERS", 3)
+    averager = SimpleNamespace(_round="r")  # what the check reads of the averager
+    peers = [PeerID(bytes([i]) * 8) for i in range(7)]
+    now = time.monotonic()
+    averager._reducers = {
+        peers[0]: ReducerRecord(),  # idle: nothing to remember
+        peers[1]: ReducerRecord(until=now + 600.0),  # refused
+        **{peer: ReducerRecord(rounds={"old": True}) for peer in peers[2:]},  # one refusal
+    }
+    assert process.StageAveragerProcess.check_returned(averager, None, {}) == {}
+    assert list(averager._reducers) == [peers[1], peers[5], peers[6]]
