@@ -535,7 +535,7 @@ MSGPACK = st.recursive(
     ),
     max_leaves=12,
 )
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _decodes_or_refuses(decode, raw) -> None:
