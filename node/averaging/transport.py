@@ -257,12 +257,15 @@ class HivemindTransport:
 
     def schedule(
         self, *, epoch: int, group_size: int, deadline: float, lineage: int = 0
-    ) -> StepControl:
+    ) -> StepControl | None:
         """Start looking for a group of the peers at ``epoch`` now, before our contribution
         is ready (so that matchmaking overlaps what comes before it: the drain); a group
         that forms waits (hivemind's ``require_trigger``) until ``exchange(scheduled=)``
         hands over the tensors, or the step's ``deadline`` (monotonic) passes. The caller
-        cancels a step it does not hand to ``exchange``. ``lineage``: as ``exchange``'s."""
+        cancels a step it does not hand to ``exchange``. ``lineage``: as ``exchange``'s.
+        None if the averager process has exited."""
+        if not self.process.is_alive():  # hivemind's step would wait for it for good
+            return None
         self.process.set_round(epoch, group_size)
         return self._track(
             self.process.step(
@@ -320,6 +323,8 @@ class HivemindTransport:
         if scheduled is None or scheduled.done():
             if scheduled is not None:
                 started = time.monotonic()  # the scheduled step failed: a new one
+            if not self.process.is_alive():  # hivemind's step would wait for it for good
+                return Exchange(None)
             self.process.set_round(epoch, group_size)
             control = self._track(
                 self.process.step(

@@ -840,6 +840,35 @@ def test_averagers_start_from_a_running_event_loop(dhts):
     _run(body())
 
 
+def test_a_round_with_a_dead_averager_process_fails_at_once(dhts):
+    """hivemind's ``step`` waits, with no timeout, for the averager process to take the
+    step: on the node's event loop, a dead process would stall the loop (its watchdog
+    included) for good. A round's step with the process killed (the OOM killer) fails
+    at once instead: no early match, an exchange that averages nothing."""
+    spec = make_spec("avg-dead")
+
+    async def body():
+        peer = Peer(SwarmDHT(dhts[0], spec.run), spec)
+        try:
+            averager = await peer.start(record=False)
+            transport = averager.transport
+            transport.process.kill()
+            transport.process.join(10)
+            started = time.monotonic()
+            deadline = started + 5.0
+            assert transport.schedule(epoch=0, group_size=2, deadline=deadline) is None
+            tensors = [p.detach().clone() for p in peer.stage.parameters()]
+            exchange = await transport.exchange(
+                tensors, 1, epoch=0, group_size=2, deadline=deadline, leave=lambda: False
+            )
+            assert exchange.averaged is None
+            assert time.monotonic() - started < 2.0
+        finally:
+            await _shutdown(peer)
+
+    _run(body())
+
+
 def test_an_averager_refuses_a_frame_declaring_2_62_bytes(dhts):
     """hivemind's stream reader buffers any frame its header declares; the averager's
     process refuses one over 4 MiB after its header (``hivemind_compat.cap_frames``), grows
