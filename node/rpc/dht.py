@@ -43,7 +43,6 @@ from node.rpc.hivemind_compat import (
     DHTCompat,
     become_dht_server,
     cap_frames,
-    forget_client_mode,
     install,
     p2pd_options,
     routing_table_size,
@@ -419,6 +418,9 @@ class SwarmDHT:
             with p2pd_options(socket_dir=socket_dir, extra_args=extra_args):
                 dht.start()
             dht.wait_until_ready(timeout=startup_timeout_s)
+            # Asked once now, before any event loop: hivemind caches the answer, which an
+            # averager's construction reads (blocking) on the node's loop.
+            dht.client_mode  # noqa: B018
         except BaseException as e:
             _stop_process(dht)
             shutil.rmtree(socket_dir, ignore_errors=True)
@@ -725,7 +727,7 @@ class SwarmDHT:
         add it to their routing tables and send it lookups (call it once others are known
         to be able to dial this node). Returns how many known peers were told at once."""
         told = await self.dht.run_coroutine(become_dht_server, return_future=True)
-        forget_client_mode(self.dht)
+        serve_averaging(self.dht)  # what the DHT process now answers, without asking it
         return told
 
     def serve_averaging(self) -> None:

@@ -38,9 +38,10 @@ What is patched or overridden, and why:
   (:func:`become_dht_server`): a node joins as a DHT client and turns into a full DHT node
   once peers confirm they can dial it; hivemind fixes the mode at start. In client mode
   ``node_info`` is empty, so peers never add the node to their routing tables.
-- ``DHT._client_mode`` (set by :func:`serve_averaging`): averagers read their mode from it
-  when built; a node served through a relay keeps a client DHT node but averages as a
-  full peer (others call it through the relay).
+- ``DHT._client_mode`` (set by :func:`serve_averaging`, also once a client DHT node became
+  a full one): averagers read their mode from it when built; a node served through a
+  relay keeps a client DHT node but averages as a full peer (others call it through the
+  relay).
 - ``DHT._parent_pid`` and ``DecentralizedAverager._parent_pid`` (read by ``parent_pid``):
   the child process asks to die with the process that started it.
 - ``DecentralizedAverager.run`` (:class:`AveragerCompat`): the child disowns the parent's
@@ -297,12 +298,6 @@ async def become_dht_server(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
     known = list(protocol.routing_table.peer_id_to_uid)
     await asyncio.gather(*(protocol.call_ping(peer) for peer in known))
     return len(known)
-
-
-def forget_client_mode(dht: hivemind.DHT) -> None:
-    """In the process that built ``dht``: forget the mode ``DHT.client_mode`` cached, so
-    the next read (an averager's, at its construction) asks the DHT process again."""
-    dht._client_mode = None
 
 
 def serve_averaging(dht: hivemind.DHT) -> None:
