@@ -25,6 +25,7 @@ from hivemind.utils import get_dht_time
 from models.data import Corpus
 from models.pretrained import Checkpoint
 from node import events, limits
+from node.averaging.averager import StageAverager
 from node.averaging.progress_push import ProgressInbox
 from node.daemon import checkpoint
 from node.daemon.archive import Archive
@@ -50,7 +51,7 @@ from node.daemon.start import (
     resolve_run,
     since_process_start,
 )
-from node.daemon.tasks import Owned, until_stopped
+from node.daemon.tasks import LoopStallWatch, Owned, until_stopped
 from node.daemon.training import Training
 from node.daemon.watch import Heartbeat, RunPeers, watch_run
 from node.dashboard.address import parse_address
@@ -76,8 +77,9 @@ logger = logging.getLogger(__name__)
 
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
 CHILDREN_CHECK_S = 2.0  # how often the node checks that its DHT and averagers still run
-DHT_ASK_S = 10.0  # how often the node asks its DHT process something that needs no network
-DHT_PATIENCE_S = 30.0  # an ask unanswered this long: the DHT process is alive but stuck
+CHILD_ASK_S = 10.0  # how often the node asks its children something that needs no network
+CHILD_PATIENCE_S = 30.0  # an ask unanswered this long: the child is alive but stuck
+LOOP_STALL_S = 60.0  # an event loop that has not run this long: the node is stuck in a call
 
 
 class Node:
@@ -445,35 +447,44 @@ class Node:
 
     async def _watch_children(self, stop: asyncio.Event) -> None:
         """Stop the node with a ``NodeError`` once its DHT process or the averager process
-        of a stage it holds has exited (the OOM killer, say), or once its DHT process has
-        left an ask that needs no network (the size of its routing table) unanswered for
-        ``DHT_PATIENCE_S`` (alive but stuck: stopped, or its event loop blocked). Every
-        record, progress read and averaging round goes through them, so without one the
-        node would live on, serving nothing or a copy no longer averaged; stopped, a
-        service manager restarts it. A stop that follows within ``P2PD_GONE_GRACE_S`` (a
-        Ctrl-C signals the whole process group) just ends this task."""
+        of a stage it holds has exited (the OOM killer, say), or has left an ask that
+        needs no network (the size of the DHT's routing table, the averager's group bits)
+        unanswered for ``CHILD_PATIENCE_S`` (alive but stuck: stopped, or its event loop
+        blocked). Every record, progress read and averaging round goes through them, so
+        without one the node would live on, serving nothing or a copy no longer averaged;
+        stopped, a service manager restarts it. A stop that follows within
+        ``P2PD_GONE_GRACE_S`` (a Ctrl-C signals the whole process group) just ends this
+        task. While it runs, a ``LoopStallWatch`` ends the process if the loop itself
+        stops running."""
         loop = asyncio.get_running_loop()
-        ask: asyncio.Future | None = None
-        asked = next_ask = loop.time()
+        asks: dict[str, tuple[asyncio.Future, float]] = {}  # what -> its ask, when asked
+        next_ask = loop.time()
+        stall = LoopStallWatch(LOOP_STALL_S)
         try:
             while (exited := self._child_exited()) is None:
                 now = loop.time()
-                if ask is not None and ask.done():
-                    if not ask.cancelled() and ask.exception() is not None:
-                        logger.debug("asking the DHT process failed: %r", ask.exception())
-                    ask = None
-                if ask is None and now >= next_ask:
-                    ask = asyncio.ensure_future(self.dht.known_peers())
-                    asked, next_ask = now, now + DHT_ASK_S
-                elif ask is not None and now - asked >= DHT_PATIENCE_S:
-                    exited = NodeError(
-                        f"this node's DHT process has not answered for {now - asked:.0f} s "
-                        "(it runs but is stuck)"
-                    )
+                stall.ticked()
+                for what, (ask, asked) in list(asks.items()):
+                    if ask.done():
+                        if not ask.cancelled() and ask.exception() is not None:
+                            logger.debug("asking the %s failed: %r", what, ask.exception())
+                        del asks[what]
+                    elif now - asked >= CHILD_PATIENCE_S:
+                        exited = NodeError(
+                            f"this node's {what} has not answered for {now - asked:.0f} s "
+                            "(it runs but is stuck)"
+                        )
+                if exited is not None:
                     break
+                if now >= next_ask:
+                    for what, question in self._questions().items():
+                        if what not in asks:
+                            asks[what] = (asyncio.ensure_future(question()), now)
+                    next_ask = now + CHILD_ASK_S
                 await asyncio.sleep(CHILDREN_CHECK_S)
         finally:
-            if ask is not None:
+            stall.stop()
+            for ask, _ in asks.values():
                 ask.cancel()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(P2PD_GONE_GRACE_S):
@@ -481,16 +492,32 @@ class Node:
         if not stop.is_set():
             raise exited
 
+    def _questions(self) -> dict[str, Callable[[], Coroutine]]:
+        """What the watchdog asks each child process, by the child's name."""
+        questions: dict[str, Callable[[], Coroutine]] = {"DHT process": self.dht.known_peers}
+        for stage, averager in self._averagers():
+            process = averager.transport.process
+
+            async def group_bits(process=process) -> str:
+                return await process.get_group_bits(wait=False)
+
+            questions[f"averager process of stage {stage}"] = group_bits
+        return questions
+
+    def _averagers(self) -> list[tuple[int, StageAverager]]:
+        """The averagers of the stages held (or, on an archive node, kept), by stage."""
+        averagers = [(stage, held.averager) for stage, held in self.stages.held.items()]
+        if self.archive is not None:
+            averagers += [(kept.stage, kept.averager) for kept in self.archive.stages]
+        return averagers
+
     def _child_exited(self) -> NodeError | None:
         """The error to stop with if the DHT process or the averager process of a held
         (or, on an archive node, kept) stage has exited; None while they run."""
         process = self.dht.dht
         if not process.is_alive():
             return NodeError(f"this node's DHT process exited (exit code {process.exitcode})")
-        averagers = [(stage, held.averager) for stage, held in self.stages.held.items()]
-        if self.archive is not None:
-            averagers += [(kept.stage, kept.averager) for kept in self.archive.stages]
-        for stage, averager in averagers:
+        for stage, averager in self._averagers():
             if (code := averager.transport.exited()) is not None:
                 return NodeError(
                     f"this node's averager process of stage {stage} exited (exit code {code})"

@@ -1,5 +1,6 @@
 """Node daemons on a real local swarm: discovery, status, departure, identity."""
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -169,6 +170,45 @@ def test_a_joiner_whose_stage_peer_hands_over_no_state_waits_for_it(tmp_path):
     finally:
         if frozen is not None:
             frozen.resume()
+        stop_all(nodes)
+
+
+def test_a_node_whose_averager_is_stuck_stops_with_one_line(tmp_path):
+    """The averager process stuck (stopped here) while its stage averages with a peer:
+    the node does not live on stepping alone, its copy no longer averaged, nor with its
+    event loop blocked for good in a round's call into the process (hivemind's ``step``
+    waits for it with no timeout): it stops with one line and exit status 2."""
+    nodes, frozen = [], None
+    try:
+        a = launch_node(tmp_path, "a", "stuck", extra=["--stage", "0"], train=True)
+        nodes.append(a)
+        for name, stage in (("b", "0"), ("c", "1")):
+            nodes.append(launch_node(tmp_path, name, a.run_id, initial_peers=[a.maddr],
+                                     extra=["--stage", stage], train=True, wait=False))  # fmt: skip
+        for n in nodes:
+            n.wait_serving(120)
+        averaged = lambda: [e for e in a.events("averaging.round") if e["how"] == "averaged"]  # noqa: E731
+        wait_until(averaged, 120, "a round of a averaged with b")
+        frozen = _forked(a)[-1]
+        frozen.suspend()
+        assert a.proc.wait(100) == 2, a.output()[-3000:]
+        (line,) = [x for x in a.output().splitlines() if x.startswith("swarmtrain node:")]
+        # Which comes first depends on when the next round starts: the watchdog's ask
+        # unanswered for 30 s, or a round's step into the process, which blocks the loop
+        # until the thread that watches it ends the node (60 s).
+        assert re.fullmatch(
+            r"swarmtrain node: error: this node's (averager process of stage 0 has not "
+            r"answered for \d+ s \(it runs but is stuck\)|event loop has not run for \d+ s "
+            r"\(a call into a stuck process\?\): stopping)",
+            line,
+        ), line
+        psutil.wait_procs([frozen], timeout=10)  # it dies with the node
+        assert not frozen.is_running() or frozen.status() == psutil.STATUS_ZOMBIE
+        frozen = None
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                frozen.kill()
         stop_all(nodes)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from node.daemon.tasks import Owned, until_stopped
 
@@ -86,3 +87,19 @@ def test_until_stopped_ends_work_that_absorbs_a_cancellation_and_passes_on_its_o
             raise AssertionError("the caller's cancellation was swallowed")
 
     asyncio.run(main())
+
+
+def test_a_loop_stall_watch_counts_from_the_last_tick():
+    """``LoopStallWatch`` names a stall once the loop has not ticked for ``stall_s``."""
+    from node.daemon.tasks import LoopStallWatch
+
+    watch = LoopStallWatch(60.0)
+    try:
+        watch.ticked()
+        now = time.monotonic()
+        assert watch.stalled_for(now) is None and watch.stalled_for(now + 59.0) is None
+        assert watch.stalled_for(now + 61.0) >= 60.0
+        watch.ticked()
+        assert watch.stalled_for(now + 1.0) is None
+    finally:
+        watch.stop()
