@@ -78,7 +78,10 @@ logger = logging.getLogger(__name__)
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
 CHILDREN_CHECK_S = 2.0  # how often the node checks that its DHT and averagers still run
 CHILD_ASK_S = 10.0  # how often the node asks its children something that needs no network
-CHILD_PATIENCE_S = 30.0  # an ask unanswered this long: the child is alive but stuck
+# An ask unanswered this long: the child is alive but stuck. An averager gets longer: a
+# peer's joiner waits out a busy one (retrying its download) rather than see it restart.
+DHT_PATIENCE_S = 30.0
+AVERAGER_PATIENCE_S = 120.0
 LOOP_STALL_S = 60.0  # an event loop that has not run this long: the node is stuck in a call
 
 
@@ -449,15 +452,16 @@ class Node:
         """Stop the node with a ``NodeError`` once its DHT process or the averager process
         of a stage it holds has exited (the OOM killer, say), or has left an ask that
         needs no network (the size of the DHT's routing table, the averager's group bits)
-        unanswered for ``CHILD_PATIENCE_S`` (alive but stuck: stopped, or its event loop
-        blocked). Every record, progress read and averaging round goes through them, so
-        without one the node would live on, serving nothing or a copy no longer averaged;
-        stopped, a service manager restarts it. A stop that follows within
-        ``P2PD_GONE_GRACE_S`` (a Ctrl-C signals the whole process group) just ends this
-        task. While it runs, a ``LoopStallWatch`` ends the process if the loop itself
-        stops running."""
+        unanswered for ``DHT_PATIENCE_S`` (an averager: ``AVERAGER_PATIENCE_S``; alive but
+        stuck: stopped, or its event loop blocked). Every record, progress read and
+        averaging round goes through them, so without one the node would live on, serving
+        nothing or a copy no longer averaged; stopped, a service manager restarts it. A
+        stop that follows within ``P2PD_GONE_GRACE_S`` (a Ctrl-C signals the whole process
+        group) just ends this task. While it runs, a ``LoopStallWatch`` ends the process
+        if the loop itself stops running."""
         loop = asyncio.get_running_loop()
         asks: dict[str, tuple[asyncio.Future, float]] = {}  # what -> its ask, when asked
+        patience: dict[str, float] = {}  # what -> how long its ask may go unanswered
         next_ask = loop.time()
         stall = LoopStallWatch(LOOP_STALL_S)
         try:
@@ -469,7 +473,7 @@ class Node:
                         if not ask.cancelled() and ask.exception() is not None:
                             logger.debug("asking the %s failed: %r", what, ask.exception())
                         del asks[what]
-                    elif now - asked >= CHILD_PATIENCE_S:
+                    elif now - asked >= patience[what]:
                         exited = NodeError(
                             f"this node's {what} has not answered for {now - asked:.0f} s "
                             "(it runs but is stuck)"
@@ -477,7 +481,7 @@ class Node:
                 if exited is not None:
                     break
                 if now >= next_ask:
-                    for what, question in self._questions().items():
+                    for what, (question, patience[what]) in self._questions().items():
                         if what not in asks:
                             asks[what] = (asyncio.ensure_future(question()), now)
                     next_ask = now + CHILD_ASK_S
@@ -492,16 +496,17 @@ class Node:
         if not stop.is_set():
             raise exited
 
-    def _questions(self) -> dict[str, Callable[[], Coroutine]]:
-        """What the watchdog asks each child process, by the child's name."""
-        questions: dict[str, Callable[[], Coroutine]] = {"DHT process": self.dht.known_peers}
+    def _questions(self) -> dict[str, tuple[Callable[[], Coroutine], float]]:
+        """What the watchdog asks each child process, and how long the answer may take, by
+        the child's name."""
+        questions = {"DHT process": (self.dht.known_peers, DHT_PATIENCE_S)}
         for stage, averager in self._averagers():
             process = averager.transport.process
 
             async def group_bits(process=process) -> str:
                 return await process.get_group_bits(wait=False)
 
-            questions[f"averager process of stage {stage}"] = group_bits
+            questions[f"averager process of stage {stage}"] = (group_bits, AVERAGER_PATIENCE_S)
         return questions
 
     def _averagers(self) -> list[tuple[int, StageAverager]]:
