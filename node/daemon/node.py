@@ -460,30 +460,35 @@ class Node:
         group) just ends this task. While it runs, a ``LoopStallWatch`` ends the process
         if the loop itself stops running."""
         loop = asyncio.get_running_loop()
-        asks: dict[str, tuple[asyncio.Future, float]] = {}  # what -> its ask, when asked
-        patience: dict[str, float] = {}  # what -> how long its ask may go unanswered
+        # (what, its pid) -> its ask, when asked: a stage released (moved from) takes its
+        # ask along, unanswered for good, and one taken again has a new process.
+        asks: dict[tuple[str, int | None], tuple[asyncio.Future, float]] = {}
         next_ask = loop.time()
         stall = LoopStallWatch(LOOP_STALL_S)
         try:
             while (exited := self._child_exited()) is None:
                 now = loop.time()
                 stall.ticked()
-                for what, (ask, asked) in list(asks.items()):
-                    if ask.done():
+                questions = self._questions()
+                for key, (ask, asked) in list(asks.items()):
+                    if key not in questions:
+                        ask.cancel()
+                        del asks[key]
+                    elif ask.done():
                         if not ask.cancelled() and ask.exception() is not None:
-                            logger.debug("asking the %s failed: %r", what, ask.exception())
-                        del asks[what]
-                    elif now - asked >= patience[what]:
+                            logger.debug("asking the %s failed: %r", key[0], ask.exception())
+                        del asks[key]
+                    elif now - asked >= questions[key][1]:
                         exited = NodeError(
-                            f"this node's {what} has not answered for {now - asked:.0f} s "
+                            f"this node's {key[0]} has not answered for {now - asked:.0f} s "
                             "(it runs but is stuck)"
                         )
                 if exited is not None:
                     break
                 if now >= next_ask:
-                    for what, (question, patience[what]) in self._questions().items():
-                        if what not in asks:
-                            asks[what] = (asyncio.ensure_future(question()), now)
+                    for key, (question, _) in questions.items():
+                        if key not in asks:
+                            asks[key] = (asyncio.ensure_future(question()), now)
                     next_ask = now + CHILD_ASK_S
                 await asyncio.sleep(CHILDREN_CHECK_S)
         finally:
@@ -496,17 +501,19 @@ class Node:
         if not stop.is_set():
             raise exited
 
-    def _questions(self) -> dict[str, tuple[Callable[[], Coroutine], float]]:
+    def _questions(self) -> dict[tuple[str, int | None], tuple[Callable[[], Coroutine], float]]:
         """What the watchdog asks each child process, and how long the answer may take, by
-        the child's name."""
-        questions = {"DHT process": (self.dht.known_peers, DHT_PATIENCE_S)}
+        the child's name and pid."""
+        dht = ("DHT process", self.dht.dht.pid)
+        questions = {dht: (self.dht.known_peers, DHT_PATIENCE_S)}
         for stage, averager in self._averagers():
             process = averager.transport.process
 
             async def group_bits(process=process) -> str:
                 return await process.get_group_bits(wait=False)
 
-            questions[f"averager process of stage {stage}"] = (group_bits, AVERAGER_PATIENCE_S)
+            key = (f"averager process of stage {stage}", process.pid)
+            questions[key] = (group_bits, AVERAGER_PATIENCE_S)
         return questions
 
     def _averagers(self) -> list[tuple[int, StageAverager]]:
