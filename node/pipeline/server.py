@@ -401,7 +401,6 @@ class StageServer(NodeServicer):
 
     def _admission(self) -> Admission:
         """Whether a new training micro-batch may enter now. On the event loop."""
-        self.open_samples()  # forgets the expired
         if self.committed_samples() >= self.optimizer.config.target_batch_size:
             return Admission.FULL
         return Admission.OPEN
