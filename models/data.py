@@ -7,6 +7,7 @@ machine that runs this project, so nothing is downloaded. Tokens are bytes (voca
 from __future__ import annotations
 
 import itertools
+import os
 import sysconfig
 import zlib
 from collections.abc import Iterator
@@ -42,8 +43,13 @@ class Corpus:
 
 
 def _stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's ``.py`` files; installed packages (``site-packages``, which
+    can hold far more files than the library itself) are not walked."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts]
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d != "site-packages"]
+        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     return root, files
 
 
