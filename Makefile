@@ -19,14 +19,14 @@ demo: $(STAMP)
 	$(BIN)/swarmtrain demo --baseline
 
 # Everything: ruff, the unit tier, then the live tier (real p2pd daemons and swarms) in
-# four workers, each file whole in one worker, the longest files first (tests/live/
+# three workers, each file whole in one worker, the longest files first (tests/live/
 # conftest.py says why): a live test waits on timers and peers more than on the cores (one
-# uses 0.3-0.8 of a core). Beside those workers, the tests that fork hivemind averagers
-# from the test process itself run in a plain pytest process (its output printed when it
-# ends): forked from an xdist worker (which runs threads of its own), an averager child now
-# and then never started. The floods (a thousand requests, thousands of streams and
-# records) run last, alone: beside them, other tests' timeouts measured the flood, not the
-# code.
+# uses 0.3-0.8 of a core; three workers, 1.4). Beside those workers, the tests that fork
+# hivemind averagers from the test process itself run in a plain pytest process (its output
+# printed when it ends): forked from an xdist worker (which runs threads of its own), an
+# averager child now and then never started. The floods (a thousand requests, thousands
+# of streams and records) run last, alone: beside them, other tests' timeouts measured the
+# flood, not the code.
 FORKS_AVERAGERS := tests/live/test_averaging.py tests/live/test_diloco_load.py
 FLOODS := tests/live/test_flood.py tests/live/test_sybil.py
 APART := $(FORKS_AVERAGERS) $(FLOODS)
@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(BIN)/pytest tests/unit -n 2 --durations=10
 	forks_log=$$(mktemp); \
 	$(BIN)/pytest $(FORKS_AVERAGERS) --durations=5 > $$forks_log 2>&1 & forks=$$!; \
-	$(BIN)/pytest tests/live -n 4 --dist loadfile --no-loadscope-reorder --durations=10 \
+	$(BIN)/pytest tests/live -n 3 --dist loadfile --no-loadscope-reorder --durations=10 \
 		$(APART:%=--ignore=%); live=$$?; \
 	wait $$forks; forked=$$?; cat $$forks_log; rm -f $$forks_log; \
 	test $$live = 0 && test $$forked = 0

@@ -171,9 +171,11 @@ def run_swarm(
         for i in range(config.stages * config.peers):
             peers = [nodes[0].maddr] if nodes else []
             extra = ["--spec", str(spec_path), "--stage", str(i % config.stages)]
-            nodes.append(launch_node(workdir, f"p{i}", run, initial_peers=peers, extra=extra))
+            # the joiners need only the first node's address: they start together
+            nodes.append(launch_node(workdir, f"p{i}", run, initial_peers=peers, extra=extra,
+                                     wait=not nodes))  # fmt: skip
         for n in nodes:
-            n.wait_serving()
+            n.wait_serving(120)
         dht = SwarmDHT.start(run, initial_peers=[nodes[0].maddr], host_maddrs=[LOCAL],
                              client_mode=True)  # fmt: skip
         result = asyncio.run(asyncio.wait_for(_train(dht, config, checkpoints), timeout_s))

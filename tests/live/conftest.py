@@ -1,6 +1,6 @@
 """The live tier: real ``p2pd`` daemons, DHTs, node processes and swarms on 127.0.0.1.
 
-``make test`` runs this tier in four pytest-xdist workers with ``--dist loadfile
+``make test`` runs this tier in three pytest-xdist workers with ``--dist loadfile
 --no-loadscope-reorder``: each file runs whole in one worker, its tests in file order
 (module-scoped swarms start once), and the files are handed out longest first
 (``SECONDS``), each to the next worker that is nearly done, so that no long file starts
