@@ -46,7 +46,7 @@ def _stdlib_files() -> tuple[Path, list[Path]]:
     """The standard library's ``.py`` files; installed packages (``site-packages``, which
     can hold far more files than the library itself) are not walked."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [d for d in subfolders if d != "site-packages"]
         files.extend(Path(folder, n) for n in names if n.endswith(".py"))
