@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -54,6 +54,7 @@ class Decision:
     action: Action
     samples: int  # counted at our epoch, ours included
     peers: int  # other peers at our epoch
+    waiting_for: tuple[str, ...] = ()  # peers behind that a step now due waits for
 
 
 def decide(
@@ -65,16 +66,17 @@ def decide(
     *,
     catch_up: bool = True,
     per_peer: bool = False,
-    patient: bool = False,
+    patient_for: Collection[str] = (),
 ) -> Decision:
     """What a peer at ``epoch`` holding ``samples`` does, given the other peers' records.
 
     ``per_peer``: the target is per peer at our epoch (DiLoCo: each peer's share of inner
     steps), so it grows with their number. ``catch_up`` False: a download just failed, so
-    a peer behind waits rather than try again at once. ``patient``: a peer that would step
-    alone while others are behind it (joiners downloading the state) waits for them
-    instead, so that they land at its epoch and average with it; the caller bounds the
-    wait (a dead peer behind stays listed until its record expires). A peer's count is
+    a peer behind waits rather than try again at once. ``patient_for``: peers whose step
+    is due wait instead while any of these is behind them (a joiner downloading the
+    state), so that it lands at their epoch and averages with them rather than chase a
+    stage that steps faster than a download; ``Patience`` says whom and bounds the wait
+    (``waiting_for`` says whom a WAIT waits for). A peer's count is
     capped at the target: one peer claiming huge numbers can start a round early, not skip
     one. Records of ``me`` are ignored (our own count is ``samples``)."""
     if target < 1:
@@ -91,9 +93,59 @@ def decide(
         return Decision(Action.WAIT, total, len(same))
     # A peer with no samples of its own still averages (with weight 0): it applies the same
     # step as the others and stays in step with them without downloading their state.
-    if not same and patient and any(p.epoch < epoch for p in others):
-        return Decision(Action.WAIT, total, 0)
+    behind = sorted({p.peer_id for p in others if p.epoch < epoch and p.peer_id in patient_for})
+    if behind:
+        return Decision(Action.WAIT, total, len(same), tuple(behind))
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
+
+
+# A step that is due waits for the peers behind (``decide``'s ``patient_for``) only while
+# the window after our epoch lasts (a download of our state: ``download_patience_s``), and
+# on account of one peer for at most ``PATIENT_EPOCHS`` of our epochs in
+# ``PATIENCE_MEMORY_S``: a peer that never lands (dead, lying, or on a link too slow for
+# the state) holds the stage a few windows at most.
+PATIENT_EPOCHS = 3
+PATIENCE_MEMORY_S = 600.0
+
+
+class Patience:
+    """Whom a peer's due step waits for: the peers behind it, while the window ``open``
+    set after its latest epoch lasts, each for at most ``epochs`` of its epochs within
+    ``memory_s`` seconds (``waited`` counts them). Times are the caller's clock."""
+
+    def __init__(self, epochs: int = PATIENT_EPOCHS, memory_s: float = PATIENCE_MEMORY_S) -> None:
+        self.epochs, self.memory_s = epochs, memory_s
+        self.until = -math.inf
+        self._waits: dict[str, dict[int, float]] = {}  # peer -> our epoch -> first wait
+
+    def open(self, until: float) -> None:
+        """We reached an epoch: peers behind may hold our next step until ``until``."""
+        self.until = until
+
+    def deserving(self, others: Sequence[Progress], epoch: int, now: float) -> frozenset[str]:
+        """The peers of ``others`` behind ``epoch`` that our step may wait for now."""
+        if now >= self.until:
+            return frozenset()
+        result = set()
+        for p in others:
+            if p.epoch >= epoch:
+                continue
+            waits = self._waits.get(p.peer_id, {})
+            recent = sum(now - at < self.memory_s for at in waits.values())
+            if epoch in waits or recent < self.epochs:
+                result.add(p.peer_id)
+        return frozenset(result)
+
+    def waited(self, peers: Sequence[str], epoch: int, now: float) -> None:
+        """Our step at ``epoch`` waited for ``peers``; waits older than the memory go."""
+        for peer in list(self._waits):
+            kept = {e: at for e, at in self._waits[peer].items() if now - at < self.memory_s}
+            if kept:
+                self._waits[peer] = kept
+            else:
+                del self._waits[peer]
+        for peer in peers:
+            self._waits.setdefault(peer, {}).setdefault(epoch, now)
 
 
 # How long a gradient round waits for the backwards of the micro-batches its peer admitted

@@ -71,9 +71,10 @@ the stage holds one copy again.
 
 Downloads. A catch-up waits for the state as long as its bytes take at the upload rate
 its sources announce (``protocol.averaging.download_patience_s``), at least a round's
-timeout, and a peer ahead waits that long for the peers behind it before it steps alone
-(``decide``'s ``patient``): on a slow link a catch-up then lands at the epoch its source
-is at.
+timeout, and the peers ahead wait that long for the peers behind them before their next
+step (``decide``'s ``patient_for``, bounded per peer by ``protocol.averaging.Patience``):
+on a slow link a catch-up then lands at the epoch its source is at, rather than chase a
+stage that steps faster than its state downloads.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ from node.rpc.dht import SwarmDHT
 from protocol.averaging import (
     DRAIN_S,
     Action,
+    Patience,
     Progress,
     decide,
     download_patience_s,
@@ -215,9 +217,9 @@ class StageAverager:
         self._stepped_now = False  # on_accumulated stepped alone: the epoch is to announce
         self._catch_up_after = 0.0
         self._silent_catch_ups = 0  # catch-ups in a row that got no state at all
-        # Until then, an epoch's step waits for peers behind us (joiners) rather than
-        # stepping alone: once per epoch, at most as long as a download of our state takes.
-        self._patience_until = 0.0
+        # Whom an epoch's due step waits for (joiners behind us, downloading our state):
+        # after each epoch, at most as long as a download of it takes.
+        self._patience = Patience()
         self._state_bytes = shipped_bytes(strategy.module, strategy.mode)
         self._admitted_at = 0.0  # when (DHT time) the server last admitted a micro-batch
         self._loop = asyncio.get_running_loop()
@@ -557,17 +559,19 @@ class StageAverager:
             if self._stepped_now:  # on_accumulated stepped alone: announce the epoch
                 self._stepped_now = False
                 await self._after_epoch(how="alone", peers=1, ok=True)
-            now = time.monotonic()
+            now, view = time.monotonic(), self.board.view()
             decision = decide(
                 self.peer_id,
                 self.epoch,
                 self._samples(),
-                self.board.view(),
+                view,
                 self.strategy.target,
                 catch_up=now >= self._catch_up_after,
-                patient=now < self._patience_until,
+                patient_for=self._patience.deserving(view, self.epoch, now),
                 per_peer=self.strategy.per_peer,
             )
+            if decision.waiting_for:
+                self._patience.waited(decision.waiting_for, self.epoch, now)
             if decision.action is Action.WAIT or self._closing:
                 continue
             self._busy = True
@@ -859,7 +863,7 @@ class StageAverager:
         measured: dict[str, float | int] | None = None,
     ) -> None:
         # Peers behind us download our state: wait as long as that may take.
-        self._patience_until = time.monotonic() + self._download_patience([self.peer_id])
+        self._patience.open(time.monotonic() + self._download_patience([self.peer_id]))
         self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()

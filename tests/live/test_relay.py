@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -34,11 +35,16 @@ def net() -> Iterator[Network]:
         pytest.skip(f"cannot build the emulated network here: {e}")
 
 
+# A home whose download of a tiny stage's state (about 3 MB) outlasts several steps of
+# two public peers training it.
+SLOW_HOME = replace(profile("home"), name="slow-home", down_mbit=16)
+
+
 @pytest.fixture
 def one_home() -> Iterator[Network]:
-    """Two public hosts, and one home behind a router."""
+    """Two public hosts, and one home behind a router, with a slow download."""
     try:
-        with Network([profile("datacenter")] * 2, [profile("home")], subnet=PUBLIC_SUBNET) as n:
+        with Network([profile("datacenter")] * 2, [SLOW_HOME], subnet=PUBLIC_SUBNET) as n:
             yield n
     except NetemUnavailable as e:
         pytest.skip(f"cannot build the emulated network here: {e}")
@@ -48,6 +54,16 @@ def _served(node: NodeProcess) -> int:
     """Micro-batches ``node`` served, as its latest heartbeat says."""
     beats = node.events("node.heartbeat")
     return beats[-1]["served"] if beats else 0
+
+
+def _until_averaged_with(node: NodeProcess, peers: int) -> list[dict] | None:
+    """``node``'s ``averaging.round`` events up to its first round averaged among
+    ``peers`` peers (itself included); None before that round."""
+    rounds = node.events("averaging.round")
+    for i, e in enumerate(rounds):
+        if e["how"] == "averaged" and e["peers"] >= peers:
+            return rounds[: i + 1]
+    return None
 
 
 def _start(
@@ -65,9 +81,12 @@ def _start(
 def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_path) -> None:
     """2 public nodes (both training, both usable as relays: the home's initial peers) and
     1 home behind NAT (tiny, 1 stage, so that every node serves it and no stage empties
-    when one dies). The home announces a relay that it checked holds its reservation;
-    SIGKILL that relay: within a bounded time the home emits ``relay.changed`` to the
-    other, its record says so, and the surviving trainer's micro-batches reach it again."""
+    when one dies). The home joins the public pair's averaging rounds after a few state
+    downloads (the pair waits for a download in flight rather than step past it, where the
+    home otherwise chased their epochs). The home announces a relay that it checked holds
+    its reservation; SIGKILL that relay: within a bounded time the home emits
+    ``relay.changed`` to the other, its record says so, and the surviving trainer's
+    micro-batches reach it again."""
     net, nodes = one_home, []
     try:
 
@@ -80,6 +99,7 @@ def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_p
         run = first.run_id
         second = start("p1", net.hosts[1], [_maddr_at(first, net.hosts[0].address)])
         second.wait_started(90)
+        wait_until(lambda: _until_averaged_with(second, 2), 120, "the public pair to average")
         publics = {first.peer_id: first, second.peer_id: second}
         seeds = [_maddr_at(first, net.hosts[0].address), _maddr_at(second, net.hosts[1].address)]
         home = launch_node(tmp_path, "h0", run, initial_peers=seeds, host_maddr=ANY,
@@ -94,6 +114,10 @@ def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_p
                                                     if p != said["relay"])  # fmt: skip
         home.wait_serving(150)
         wait_until(lambda: _served(home) >= 5, 120, "the home to serve through its relay")
+        rounds = wait_until(lambda: _until_averaged_with(home, 3), 120,
+                            "the home to average with both public peers")  # fmt: skip
+        caught_up = [e["epoch"] for e in rounds if e["how"] == "caught_up"]
+        assert len(caught_up) <= 3, f"the home chased the pair's epochs: {caught_up}"
 
         relay.stop(signal.SIGKILL)
         killed = time.monotonic()

@@ -20,6 +20,7 @@ from protocol.averaging import (
     DRAIN_S,
     OPEN_S,
     Action,
+    Patience,
     Progress,
     ReturnedShare,
     check_returned,
@@ -74,6 +75,29 @@ def test_robust_mean_follows_honest_parts_and_bounds_a_wrong_one():
         robust_mean(honest, [0, 0, 0])
 
 
+def test_patience_bounds_whom_a_due_step_waits_for():
+    """Peers behind hold our step only inside the window after our epoch, and each for at
+    most ``epochs`` of our epochs within the memory; a peer at or ahead of us never."""
+    patience = Patience(epochs=2, memory_s=100.0)
+    view = [Progress("a", 1, 0), Progress("b", 9, 0), Progress("c", 4, 0)]  # b: ahead
+    assert patience.deserving(view, 5, now=0.0) == frozenset()  # no window yet
+    patience.open(until=10.0)
+    assert patience.deserving(view, 5, now=1.0) == {"a", "c"}
+    assert patience.deserving(view, 5, now=10.0) == frozenset()  # the window closed
+    patience.waited(["a"], 5, now=1.0)
+    patience.waited(["a"], 5, now=2.0)  # the same epoch counts once
+    patience.open(until=30.0)
+    assert patience.deserving(view, 6, now=21.0) == {"a", "c"}
+    patience.waited(["a"], 6, now=21.0)
+    assert "a" in patience.deserving(view, 6, now=22.0)  # its epoch, already counted
+    patience.open(until=40.0)
+    assert patience.deserving(view, 7, now=31.0) == {"c"}  # a had its two epochs
+    patience.open(until=140.0)
+    assert patience.deserving(view, 8, now=102.0) == {"a", "c"}  # its first wait is forgotten
+    patience.waited(["c"], 8, now=200.0)
+    assert set(patience._waits) == {"c"}  # old waits are dropped
+
+
 def test_decide():
     def p(peer: str, epoch: int, samples: int) -> Progress:
         return Progress(peer, epoch, samples)
@@ -89,9 +113,14 @@ def test_decide():
     assert decide("me", 3, 1, [p("a", 3, 10**9)], 16).action is Action.AVERAGE  # capped
     joiner = [p("a", 1, 0)]  # behind, downloading the state: wait for it, if patient
     assert decide("me", 3, 16, joiner, 16).action is Action.STEP_ALONE
-    assert decide("me", 3, 16, joiner, 16, patient=True).action is Action.WAIT
-    both = [p("a", 1, 0), p("b", 3, 0)]  # someone to average with: no waiting
-    assert decide("me", 3, 16, both, 16, patient=True).action is Action.AVERAGE
+    waits = decide("me", 3, 16, joiner, 16, patient_for={"a"})
+    assert (waits.action, waits.waiting_for) == (Action.WAIT, ("a",))
+    assert decide("me", 3, 16, joiner, 16, patient_for={"x"}).action is Action.STEP_ALONE
+    both = [p("a", 1, 0), p("b", 3, 0)]  # a frontier of two waits for the joiner too
+    assert decide("me", 3, 16, both, 16).action is Action.AVERAGE
+    assert decide("me", 3, 16, both, 16, patient_for={"a"}).waiting_for == ("a",)
+    # Only a step that is due waits: short of the target, the decision is a plain WAIT.
+    assert decide("me", 3, 1, both, 16, patient_for={"a"}).waiting_for == ()
     assert decide("me", 0, 20, [p("a", 0, 10)], 16, per_peer=True).action is Action.WAIT
     assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
     with pytest.raises(ValueError):
