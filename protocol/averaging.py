@@ -43,9 +43,9 @@ def averaging_prefix(run: str, stage: int) -> str:
 
 
 class Action(StrEnum):
-    WAIT = "wait"  # fewer than target samples at our epoch
+    WAIT = "wait"  # fewer than target samples at our epoch, or waiting for peers behind
     AVERAGE = "average"  # target reached and other peers share our epoch: run a round
-    STEP_ALONE = "step_alone"  # target reached and no other peer is at our epoch
+    STEP_ALONE = "step_alone"  # target reached, no other peer at our epoch, none awaited
     CATCH_UP = "catch_up"  # a peer is ahead of us: download the state
 
 
@@ -91,40 +91,64 @@ def decide(
     total = min(samples, target) + sum(min(p.samples, target) for p in same)
     if total < target:
         return Decision(Action.WAIT, total, len(same))
-    # A peer with no samples of its own still averages (with weight 0): it applies the same
-    # step as the others and stays in step with them without downloading their state.
     behind = sorted({p.peer_id for p in others if p.epoch < epoch and p.peer_id in patient_for})
     if behind:
         return Decision(Action.WAIT, total, len(same), tuple(behind))
+    # A peer with no samples of its own still averages (with weight 0): it applies the same
+    # step as the others and stays in step with them without downloading their state.
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
 
 
 # A step that is due waits for the peers behind (``decide``'s ``patient_for``) only while
-# the window after our epoch lasts (a download of our state: ``download_patience_s``), and
-# on account of one peer for at most ``PATIENT_EPOCHS`` of our epochs in
-# ``PATIENCE_MEMORY_S``: a peer that never lands (dead, lying, or on a link too slow for
-# the state) holds the stage a few windows at most.
+# the window after our epoch lasts (a download of our state from the slowest peer at our
+# epoch: ``download_patience_s``, the same window for all of them); on account of one peer
+# for at most ``PATIENT_EPOCHS`` of our epochs in ``PATIENCE_MEMORY_S``; and for all peers
+# behind together at most ``PATIENCE_SHARE`` of the memory (at least one window), so that
+# peers that never land (dead, lying, many of them, or on a link too slow for the state)
+# cost the stage that share of its time at most.
 PATIENT_EPOCHS = 3
 PATIENCE_MEMORY_S = 600.0
+PATIENCE_SHARE = 0.25
 
 
 class Patience:
     """Whom a peer's due step waits for: the peers behind it, while the window ``open``
     set after its latest epoch lasts, each for at most ``epochs`` of its epochs within
-    ``memory_s`` seconds (``waited`` counts them). Times are the caller's clock."""
+    ``memory_s`` seconds, and all together at most ``share`` of that time (or one window,
+    if longer). ``note`` is told every decision (whom it waited for, if anyone), and counts
+    the waits. Times are the caller's clock, in seconds."""
 
-    def __init__(self, epochs: int = PATIENT_EPOCHS, memory_s: float = PATIENCE_MEMORY_S) -> None:
-        self.epochs, self.memory_s = epochs, memory_s
+    def __init__(
+        self,
+        epochs: int = PATIENT_EPOCHS,
+        memory_s: float = PATIENCE_MEMORY_S,
+        share: float = PATIENCE_SHARE,
+    ) -> None:
+        self.epochs, self.memory_s, self.share = epochs, memory_s, share
         self.until = -math.inf
+        self._window_s = 0.0
         self._waits: dict[str, dict[int, float]] = {}  # peer -> our epoch -> first wait
+        self._spent: list[list[float]] = []  # [start, end] of each wait, oldest first
+        self._waiting = False  # the last decision waited (its interval is still open)
 
-    def open(self, until: float) -> None:
-        """We reached an epoch: peers behind may hold our next step until ``until``."""
-        self.until = until
+    def open(self, now: float, window_s: float) -> None:
+        """We reached an epoch at ``now``: peers behind may hold our next step until
+        ``window_s`` later."""
+        self._stop(now)
+        self.until, self._window_s = now + window_s, window_s
+
+    def spent_s(self, now: float) -> float:
+        """Seconds spent waiting within the last ``memory_s``."""
+        since = now - self.memory_s
+        return sum(max(0.0, end - max(start, since)) for start, end in self._spent)
 
     def deserving(self, others: Sequence[Progress], epoch: int, now: float) -> frozenset[str]:
         """The peers of ``others`` behind ``epoch`` that our step may wait for now."""
+        if self._waiting:
+            self._spent[-1][1] = now
         if now >= self.until:
+            return frozenset()
+        if self.spent_s(now) >= max(self.share * self.memory_s, self._window_s):
             return frozenset()
         result = set()
         for p in others:
@@ -136,16 +160,34 @@ class Patience:
                 result.add(p.peer_id)
         return frozenset(result)
 
-    def waited(self, peers: Sequence[str], epoch: int, now: float) -> None:
-        """Our step at ``epoch`` waited for ``peers``; waits older than the memory go."""
+    def note(self, waiting_for: Sequence[str], epoch: int, now: float) -> None:
+        """Our decision at ``epoch`` waited for ``waiting_for`` (empty: it did not wait)."""
+        if not waiting_for:
+            self._stop(now)
+            return
+        if self._waiting:
+            self._spent[-1][1] = now
+        else:
+            self._spent.append([now, now])
+            self._waiting = True
+        for peer in waiting_for:
+            self._waits.setdefault(peer, {}).setdefault(epoch, now)
+        self._forget(now)
+
+    def _stop(self, now: float) -> None:
+        if self._waiting:
+            self._spent[-1][1] = now
+            self._waiting = False
+
+    def _forget(self, now: float) -> None:
+        while self._spent and self._spent[0][1] < now - self.memory_s:
+            self._spent.pop(0)
         for peer in list(self._waits):
             kept = {e: at for e, at in self._waits[peer].items() if now - at < self.memory_s}
             if kept:
                 self._waits[peer] = kept
             else:
                 del self._waits[peer]
-        for peer in peers:
-            self._waits.setdefault(peer, {}).setdefault(epoch, now)
 
 
 # How long a gradient round waits for the backwards of the micro-batches its peer admitted

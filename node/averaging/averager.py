@@ -71,10 +71,12 @@ the stage holds one copy again.
 
 Downloads. A catch-up waits for the state as long as its bytes take at the upload rate
 its sources announce (``protocol.averaging.download_patience_s``), at least a round's
-timeout, and the peers ahead wait that long for the peers behind them before their next
-step (``decide``'s ``patient_for``, bounded per peer by ``protocol.averaging.Patience``):
-on a slow link a catch-up then lands at the epoch its source is at, rather than chase a
-stage that steps faster than its state downloads.
+timeout. After each epoch the peers at it hold their next step for the peers behind them
+(joiners downloading the state) as long as a download from the slowest of them may take
+(``decide``'s ``patient_for``; ``protocol.averaging.Patience`` bounds it per peer behind
+and in all): a catch-up then lands at the epoch its source is at, rather than chase a
+stage that steps faster than its state downloads. A joiner's first load is not waited
+for (its progress is published once it holds a state).
 """
 
 from __future__ import annotations
@@ -570,8 +572,7 @@ class StageAverager:
                 patient_for=self._patience.deserving(view, self.epoch, now),
                 per_peer=self.strategy.per_peer,
             )
-            if decision.waiting_for:
-                self._patience.waited(decision.waiting_for, self.epoch, now)
+            self._patience.note(decision.waiting_for, self.epoch, now)
             if decision.action is Action.WAIT or self._closing:
                 continue
             self._busy = True
@@ -862,8 +863,10 @@ class StageAverager:
         ok: bool,
         measured: dict[str, float | int] | None = None,
     ) -> None:
-        # Peers behind us download our state: wait as long as that may take.
-        self._patience.open(time.monotonic() + self._download_patience([self.peer_id]))
+        # Peers behind us download the state of a peer at our epoch: wait as long as that
+        # may take from the slowest of them (they all open the same window).
+        level = [p.peer_id for p in self.board.view() if p.epoch == self.epoch]
+        self._patience.open(time.monotonic(), self._download_patience([self.peer_id, *level]))
         self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()

@@ -78,24 +78,46 @@ def test_robust_mean_follows_honest_parts_and_bounds_a_wrong_one():
 def test_patience_bounds_whom_a_due_step_waits_for():
     """Peers behind hold our step only inside the window after our epoch, and each for at
     most ``epochs`` of our epochs within the memory; a peer at or ahead of us never."""
-    patience = Patience(epochs=2, memory_s=100.0)
+    patience = Patience(epochs=2, memory_s=100.0, share=1.0)
     view = [Progress("a", 1, 0), Progress("b", 9, 0), Progress("c", 4, 0)]  # b: ahead
     assert patience.deserving(view, 5, now=0.0) == frozenset()  # no window yet
-    patience.open(until=10.0)
+    patience.open(now=0.0, window_s=10.0)
     assert patience.deserving(view, 5, now=1.0) == {"a", "c"}
     assert patience.deserving(view, 5, now=10.0) == frozenset()  # the window closed
-    patience.waited(["a"], 5, now=1.0)
-    patience.waited(["a"], 5, now=2.0)  # the same epoch counts once
-    patience.open(until=30.0)
+    patience.note(["a"], 5, now=1.0)
+    patience.note(["a"], 5, now=2.0)  # the same epoch counts once
+    patience.open(now=20.0, window_s=10.0)
     assert patience.deserving(view, 6, now=21.0) == {"a", "c"}
-    patience.waited(["a"], 6, now=21.0)
+    patience.note(["a"], 6, now=21.0)
     assert "a" in patience.deserving(view, 6, now=22.0)  # its epoch, already counted
-    patience.open(until=40.0)
+    patience.open(now=30.0, window_s=10.0)
     assert patience.deserving(view, 7, now=31.0) == {"c"}  # a had its two epochs
-    patience.open(until=140.0)
-    assert patience.deserving(view, 8, now=102.0) == {"a", "c"}  # its first wait is forgotten
-    patience.waited(["c"], 8, now=200.0)
+    patience.open(now=101.5, window_s=40.0)
+    assert patience.deserving(view, 8, now=102.0) == {"a", "c"}  # its first wait forgotten
+    patience.note(["c"], 8, now=200.0)
     assert set(patience._waits) == {"c"}  # old waits are dropped
+
+
+def test_patience_spends_at_most_its_share_of_time_waiting():
+    """All peers behind together hold our steps at most ``share`` of the memory (new ids
+    do not get around it), but at least one whole window."""
+    patience = Patience(epochs=3, memory_s=100.0, share=0.2)  # 20 s in any 100 s
+    for epoch, peer in enumerate(["x1", "x2", "x3"]):  # a fresh id behind at every epoch
+        start = 30.0 * epoch
+        patience.open(now=start, window_s=15.0)
+        view = [Progress(peer, 0, 0)]
+        waited = start
+        while patience.deserving(view, epoch + 1, now=waited):
+            patience.note([peer], epoch + 1, now=waited)
+            waited += 1.0
+        patience.note([], epoch + 1, now=waited)
+        assert waited - start == (15.0 if epoch == 0 else 5.0 if epoch == 1 else 0.0)
+    assert patience.spent_s(now=75.0) == 20.0
+    assert patience.spent_s(now=150.0) == 0.0  # forgotten: waits may come again
+    long = Patience(memory_s=100.0, share=0.2)
+    long.open(now=0.0, window_s=60.0)  # a window longer than the share: it is waited out
+    long.note(["a"], 1, now=0.0)
+    assert long.deserving([Progress("a", 0, 0)], 1, now=59.0) == {"a"}
 
 
 def test_decide():
