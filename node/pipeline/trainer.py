@@ -82,6 +82,13 @@ class TrainerError(RuntimeError):
     requests)."""
 
 
+# Peers (of all stages) whose calls ``TrainerStats.calls`` counts one by one: past this
+# many, the half that served fewest are counted together under ``OTHER_PEERS`` (a trainer
+# of a public run meets peers without end).
+MAX_COUNTED_PEERS = 4096
+OTHER_PEERS = ""
+
+
 @dataclass
 class TrainerStats:
     micro_batches: int = 0
@@ -89,6 +96,16 @@ class TrainerStats:
     loss_sum: float = 0.0  # of the micro-batches' training losses (their mean: / micro_batches)
     calls: Counter = field(default_factory=Counter)  # (stage, peer_id) -> calls served
     rerouted: Counter = field(default_factory=Counter)  # stage -> failed calls retried elsewhere
+
+    def called(self, stage: int, peer: str) -> None:
+        """``peer`` of ``stage`` served a call; per-stage totals stay exact."""
+        self.calls[(stage, peer)] += 1
+        if len(self.calls) > MAX_COUNTED_PEERS:
+            fewest = sorted(self.calls.items(), key=lambda kv: kv[1])[: MAX_COUNTED_PEERS // 2]
+            for (s, p), n in fewest:
+                if p != OTHER_PEERS:
+                    del self.calls[(s, p)]
+                    self.calls[(s, OTHER_PEERS)] += n
 
 
 @dataclass(frozen=True)
@@ -425,7 +442,7 @@ class StageRouter:
                 if not self._in_flight[peer]:
                     del self._in_flight[peer]  # a peer called once is not kept for good
                 self._probes[stage] -= probe
-            self.stats.calls[(stage, peer)] += 1
+            self.stats.called(stage, peer)
             return result, peer
 
     def _failed(self, stage: int, peer: str, error: Exception) -> None:

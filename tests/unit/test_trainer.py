@@ -19,7 +19,16 @@ from hivemind.p2p import PeerID
 from node import events
 from node.pipeline.client import StageCallError, StageRefused, StageUnavailable
 from node.pipeline.server import HOLD_ROUND_S
-from node.pipeline.trainer import StageCalls, StageRouter, Trainer, TrainerError, TrainerSettings
+from node.pipeline.trainer import (
+    MAX_COUNTED_PEERS,
+    OTHER_PEERS,
+    StageCalls,
+    StageRouter,
+    Trainer,
+    TrainerError,
+    TrainerSettings,
+    TrainerStats,
+)
 from protocol.identity import peer_id_of
 from protocol.records import PeerInfo
 from protocol.run_spec import make_run_spec
@@ -266,3 +275,17 @@ def test_a_result_times_each_call_in_the_order_made() -> None:
         forward, loss, backward = r.call_s
         assert loss >= stages.loss_s
         assert forward < stages.loss_s and backward < stages.loss_s
+
+
+def test_call_counts_stay_bounded_and_keep_each_stages_total():
+    """A trainer meets peers without end in a public run: past ``MAX_COUNTED_PEERS`` the
+    peers that served fewest calls are counted together, and each stage's total stays."""
+    stats = TrainerStats()
+    for i in range(3 * MAX_COUNTED_PEERS):
+        stats.called(i % 2, f"peer{i}")
+    stats.called(0, "busy")
+    stats.called(0, "busy")
+    assert len(stats.calls) <= MAX_COUNTED_PEERS + 2
+    totals = {s: sum(n for (st, _), n in stats.calls.items() if st == s) for s in (0, 1)}
+    assert totals == {0: 3 * MAX_COUNTED_PEERS // 2 + 2, 1: 3 * MAX_COUNTED_PEERS // 2}
+    assert stats.calls[(0, "busy")] == 2 and stats.calls[(1, OTHER_PEERS)] > 0
