@@ -26,6 +26,7 @@ import uvloop
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
+from hivemind.utils.mpfuture import MPFuture
 
 from models.data import eval_batches, sample_batches, stream_seed
 from models.stages import Stage
@@ -852,8 +853,13 @@ def test_a_round_with_a_dead_averager_process_fails_at_once(dhts):
         try:
             averager = await peer.start(record=False)
             transport = averager.transport
-            transport.process.kill()
-            transport.process.join(10)
+            # hivemind's MPFuture sends every result between processes under one lock
+            # shared by all of them (``MPFuture._update_lock``): a process killed while it
+            # holds it leaves every other one (the DHT processes shared by this module's
+            # tests) blocked for good. Held here, the kill cannot fall inside it.
+            with MPFuture._update_lock:
+                transport.process.kill()
+                transport.process.join(10)
             started = time.monotonic()
             deadline = started + 5.0
             assert transport.schedule(epoch=0, group_size=2, deadline=deadline) is None
