@@ -138,14 +138,15 @@ class Patience:
         self.until, self._window_s = now + window_s, window_s
 
     def spent_s(self, now: float) -> float:
-        """Seconds spent waiting within the last ``memory_s``."""
-        since = now - self.memory_s
-        return sum(max(0.0, end - max(start, since)) for start, end in self._spent)
+        """Seconds spent waiting within the last ``memory_s`` (a wait going on: until now)."""
+        since, last = now - self.memory_s, len(self._spent) - 1
+        return sum(
+            max(0.0, (now if self._waiting and i == last else end) - max(start, since))
+            for i, (start, end) in enumerate(self._spent)
+        )
 
     def deserving(self, others: Sequence[Progress], epoch: int, now: float) -> frozenset[str]:
         """The peers of ``others`` behind ``epoch`` that our step may wait for now."""
-        if self._waiting:
-            self._spent[-1][1] = now
         if now >= self.until:
             return frozenset()
         if self.spent_s(now) >= max(self.share * self.memory_s, self._window_s):

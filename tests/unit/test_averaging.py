@@ -117,6 +117,7 @@ def test_patience_spends_at_most_its_share_of_time_waiting():
     long = Patience(memory_s=100.0, share=0.2)
     long.open(now=0.0, window_s=60.0)  # a window longer than the share: it is waited out
     long.note(["a"], 1, now=0.0)
+    assert long.spent_s(now=10.0) == 10.0  # a wait going on counts until now
     assert long.deserving([Progress("a", 0, 0)], 1, now=59.0) == {"a"}
 
 
