@@ -103,9 +103,10 @@ def decide(
 # the window after our epoch lasts (a download of our state from the slowest peer at our
 # epoch: ``download_patience_s``, the same window for all of them); on account of one peer
 # for at most ``PATIENT_EPOCHS`` of our epochs in ``PATIENCE_MEMORY_S``; and for all peers
-# behind together at most ``PATIENCE_SHARE`` of the memory (at least one window), so that
-# peers that never land (dead, lying, many of them, or on a link too slow for the state)
-# cost the stage that share of its time at most.
+# behind together at most ``PATIENCE_SHARE`` of the memory, or a download from us if that
+# takes longer (our own upload rate, not a peer's claim), so that peers that never land
+# (dead, lying, many of them, or on a link too slow for the state) cost the stage that
+# share of its time at most.
 PATIENT_EPOCHS = 3
 PATIENCE_MEMORY_S = 600.0
 PATIENCE_SHARE = 0.25
@@ -114,9 +115,9 @@ PATIENCE_SHARE = 0.25
 class Patience:
     """Whom a peer's due step waits for: the peers behind it, while the window ``open``
     set after its latest epoch lasts, each for at most ``epochs`` of its epochs within
-    ``memory_s`` seconds, and all together at most ``share`` of that time (or one window,
-    if longer). ``note`` is told every decision (whom it waited for, if anyone), and counts
-    the waits. Times are the caller's clock, in seconds."""
+    ``memory_s`` seconds, and all together at most ``share`` of that time (or ``own_s``,
+    a download from us, if longer). ``note`` is told every decision (whom it waited for,
+    if anyone), and counts the waits. Times are the caller's clock, in seconds."""
 
     def __init__(
         self,
@@ -126,16 +127,16 @@ class Patience:
     ) -> None:
         self.epochs, self.memory_s, self.share = epochs, memory_s, share
         self.until = -math.inf
-        self._window_s = 0.0
+        self._own_s = 0.0
         self._waits: dict[str, dict[int, float]] = {}  # peer -> our epoch -> first wait
         self._spent: list[list[float]] = []  # [start, end] of each wait, oldest first
         self._waiting = False  # the last decision waited (its interval is still open)
 
-    def open(self, now: float, window_s: float) -> None:
+    def open(self, now: float, window_s: float, own_s: float = 0.0) -> None:
         """We reached an epoch at ``now``: peers behind may hold our next step until
-        ``window_s`` later."""
+        ``window_s`` later; ``own_s``: how long a download of our state from us takes."""
         self._stop(now)
-        self.until, self._window_s = now + window_s, window_s
+        self.until, self._own_s = now + window_s, own_s
 
     def spent_s(self, now: float) -> float:
         """Seconds spent waiting within the last ``memory_s`` (a wait going on: until now)."""
@@ -149,7 +150,7 @@ class Patience:
         """The peers of ``others`` behind ``epoch`` that our step may wait for now."""
         if now >= self.until:
             return frozenset()
-        if self.spent_s(now) >= max(self.share * self.memory_s, self._window_s):
+        if self.spent_s(now) >= max(self.share * self.memory_s, self._own_s):
             return frozenset()
         result = set()
         for p in others:

@@ -866,7 +866,8 @@ class StageAverager:
         # Peers behind us download the state of a peer at our epoch: wait as long as that
         # may take from the slowest of them (they all open the same window).
         level = [p.peer_id for p in self.board.view() if p.epoch == self.epoch]
-        self._patience.open(time.monotonic(), self._download_patience([self.peer_id, *level]))
+        window = self._download_patience([self.peer_id, *level])
+        self._patience.open(time.monotonic(), window, self._download_patience([self.peer_id]))
         self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
         self.transport.sharing_epoch(self.epoch)
         self._publish_now.set()

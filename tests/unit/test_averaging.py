@@ -115,10 +115,12 @@ def test_patience_spends_at_most_its_share_of_time_waiting():
     assert patience.spent_s(now=75.0) == 20.0
     assert patience.spent_s(now=150.0) == 0.0  # forgotten: waits may come again
     long = Patience(memory_s=100.0, share=0.2)
-    long.open(now=0.0, window_s=60.0)  # a window longer than the share: it is waited out
+    behind = [Progress("a", 0, 0)]
+    long.open(now=0.0, window_s=60.0, own_s=40.0)  # a download from us takes 40 s
     long.note(["a"], 1, now=0.0)
     assert long.spent_s(now=10.0) == 10.0  # a wait going on counts until now
-    assert long.deserving([Progress("a", 0, 0)], 1, now=59.0) == {"a"}
+    assert long.deserving(behind, 1, now=39.0) == {"a"}  # our own download, at least
+    assert long.deserving(behind, 1, now=40.0) == frozenset()  # not a slower peer's claim
 
 
 def test_decide():
