@@ -103,10 +103,10 @@ def decide(
 # the window after our epoch lasts (a download of our state from the slowest peer at our
 # epoch: ``download_patience_s``, the same window for all of them); on account of one peer
 # for at most ``PATIENT_EPOCHS`` of our epochs in ``PATIENCE_MEMORY_S``; and for all peers
-# behind together at most ``PATIENCE_SHARE`` of the memory, or a download from us if that
-# takes longer (our own upload rate, not a peer's claim), so that peers that never land
-# (dead, lying, many of them, or on a link too slow for the state) cost the stage that
-# share of its time at most.
+# behind together at most ``PATIENCE_SHARE`` of the memory, which stretches to hold one
+# download from us at that share (our own upload rate, not a peer's claim), so that peers
+# that never land (dead, lying, many of them, or on a link too slow for the state) cost
+# the stage that share of its time at most.
 PATIENT_EPOCHS = 3
 PATIENCE_MEMORY_S = 600.0
 PATIENCE_SHARE = 0.25
@@ -114,10 +114,11 @@ PATIENCE_SHARE = 0.25
 
 class Patience:
     """Whom a peer's due step waits for: the peers behind it, while the window ``open``
-    set after its latest epoch lasts, each for at most ``epochs`` of its epochs within
-    ``memory_s`` seconds, and all together at most ``share`` of that time (or ``own_s``,
-    a download from us, if longer). ``note`` is told every decision (whom it waited for,
-    if anyone), and counts the waits. Times are the caller's clock, in seconds."""
+    set after its latest epoch lasts, each for at most ``epochs`` of its epochs within the
+    memory, and all together at most ``share`` of it. The memory is ``memory_s`` seconds,
+    or ``own_s / share`` where a download from us (``own_s``) is longer than that share.
+    ``note`` is told every decision (whom it waited for, if anyone), and counts the waits.
+    Times are the caller's clock, in seconds."""
 
     def __init__(
         self,
@@ -138,9 +139,14 @@ class Patience:
         self._stop(now)
         self.until, self._own_s = now + window_s, own_s
 
+    @property
+    def memory(self) -> float:
+        """Seconds over which waits are counted."""
+        return max(self.memory_s, self._own_s / self.share)
+
     def spent_s(self, now: float) -> float:
-        """Seconds spent waiting within the last ``memory_s`` (a wait going on: until now)."""
-        since, last = now - self.memory_s, len(self._spent) - 1
+        """Seconds spent waiting within the memory (a wait going on: until now)."""
+        since, last = now - self.memory, len(self._spent) - 1
         return sum(
             max(0.0, (now if self._waiting and i == last else end) - max(start, since))
             for i, (start, end) in enumerate(self._spent)
@@ -150,14 +156,14 @@ class Patience:
         """The peers of ``others`` behind ``epoch`` that our step may wait for now."""
         if now >= self.until:
             return frozenset()
-        if self.spent_s(now) >= max(self.share * self.memory_s, self._own_s):
+        if self.spent_s(now) >= self.share * self.memory:
             return frozenset()
         result = set()
         for p in others:
             if p.epoch >= epoch:
                 continue
             waits = self._waits.get(p.peer_id, {})
-            recent = sum(now - at < self.memory_s for at in waits.values())
+            recent = sum(now - at < self.memory for at in waits.values())
             if epoch in waits or recent < self.epochs:
                 result.add(p.peer_id)
         return frozenset(result)
@@ -182,10 +188,11 @@ class Patience:
             self._waiting = False
 
     def _forget(self, now: float) -> None:
-        while self._spent and self._spent[0][1] < now - self.memory_s:
+        memory = self.memory
+        while self._spent and self._spent[0][1] < now - memory:
             self._spent.pop(0)
         for peer in list(self._waits):
-            kept = {e: at for e, at in self._waits[peer].items() if now - at < self.memory_s}
+            kept = {e: at for e, at in self._waits[peer].items() if now - at < memory}
             if kept:
                 self._waits[peer] = kept
             else:

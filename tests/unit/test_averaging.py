@@ -121,6 +121,17 @@ def test_patience_spends_at_most_its_share_of_time_waiting():
     assert long.spent_s(now=10.0) == 10.0  # a wait going on counts until now
     assert long.deserving(behind, 1, now=39.0) == {"a"}  # our own download, at least
     assert long.deserving(behind, 1, now=40.0) == frozenset()  # not a slower peer's claim
+    # A download from us longer than the memory: the memory stretches, the share holds.
+    huge = Patience(memory_s=100.0, share=0.25)
+    for epoch in range(1, 6):
+        start = 1000.0 * epoch
+        huge.open(now=start, window_s=900.0, own_s=800.0)
+        waited = start
+        while huge.deserving(behind, epoch, now=waited):
+            huge.note(["a"], epoch, now=waited)
+            waited += 10.0
+        huge.note([], epoch, now=waited)
+    assert huge.memory == 3200.0 and huge.spent_s(now=6000.0) <= 800.0
 
 
 def test_decide():
