@@ -85,6 +85,10 @@ fields:
 - ``averaging.resync``: ``stage``, ``epoch``, ``source`` (a groupmate's peer id): the
   group of the round of ``epoch`` held copies of different lineages (a fallback forked
   them), and this copy downloads ``source``'s (``protocol.averaging.resync_source``).
+- ``averaging.held``: ``stage``, ``epoch``, ``seconds``, ``peers`` (peer ids): this copy's
+  step at ``epoch`` was due and waited ``seconds`` for ``peers``, behind it and
+  downloading the state, to land (``protocol.averaging.Patience``); written when the wait
+  ends (they landed, the window closed, or its budget ran out).
 - ``averaging.clock_skew``: ``stage``, ``offset_s`` (how far the clocks of the stage's
   peers that push their records are ahead of ours, the median over them; negative:
   behind), ``peers``: at least ``protocol.clock.WARN_S`` apart, which fails rounds; at

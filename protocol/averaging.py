@@ -112,13 +112,22 @@ PATIENCE_MEMORY_S = 600.0
 PATIENCE_SHARE = 0.25
 
 
+@dataclass(frozen=True)
+class Held:
+    """A wait of our due step for peers behind (``Patience``) that ended."""
+
+    epoch: int  # ours, during the wait
+    seconds: float
+    peers: tuple[str, ...]  # whom it waited for
+
+
 class Patience:
     """Whom a peer's due step waits for: the peers behind it, while the window ``open``
     set after its latest epoch lasts, each for at most ``epochs`` of its epochs within the
     memory, and all together at most ``share`` of it. The memory is ``memory_s`` seconds,
     or ``own_s / share`` where a download from us (``own_s``) is longer than that share.
-    ``note`` is told every decision (whom it waited for, if anyone), and counts the waits.
-    Times are the caller's clock, in seconds."""
+    ``note`` is told every decision (whom it waited for, if anyone), counts the waits, and
+    says when a wait ended (``Held``). Times are the caller's clock, in seconds."""
 
     def __init__(
         self,
@@ -132,6 +141,8 @@ class Patience:
         self._waits: dict[str, dict[int, float]] = {}  # peer -> our epoch -> first wait
         self._spent: list[list[float]] = []  # [start, end] of each wait, oldest first
         self._waiting = False  # the last decision waited (its interval is still open)
+        self._held_for: set[str] = set()  # whom the wait going on waited for
+        self._held_at = 0  # our epoch during the wait going on
 
     def open(self, now: float, window_s: float, own_s: float = 0.0) -> None:
         """We reached an epoch at ``now``: peers behind may hold our next step until
@@ -168,24 +179,29 @@ class Patience:
                 result.add(p.peer_id)
         return frozenset(result)
 
-    def note(self, waiting_for: Sequence[str], epoch: int, now: float) -> None:
-        """Our decision at ``epoch`` waited for ``waiting_for`` (empty: it did not wait)."""
+    def note(self, waiting_for: Sequence[str], epoch: int, now: float) -> Held | None:
+        """Our decision at ``epoch`` waited for ``waiting_for`` (empty: it did not wait).
+        The wait that this decision ended, if one did."""
         if not waiting_for:
-            self._stop(now)
-            return
+            return self._stop(now)
         if self._waiting:
             self._spent[-1][1] = now
         else:
             self._spent.append([now, now])
-            self._waiting = True
+            self._waiting, self._held_for, self._held_at = True, set(), epoch
+        self._held_for.update(waiting_for)
         for peer in waiting_for:
             self._waits.setdefault(peer, {}).setdefault(epoch, now)
         self._forget(now)
+        return None
 
-    def _stop(self, now: float) -> None:
-        if self._waiting:
-            self._spent[-1][1] = now
-            self._waiting = False
+    def _stop(self, now: float) -> Held | None:
+        if not self._waiting:
+            return None
+        self._spent[-1][1] = now
+        self._waiting = False
+        start = self._spent[-1][0]
+        return Held(self._held_at, now - start, tuple(sorted(self._held_for)))
 
     def _forget(self, now: float) -> None:
         memory = self.memory

@@ -572,7 +572,15 @@ class StageAverager:
                 patient_for=self._patience.deserving(view, self.epoch, now),
                 per_peer=self.strategy.per_peer,
             )
-            self._patience.note(decision.waiting_for, self.epoch, now)
+            held = self._patience.note(decision.waiting_for, self.epoch, now)
+            if held is not None:
+                events.emit(
+                    "averaging.held",
+                    stage=self.stage_index,
+                    epoch=held.epoch,
+                    seconds=round(held.seconds, 3),
+                    peers=list(held.peers),
+                )
             if decision.action is Action.WAIT or self._closing:
                 continue
             self._busy = True

@@ -82,11 +82,11 @@ def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_p
     """2 public nodes (both training, both usable as relays: the home's initial peers) and
     1 home behind NAT (tiny, 1 stage, so that every node serves it and no stage empties
     when one dies). The home joins the public pair's averaging rounds after a few state
-    downloads (the pair waits for a download in flight rather than step past it, where the
-    home otherwise chased their epochs). The home announces a relay that it checked holds
-    its reservation; SIGKILL that relay: within a bounded time the home emits
-    ``relay.changed`` to the other, its record says so, and the surviving trainer's
-    micro-batches reach it again."""
+    downloads: the pair holds a step for a download in flight (``averaging.held``) rather
+    than step past it, where the home otherwise chased their epochs. The home announces a
+    relay that it checked holds its reservation; SIGKILL that relay: within a bounded time
+    the home emits ``relay.changed`` to the other, its record says so, and the surviving
+    trainer's micro-batches reach it again."""
     net, nodes = one_home, []
     try:
 
@@ -118,6 +118,9 @@ def test_a_home_whose_relay_dies_serves_through_another(one_home: Network, tmp_p
                             "the home to average with both public peers")  # fmt: skip
         caught_up = [e["epoch"] for e in rounds if e["how"] == "caught_up"]
         assert len(caught_up) <= 3, f"the home chased the pair's epochs: {caught_up}"
+        held = [e for n in (first, second) for e in n.events("averaging.held")
+                if home.peer_id in e["peers"]]  # fmt: skip
+        assert held and all(e["seconds"] > 0 for e in held), held
 
         relay.stop(signal.SIGKILL)
         killed = time.monotonic()

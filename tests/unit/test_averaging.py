@@ -20,6 +20,7 @@ from protocol.averaging import (
     DRAIN_S,
     OPEN_S,
     Action,
+    Held,
     Patience,
     Progress,
     ReturnedShare,
@@ -96,6 +97,16 @@ def test_patience_bounds_whom_a_due_step_waits_for():
     assert patience.deserving(view, 8, now=102.0) == {"a", "c"}  # its first wait forgotten
     patience.note(["c"], 8, now=200.0)
     assert set(patience._waits) == {"c"}  # old waits are dropped
+
+
+def test_patience_says_how_long_a_wait_held_and_for_whom():
+    patience = Patience()
+    patience.open(now=0.0, window_s=30.0)
+    assert patience.note([], 1, now=1.0) is None  # no wait
+    assert patience.note(["b"], 1, now=2.0) is None
+    assert patience.note(["a", "b"], 1, now=3.0) is None
+    assert patience.note([], 1, now=4.5) == Held(1, 2.5, ("a", "b"))
+    assert patience.note([], 1, now=5.0) is None  # told once
 
 
 def test_patience_spends_at_most_its_share_of_time_waiting():
