@@ -6,7 +6,8 @@ how many samples it has accumulated toward the stage's next step (``Progress``, 
 record: ``protocol.progress``). Every
 peer reads all of them and applies the same pure rule (``decide``): when the samples of
 the peers at its epoch reach ``target_batch_size``, the peers average (or, alone, step
-alone); a peer that sees a peer ahead of it downloads the state instead. ``OuterRound``
+alone); a peer that sees a peer ahead of it downloads the state instead, and the peers
+ahead hold a due step for it (``Patience`` bounds whom and how long). ``OuterRound``
 counts a DiLoCo copy's samples around its rounds and says what it may do while one is in
 flight; ``resync_source`` brings copies that stepped alone (``fork_lineage``) back to one;
 ``download_patience_s`` says how long a download of a stage's state may take, and
