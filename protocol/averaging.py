@@ -100,6 +100,19 @@ def decide(
     return Decision(Action.AVERAGE if same else Action.STEP_ALONE, total, len(same))
 
 
+def tell_at_once(samples: int, same: Sequence[Progress], target: int, *, per_peer: bool) -> bool:
+    """Whether our count, now ``samples``, may make the round due (``decide``) for us or
+    a peer at our epoch (``same``: their records), so that they should see it at once,
+    not at the next report. With a shared batch (``per_peer`` False) every sample counts
+    toward it and toward what the peers admit. With a per-peer target the round is due
+    only once the counts, each capped at the target for all, add up to the target for
+    all: while ours and every peer's are below one peer's ``target`` the sum cannot reach
+    it, whatever ours becomes below that."""
+    if not per_peer:
+        return True
+    return samples >= target or any(p.samples >= target for p in same)
+
+
 # A step that is due waits for the peers behind (``decide``'s ``patient_for``) only while
 # the window after our epoch lasts (a download of our state from the slowest peer at our
 # epoch: ``download_patience_s``, the same window for all of them); on account of one peer

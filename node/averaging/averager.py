@@ -120,6 +120,7 @@ from protocol.averaging import (
     download_patience_s,
     fork_lineage,
     resync_source,
+    tell_at_once,
     within_bounds,
 )
 from protocol.progress import MAX_EPOCHS_AHEAD
@@ -403,11 +404,16 @@ class StageAverager:
         self._wake.set()  # what we read may make the round due
 
     def progress_changed(self) -> None:
-        """The server admitted a micro-batch: publish our progress now (on the event loop),
-        so that our peers count it before they admit more, and see whether it completes
-        the batch (a round then starts at once, not after our next read)."""
+        """The server admitted a micro-batch: publish our progress now (on the event loop)
+        where it may count at once (``tell_at_once``: a shared batch, which our peers
+        count before they admit more; or a per-peer target some count has reached), so
+        that a round it makes due starts at once, not after the next report; else the
+        report loop carries it at its period. See whether it completes our batch."""
         self._admitted_at = get_dht_time()
-        self._publish_now.set()
+        same = [p for p in self.board.view() if p.epoch == self.epoch]
+        target, per_peer = self.strategy.target, self.strategy.per_peer
+        if tell_at_once(self._samples(), same, target, per_peer=per_peer):
+            self._publish_now.set()
         self._wake.set()  # our samples may complete the batch: no need to wait for a read
 
     def overdue(self) -> None:

@@ -25,7 +25,7 @@ import dataclasses
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,19 @@ from protocol.stage_messages import (
 )
 
 Key = tuple[str, int]  # (caller, micro-batch)
+
+
+def count_non_finite(tensors: Sequence[torch.Tensor]) -> int:
+    """How many values of ``tensors`` (on one device) are not finite. Where all are, it
+    costs a float32 sum per tensor and one check: a non-finite value makes its tensor's
+    sum non-finite, and a sum that overflows from finite values only sends the tensors to
+    the exact count."""
+    if not tensors:
+        return 0
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return 0
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -106,7 +119,7 @@ class StageExecutor:
         """``tensor``, if finite. Finite inputs can still overflow a stage (hidden states
         near the float32 limit): with finite parameters every peer of the stage would do the
         same, so that is a refusal; with non-finite ones this peer is faulty, not the request."""
-        n_bad = int((~torch.isfinite(tensor)).sum())
+        n_bad = count_non_finite([tensor])
         if not n_bad:
             return tensor
         if all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()):
@@ -209,7 +222,7 @@ class StageExecutor:
         if grad_outputs is not None:
             grad_outputs = grad_outputs.to(outputs.dtype)  # bf16 under CUDA autocast
         grads = torch.autograd.grad(outputs, wrt, grad_outputs=grad_outputs, allow_unused=True)
-        n_bad = sum(int((~torch.isfinite(g)).sum()) for g in grads if g is not None)
+        n_bad = count_non_finite([g for g in grads if g is not None])
         if n_bad:
             raise StageRequestError(f"the request's gradients have {n_bad} non-finite values")
         for p, g in zip(params, grads, strict=False):

@@ -32,6 +32,7 @@ from protocol.averaging import (
     reducer_shares,
     resync_source,
     robust_mean,
+    tell_at_once,
 )
 from protocol.run_spec import AveragingSpec
 from tests.averaging_peer import (
@@ -172,6 +173,33 @@ def test_decide():
     assert decide("me", 0, 20, [p("a", 0, 12)], 16, per_peer=True).action is Action.AVERAGE
     with pytest.raises(ValueError):
         decide("me", 0, 1, [], 0)
+
+
+def test_a_count_is_told_at_once_only_where_it_may_make_the_round_due():
+    def p(peer: str, samples: int) -> Progress:
+        return Progress(peer, 0, samples)
+
+    assert tell_at_once(1, [], 16, per_peer=False)  # a shared batch: every sample counts
+    assert not tell_at_once(15, [p("a", 15), p("b", 0)], 16, per_peer=True)
+    assert tell_at_once(16, [p("a", 0)], 16, per_peer=True)  # ours reached our share
+    assert tell_at_once(1, [p("a", 16)], 16, per_peer=True)  # a peer's did: ours may fill it
+    # Where it is not told at once, the round is due for nobody at our epoch, whatever
+    # our count becomes below the target (so it can wait for the next report).
+    target = 4
+    for ours in range(target + 2):
+        for a in range(2 * target + 2):
+            for b in range(2 * target + 2):
+                others = [p("a", a), p("b", b)]
+                if tell_at_once(ours, others, target, per_peer=True):
+                    continue
+                for later in range(ours, target):
+                    for me, mine, seen in (
+                        ("me", later, others),
+                        ("a", a, [p("me", later), p("b", b)]),
+                        ("b", b, [p("me", later), p("a", a)]),
+                    ):
+                        decision = decide(me, 0, mine, seen, target, per_peer=True)
+                        assert decision.action is Action.WAIT, (ours, a, b, later, me)
 
 
 def test_a_round_drains_until_the_last_open_micro_batch_is_due_by_the_recent_trips():

@@ -8,7 +8,7 @@ import torch
 
 from models.config import ModelConfig
 from models.stages import Stage, even_boundaries
-from node.pipeline.executor import StageExecutor
+from node.pipeline.executor import StageExecutor, count_non_finite
 from protocol.stage_messages import (
     BACKWARD,
     FORWARD,
@@ -105,3 +105,12 @@ def test_an_inference_forward_returns_the_last_logits_and_keeps_nothing():
     # Nothing was kept: the backward of that micro-batch recomputes.
     first.run(BackwardRequest(_meta(0, BACKWARD, 5), x, torch.ones_like(h)), "me")
     assert first.reused == 0
+
+
+def test_non_finite_values_are_counted_exactly_and_overflowing_sums_are_not_taken_for_them():
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum overflows
+    assert count_non_finite([]) == 0
+    assert count_non_finite([torch.ones(3), big]) == 0
+    nan, inf = float("nan"), float("inf")
+    assert count_non_finite([torch.tensor([1.0, nan, -inf]), big, torch.tensor([inf, -inf])]) == 4
+    assert count_non_finite([torch.tensor([1.0, inf], dtype=torch.bfloat16)]) == 1
