@@ -107,7 +107,8 @@ def tell_at_once(samples: int, same: Sequence[Progress], target: int, *, per_pee
     toward it and toward what the peers admit. With a per-peer target the round is due
     only once the counts, each capped at the target for all, add up to the target for
     all: while ours and every peer's are below one peer's ``target`` the sum cannot reach
-    it, whatever ours becomes below that."""
+    it, whatever ours becomes below that. ``same`` is as our view shows them: a peer
+    whose count reached its share tells it at once, and ours is told then."""
     if not per_peer:
         return True
     return samples >= target or any(p.samples >= target for p in same)

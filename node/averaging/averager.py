@@ -375,6 +375,9 @@ class StageAverager:
                 peers=skew.peers,
             )
         self._taken += 1
+        if self.strategy.per_peer and self._tell_at_once():
+            # Its count may have reached its share: ours, held back until now, counts.
+            self._publish_now.set()
         self._wake.set()  # it may complete the batch
         self._gate_changed()
         return True
@@ -410,11 +413,16 @@ class StageAverager:
         that a round it makes due starts at once, not after the next report; else the
         report loop carries it at its period. See whether it completes our batch."""
         self._admitted_at = get_dht_time()
-        same = [p for p in self.board.view() if p.epoch == self.epoch]
-        target, per_peer = self.strategy.target, self.strategy.per_peer
-        if tell_at_once(self._samples(), same, target, per_peer=per_peer):
+        if self._tell_at_once():
             self._publish_now.set()
         self._wake.set()  # our samples may complete the batch: no need to wait for a read
+
+    def _tell_at_once(self) -> bool:
+        """Whether our count may make a round due, as our view shows the peers at our
+        epoch (``tell_at_once``)."""
+        same = [p for p in self.board.view() if p.epoch == self.epoch]
+        target, per_peer = self.strategy.target, self.strategy.per_peer
+        return tell_at_once(self._samples(), same, target, per_peer=per_peer)
 
     def overdue(self) -> None:
         """The server admitted a micro-batch it held for the longest it holds one

@@ -16,13 +16,15 @@ Records are signed by the peer they name (``protocol.progress``), and the view h
 only peers with a valid peer record in the run (``SwarmDHT.peers``, which in a private run
 also checks invites): a key made up for the occasion cannot shape our rounds.
 
-Pushes (``accept``). A peer also sends its signed record straight to the stage's peers it
-sees (``node.averaging.progress_push``) whenever it changes and at least every report
-period. A pushed record is checked as a read one is, from the peer the connection
-authenticates, and replaces that peer's record in the view only if it is newer (its
-timestamp), so a late DHT copy never undoes a push. While every peer in the view has
-pushed within ``push_fresh_s`` (``pushes_cover_view``), the view is as current as a read
-would make it, and the averager reads the DHT at its report period only.
+Pushes (``accept``). A peer also sends its signed record straight to the stage's peers
+it sees (``node.averaging.progress_push``) whenever it changes (in DiLoCo, where a count
+below one peer's share cannot make the round due, once some count at its epoch reached
+it: ``protocol.averaging.tell_at_once``) and at least every report period. A pushed
+record is checked as a read one is, from the peer the connection authenticates, and
+replaces that peer's record in the view only if it is newer (its timestamp), so a late
+DHT copy never undoes a push. While every peer in the view has pushed within
+``push_fresh_s`` (``pushes_cover_view``), the view is as current as a read would make
+it, and the averager reads the DHT at its report period only.
 """
 
 from __future__ import annotations

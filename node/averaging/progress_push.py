@@ -1,14 +1,15 @@
 """Progress records sent straight to a stage's peers, beside the DHT.
 
 A stage's peers publish their progress in the DHT (``progress.ProgressBoard``), and a
-gated stage reads and stores it around every micro-batch it admits: each DHT read and
-store is a search over several DHT nodes, and on a small model those searches cost more
-CPU than the micro-batches. A push is one call: ``ProgressPusher`` sends our newest signed
-record to each peer of the stage we see, and ``ProgressInbox`` (one per node, for every
-stage it holds) hands what peers send to the stage's board (``ProgressBoard.accept``),
-which checks it as it checks a record read from the DHT. The DHT stays the record of
-truth: records are still stored and read there at the report period, so a peer that
-pushes nothing (an older node, a failed connection) is seen as before.
+gated stage of a shared batch (gradient mode) reads and stores it around every
+micro-batch it admits: each DHT read and store is a search over several DHT nodes, and
+on a small model those searches cost more CPU than the micro-batches. A push is one
+call: ``ProgressPusher`` sends our newest signed record to each peer of the stage we
+see, and ``ProgressInbox`` (one per node, for every stage it holds) hands what peers
+send to the stage's board (``ProgressBoard.accept``), which checks it as it checks a
+record read from the DHT. The DHT stays the record of truth: records are still stored
+and read there at the report period, so a peer that pushes nothing (an older node, a
+failed connection) is seen as before.
 """
 
 from __future__ import annotations
