@@ -368,7 +368,9 @@ def test_a_peer_killed_in_a_round_leaves_the_survivor_consistent(dhts, tmp_path)
 
             s = survivor.averager
             await _until(lambda: _at_epoch(1, survivor), FAST["round_timeout_s"] + 3, "a step")
-            assert time.monotonic() - killed <= FAST["round_timeout_s"] + 1
+            # Within the round's timeout, and the time to apply the step: up to 2 s on a
+            # loaded machine (CI runs the live tier beside this file; 1.3 s seen there).
+            assert time.monotonic() - killed <= FAST["round_timeout_s"] + 2
             assert s.stats.rounds == 0 and s.stats.fallbacks == 1 and s.stats.samples == 8
             (fallback,) = [e for e in rounds if e["how"] == "fallback"]
             assert fallback["early_match"] is False and fallback["attempts"] >= 1, fallback
