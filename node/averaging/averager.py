@@ -391,8 +391,7 @@ class StageAverager:
     def admission(self) -> Admission:
         """Whether the server takes a new training micro-batch (``Strategy.admission``).
         On the event loop."""
-        same = [p for p in self.board.view() if p.epoch == self.epoch]
-        return self.strategy.admission(self._samples(), same, self._busy)
+        return self.strategy.admission(self._samples(), self._level(), self._busy)
 
     async def read_progress(self) -> None:
         """Read our peers' progress now: the server is about to admit a micro-batch, and
@@ -420,9 +419,12 @@ class StageAverager:
     def _tell_at_once(self) -> bool:
         """Whether our count may make a round due, as our view shows the peers at our
         epoch (``tell_at_once``)."""
-        same = [p for p in self.board.view() if p.epoch == self.epoch]
         target, per_peer = self.strategy.target, self.strategy.per_peer
-        return tell_at_once(self._samples(), same, target, per_peer=per_peer)
+        return tell_at_once(self._samples(), self._level(), target, per_peer=per_peer)
+
+    def _level(self) -> list[Progress]:
+        """The records of the peers at our epoch, as our view shows them."""
+        return [p for p in self.board.view() if p.epoch == self.epoch]
 
     def overdue(self) -> None:
         """The server admitted a micro-batch it held for the longest it holds one
@@ -887,7 +889,7 @@ class StageAverager:
     ) -> None:
         # Peers behind us download the state of a peer at our epoch: wait as long as that
         # may take from the slowest of them (they all open the same window).
-        level = [p.peer_id for p in self.board.view() if p.epoch == self.epoch]
+        level = [p.peer_id for p in self._level()]
         window = self._download_patience([self.peer_id, *level])
         self._patience.open(time.monotonic(), window, self._download_patience([self.peer_id]))
         self._silent_catch_ups = 0  # a new epoch: a later claim starts its own count
