@@ -51,6 +51,7 @@ from models.data import load_corpus
 from models.training import train_baseline
 from node.averaging.averager import EARLY_MATCH_ENV, ROUND_PARTS
 from node.cli.train import open_trainer
+from node.daemon.settings import NodeSettings
 from node.harness.local_swarm import LOCAL, NodeProcess, launch_node, stop_all
 from node.pipeline import client as stage_client
 from node.pipeline.trainer import TrainerSettings
@@ -232,8 +233,8 @@ def run_swarm(
                 extra = ["--stage", str(stage), "--spec", str(spec)]
                 peers = [nodes[0].maddr] if nodes else []
                 run = nodes[0].run_id if nodes else read_spec_file(spec.read_text()).spec.run
-                nodes.append(launch_node(Path(tmp), f"p{i}", run, initial_peers=peers,
-                                         extra=extra))  # fmt: skip
+                nodes.append(launch_node(Path(tmp), f"p{i}", run, initial_peers=peers, extra=extra,
+                                         update_period=args.update_period))  # fmt: skip
             for n in nodes:
                 n.wait_serving(120)
             dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
@@ -310,6 +311,9 @@ def main() -> None:
                    help="compare the round paths (early and late matchmaking) instead of the "
                         "ways of calling")  # fmt: skip
     p.add_argument("--swarms", type=int, default=2, help="with --rounds: swarms per path")
+    p.add_argument("--update-period", type=float, default=NodeSettings.update_period_s,
+                   help="the nodes' --update-period (default: the node's own; the test "
+                        "harness's 1 s republishes peer records five times as often)")  # fmt: skip
     args = p.parse_args()
 
     corpus = load_corpus()

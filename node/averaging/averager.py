@@ -24,10 +24,11 @@ while the stage's samples at the epoch, its peers' included (``admission``), mak
 target batch or a round is in flight. So every step averages gradients of
 exactly the parameters it updates, from about ``target_batch_size`` samples. Each peer
 publishes as it admits and reads its peers' progress before it admits (``push_through``:
-it sends its record straight to its peers, and while they all send theirs, reads the DHT
-at the report period only); one that has
-admitted its share of the batch waits ``SHARE_WAIT_S`` for them to admit theirs before it
-takes more, so that two peers rarely take the last micro-batch at once (overshoot). With
+it sends its record straight to its peers, and while they all send theirs, stores to
+the DHT at the report period only and reads it only to find peers that do not push to it
+yet); one that has admitted its share of the batch waits ``SHARE_WAIT_S`` for them to
+admit theirs before it takes more, so that two peers rarely take the last micro-batch at
+once (overshoot). With
 ``max_staleness`` 1, micro-batches served during a round go into the next epoch, computed
 on the parameters before the round's step, and the next round takes all of them.
 
@@ -532,8 +533,9 @@ class StageAverager:
     async def _report_loop(self) -> None:
         """Publish our progress as it changes and read the peers', every report period
         and sooner while a round waits on them. While every peer in the view pushes
-        (``push_through``), our changes go to them as pushes, and the DHT is stored and
-        read at the report period only."""
+        (``pushes_cover_view``), our changes go to them as pushes, the DHT is stored at
+        the report period only and read only to find peers that push to us not yet
+        (``ProgressBoard.read_every``)."""
         published: Progress | None = None  # as last stored in the DHT
         pushed: Progress | None = None  # as last offered to the peers
         published_at = read_at = pushed_at = -math.inf
@@ -553,7 +555,7 @@ class StageAverager:
                 pushed, pushed_at = mine, now
             if store and await self.board.publish(mine, signed):
                 published, published_at = mine, now
-            if not relying or get_dht_time() - read_at >= period:
+            if not relying or get_dht_time() - read_at >= self.board.read_every(period):
                 await self.board.refresh()
                 read_at = get_dht_time()
             self.board.view()  # refreshes what .peers counts
@@ -567,7 +569,8 @@ class StageAverager:
                 period=period,
             )
             if relying:  # pushes wake the rounds: no fast reads
-                wait = max(0.0, min(period, read_at + period - get_dht_time()))
+                next_read = read_at + self.board.read_every(period)
+                wait = max(0.0, min(period, next_read - get_dht_time()))
             await wait_event(self._publish_now, wait)
 
     async def _round_loop(self) -> None:

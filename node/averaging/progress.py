@@ -24,7 +24,8 @@ record is checked as a read one is, from the peer the connection authenticates, 
 replaces that peer's record in the view only if it is newer (its timestamp), so a late
 DHT copy never undoes a push. While every peer in the view has pushed within
 ``push_fresh_s`` (``pushes_cover_view``), the view is as current as a read would make
-it, and the averager reads the DHT at its report period only.
+it, and the averager reads the DHT only to find peers that push to us not yet, every
+``PUSHED_READ_S`` (``read_every``: sooner once a peer we do not know pushed).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ PEERS_MAX_AGE_S = 15.0
 # times in a row (then every report period: ``ReadCadence``).
 FAST_READ_S = 0.1
 FAST_READS = 10
+# While every peer in the view pushes its record to us (``pushes_cover_view``), the view is
+# current without reads, and the DHT is read only to find the stage's peers that push to
+# us not yet: at most this often, or at the report period once a peer we do not know yet
+# (a joiner) has pushed to us since the last read (``read_every``).
+PUSHED_READ_S = 5.0
 
 
 def waiting_on_others(
@@ -152,6 +158,7 @@ class ProgressBoard:
         self.reads = 0  # DHT reads of the stage's records (``refresh``)
         self.stores = 0  # DHT stores of our record (``publish``)
         self._pushed: dict[str, tuple[ProgressRecord, float]] = {}  # peer -> newest, when (clock)
+        self._stranger_pushed = False  # a peer not in ``_in_run`` pushed since the last read
         self.clocks = ClockCheck()  # the pushing peers' clocks against ours (DHT time)
 
     @property
@@ -201,6 +208,7 @@ class ProgressBoard:
         read, keep the last ones. Invalid records are dropped and logged; records of peers
         without a valid peer record in the run are dropped."""
         self.reads += 1
+        self._stranger_pushed = False
         self._forget_gone()
         try:
             async with asyncio.timeout(DHT_CALL_S):
@@ -265,8 +273,11 @@ class ProgressBoard:
         decoded; then checked as a read record is (``RecordError`` if it is not a valid
         record of ``sender`` for this run), and False if not newer than the record we hold
         of that peer."""
-        if sender == self.peer_id or sender not in self._in_run or self._ignored(sender):
+        if sender == self.peer_id or self._ignored(sender):
             return False  # before the signature is checked: a stranger's push costs little
+        if sender not in self._in_run:
+            self._stranger_pushed = True  # the next read looks it up (``read_every``)
+            return False
         now = get_dht_time()
         signed = decode_progress_record(raw, subkey=sender, run=self.spec.run, now=now)
         peer = signed.peer_id
@@ -280,6 +291,12 @@ class ProgressBoard:
         record = Progress(peer, signed.epoch, signed.samples)
         self.records = [r for r in self.records if r.peer_id != peer] + [record]
         return True
+
+    def read_every(self, period: float) -> float:
+        """Seconds between DHT reads while pushes cover the view: ``PUSHED_READ_S`` (at
+        least ``period``), or ``period`` once a peer not known to be in the run pushed to us
+        since the last read (it may be a joiner, whose record a read finds)."""
+        return period if self._stranger_pushed else max(period, PUSHED_READ_S)
 
     def pushes_cover_view(self) -> bool:
         """Every peer in the view has pushed its record to us within ``push_fresh_s`` (and

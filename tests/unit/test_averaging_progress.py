@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
-from node.averaging.progress import PEERS_REFRESH_S, ProgressBoard
+from node.averaging.progress import PEERS_REFRESH_S, PUSHED_READ_S, ProgressBoard
 from protocol.identity import peer_id_of
 from protocol.progress import Progress, encode_progress
 from protocol.records import RecordError
@@ -234,6 +234,24 @@ def test_a_pushed_record_is_checked_and_a_late_dht_copy_does_not_undo_it():
     assert not board.pushes_cover_view() and board.view() == [Progress(ids["a"], 3, 8)]
     stored.append(("a", signed("a", 4, 0, now + 2)))  # a newer record in the DHT wins
     assert asyncio.run(board.refresh()) == [Progress(ids["a"], 4, 0)]
+
+
+def test_reads_while_pushes_cover_the_view_are_rare_until_a_stranger_pushes():
+    """While pushes keep the view current the DHT is read every ``PUSHED_READ_S`` (only
+    to find peers that do not push yet); a push from a peer not known to be in the run (a
+    joiner, whose peer record we have not read) brings reads back to the report period
+    until the next read, which looks that peer up."""
+    board, keys, ids, signed, clock, stored = _pushing_board()
+    assert board.read_every(0.5) == PUSHED_READ_S
+    assert board.read_every(2 * PUSHED_READ_S) == 2 * PUSHED_READ_S  # never below the period
+    assert not board.accept(signed("stranger", 3, 8, get_dht_time()), ids["stranger"])
+    assert board.read_every(0.5) == 0.5
+    asyncio.run(board.refresh())
+    assert board.read_every(0.5) == PUSHED_READ_S
+    assert not board.accept(signed("me", 3, 8, get_dht_time()), ids["me"])  # ourselves
+    board.distrust([ids["a"]], 60.0)  # a peer of the run whose claims we ignore
+    assert not board.accept(signed("a", 3, 8, get_dht_time()), ids["a"])
+    assert board.read_every(0.5) == PUSHED_READ_S
 
 
 def test_pushes_of_a_distrusted_peer_are_ignored():
