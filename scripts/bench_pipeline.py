@@ -15,7 +15,11 @@ The swarm runs ``--repeats`` rounds of ``--micro-batches`` each way the trainer 
 ``reused`` (streams kept open per peer and stage, the default) and ``per-call`` (a new
 stream per call), alternating in one swarm so that both see the same machine; it prints
 each way's median [range] and their ratio round by round. The baseline runs
-``--baselines`` times before the swarm starts.
+``--baselines`` times before the swarm starts. The nodes run with the node's own update
+period (``--update-period``: how often a node republishes its peer record), not the test
+harness's shorter one. ``--idle S`` first counts, over S seconds, the CPU the swarm's
+processes use while they serve and nothing trains (what a node costs its machine between
+runs' work, and a floor under every rate below).
 
 With ``--rounds`` it compares the two paths of an averaging round instead: matchmaking
 from the round's trigger on, overlapping the drain (``early``, the nodes' default), or
@@ -132,6 +136,26 @@ def node_cpu_by_kind(pids: tuple[int, ...]) -> dict[str, float]:
     return parts
 
 
+IDLE_SETTLE_S = 15.0  # after the last node serves, before an idle swarm's CPU is counted
+
+
+def idle_cpu(pids: tuple[int, ...], seconds: float) -> dict[str, float]:
+    """The share of a core that a node's processes use by ``KINDS`` (the mean over
+    ``pids``) while the swarm serves and nothing trains: over ``seconds``, from
+    ``IDLE_SETTLE_S`` after the call."""
+    time.sleep(IDLE_SETTLE_S)
+    before, started = node_cpu_by_kind(pids), time.monotonic()
+    time.sleep(seconds)
+    after, elapsed = node_cpu_by_kind(pids), time.monotonic() - started
+    return {k: (after[k] - before[k]) / elapsed / len(pids) for k in KINDS}
+
+
+def print_idle(shares: dict[str, float], seconds: float) -> None:
+    parts = ", ".join(f"{k} {v:.4f}" for k, v in shares.items())
+    print(f"idle swarm, {seconds:.0f} s, a node's share of a core: {parts}; "
+          f"all {sum(shares.values()):.4f}", flush=True)  # fmt: skip
+
+
 async def swarm_rates(
     dht: SwarmDHT,
     micro_batches: int,
@@ -237,9 +261,13 @@ def run_swarm(
                                          update_period=args.update_period))  # fmt: skip
             for n in nodes:
                 n.wait_serving(120)
+            pids = tuple(n.proc.pid for n in nodes)
+            if args.idle:
+                print_idle(idle_cpu(pids, args.idle), args.idle)
+            if not args.repeats:  # the idle count alone
+                return {way: [] for way in ways}, {}, (0.0, 0.0)
             dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
                                  host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
-            pids = tuple(n.proc.pid for n in nodes)
             rates, window = asyncio.run(
                 swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats, ways, pids)
             )
@@ -305,12 +333,16 @@ def main() -> None:
     p.add_argument("--peers", type=int, default=2, help="peers per stage")
     p.add_argument("--micro-batches", type=int, default=120)
     p.add_argument("--in-flight", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5, help="rounds of each way of calling")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="rounds of each way of calling (0: none, only --idle)")  # fmt: skip
     p.add_argument("--baselines", type=int, default=1, help="runs of the baseline (0: none)")
     p.add_argument("--rounds", action="store_true",
                    help="compare the round paths (early and late matchmaking) instead of the "
                         "ways of calling")  # fmt: skip
     p.add_argument("--swarms", type=int, default=2, help="with --rounds: swarms per path")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="first count the CPU of the serving swarm with nothing training, "
+                        "over this many seconds (0: not)")  # fmt: skip
     p.add_argument("--update-period", type=float, default=NodeSettings.update_period_s,
                    help="the nodes' --update-period (default: the node's own; the test "
                         "harness's 1 s republishes peer records five times as often)")  # fmt: skip
@@ -346,6 +378,8 @@ def main() -> None:
         return
 
     rates, rounds, window = run_swarm(args, WAYS)
+    if not args.repeats:
+        return
     print_rounds(rounds, window)
     needed = 2 * (args.stages - 1) * model.block_size * model.n_embd * 4  # fwd + bwd, float32
     print(f"load average at the end: {psutil.getloadavg()[0]:.1f}")
