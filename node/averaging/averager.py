@@ -354,9 +354,9 @@ class StageAverager:
 
     def push_through(self, p2p: P2P, inbox: ProgressInbox) -> None:
         """Push our progress to the stage's peers we see, and take theirs from ``inbox``
-        (``progress_push``): while every peer in the view pushes, the DHT is read and
-        stored at the report period only, not around every micro-batch. Call before
-        ``load_state``."""
+        (``progress_push``): while every peer in the view pushes, the DHT is stored at
+        the report period only, not around every micro-batch, and read every
+        ``PUSHED_READ_S`` (``ProgressBoard.read_every``). Call before ``load_state``."""
         if self.running:
             raise RuntimeError("push_through() comes before load_state()")
         self._pusher = ProgressPusher(p2p, self.stage_index, name=self._name)

@@ -295,8 +295,14 @@ class ProgressBoard:
     def read_every(self, period: float) -> float:
         """Seconds between DHT reads while pushes cover the view: ``PUSHED_READ_S`` (at
         least ``period``), or ``period`` once a peer not known to be in the run pushed to us
-        since the last read (it may be a joiner, whose record a read finds)."""
-        return period if self._stranger_pushed else max(period, PUSHED_READ_S)
+        since the last read (it may be a joiner, whose record a read finds), or while a
+        peer in the view last pushed more than two periods ago (each pushes at least every
+        period: one of its pushes was lost or is late, and its stored record may be newer)."""
+        now = self._clock()
+        lagging = any(
+            now - self._pushed[peer][1] > 2 * period for peer in self._seen if peer in self._pushed
+        )
+        return period if self._stranger_pushed or lagging else max(period, PUSHED_READ_S)
 
     def pushes_cover_view(self) -> bool:
         """Every peer in the view has pushed its record to us within ``push_fresh_s`` (and

@@ -8,8 +8,10 @@ call: ``ProgressPusher`` sends our newest signed record to each peer of the stag
 see, and ``ProgressInbox`` (one per node, for every stage it holds) hands what peers
 send to the stage's board (``ProgressBoard.accept``), which checks it as it checks a
 record read from the DHT. The DHT stays the record of truth: records are still stored
-and read there at the report period, so a peer that pushes nothing (an older node, a
-failed connection) is seen as before.
+there at the report period, and read there at it while any peer in the view pushes
+nothing (an older node, a failed connection) or lags; while all push, the DHT is read
+every ``progress.PUSHED_READ_S`` only, so a peer that pushes nothing and is not in the
+view yet is seen within that.
 """
 
 from __future__ import annotations

@@ -240,8 +240,17 @@ def test_reads_while_pushes_cover_the_view_are_rare_until_a_stranger_pushes():
     """While pushes keep the view current the DHT is read every ``PUSHED_READ_S`` (only
     to find peers that do not push yet); a push from a peer not known to be in the run (a
     joiner, whose peer record we have not read) brings reads back to the report period
-    until the next read, which looks that peer up."""
+    until the next read, which looks that peer up; so does a peer of the view whose last
+    push is more than two periods old (a push lost or late)."""
     board, keys, ids, signed, clock, stored = _pushing_board()
+    assert board.read_every(0.5) == PUSHED_READ_S
+    assert board.accept(signed("a", 3, 8, get_dht_time()), ids["a"])
+    assert board.view() and board.read_every(0.5) == PUSHED_READ_S
+    clock[0] += 0.9  # a's next push is due every period: not late yet
+    assert board.read_every(0.5) == PUSHED_READ_S
+    clock[0] += 0.2
+    assert board.read_every(0.5) == 0.5
+    assert board.accept(signed("a", 3, 16, get_dht_time()), ids["a"])
     assert board.read_every(0.5) == PUSHED_READ_S
     assert board.read_every(2 * PUSHED_READ_S) == 2 * PUSHED_READ_S  # never below the period
     assert not board.accept(signed("stranger", 3, 8, get_dht_time()), ids["stranger"])
