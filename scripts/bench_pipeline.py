@@ -347,6 +347,8 @@ def main() -> None:
                    help="the nodes' --update-period (default: the node's own; the test "
                         "harness's 1 s republishes peer records five times as often)")  # fmt: skip
     args = p.parse_args()
+    if not args.repeats and (args.rounds or not args.idle):
+        p.error("--repeats 0 measures the idle swarm only: it needs --idle S, not --rounds")
 
     corpus = load_corpus()
     model, optim = preset(args.preset)
