@@ -25,7 +25,8 @@ replaces that peer's record in the view only if it is newer (its timestamp), so 
 DHT copy never undoes a push. While every peer in the view has pushed within
 ``push_fresh_s`` (``pushes_cover_view``), the view is as current as a read would make
 it, and the averager reads the DHT only to find peers that push to us not yet, every
-``PUSHED_READ_S`` (``read_every``: sooner once a peer we do not know pushed).
+``PUSHED_READ_S`` (``read_every``: at the report period once a peer we do not know
+pushed, or while a peer's pushes lag).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ FAST_READS = 10
 # While every peer in the view pushes its record to us (``pushes_cover_view``), the view is
 # current without reads, and the DHT is read only to find the stage's peers that push to
 # us not yet: at most this often, or at the report period once a peer we do not know yet
-# (a joiner) has pushed to us since the last read (``read_every``).
+# (a joiner) has pushed to us since the last read, or while a peer's last push is more
+# than two periods old (``read_every``).
 PUSHED_READ_S = 5.0
 
 
