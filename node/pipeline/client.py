@@ -42,10 +42,11 @@ from node.pipeline.wire import (
     MAX_FRAME_BYTES,
     REFUSED,
     Assembler,
+    Relayed,
     decode_response_meta,
-    deserialize,
     generic_header_check,
     narrow_ids,
+    received,
     serialize,
     split_message,
 )
@@ -102,21 +103,29 @@ async def call(
     timeout: float = DEFAULT_TIMEOUT,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
     local: StageServer | None = None,
-) -> list[torch.Tensor]:
+    relay: bool = False,
+) -> list[torch.Tensor | Relayed]:
     """Send one raw ``kind`` request to ``peer_id``'s server of ``stage`` (in a session:
     see the module docstring) and return the response's tensors. ``local``: ``peer_id``
     is this process's own peer and this is its server of ``stage``; the request is served
-    in-process."""
+    in-process. ``relay``: float tensors that came in a lossy encoding stay encoded
+    (``node.pipeline.wire.Relayed``), for a trainer to send on to the next stage as they
+    are; they are checked to decode finite, so only ``_expect``'s shape check is left."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
     if local is not None:
-        return await _call_local(local, peer_id, kind, metadata, tensors, timeout)
+        out = await _call_local(local, peer_id, kind, metadata, tensors, timeout)
+        try:
+            return [received(t, relay) for t in out]
+        except StageRequestError as e:
+            raise StageUnavailable(peer_id, f"malformed response: {e}") from None
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
     # the bytes both ways count (and wait for the node's limits) as the call's purpose
     purpose = limits.PURPOSE.set(purpose_of(kind))
     try:
         async with asyncio.timeout(timeout):
-            return await _call_on_stream(p2p, peer_id, kind, stage, metadata, tensors, assembler)
+            out = await _call_on_stream(p2p, peer_id, kind, stage, metadata, tensors, assembler)
+        return [received(t, relay) for t in out]
     except TimeoutError:
         raise StageTimeout(peer_id, f"no response within {timeout} s") from None
     except P2PHandlerError as e:
@@ -250,7 +259,7 @@ async def _call_on_stream(
     metadata: bytes,
     tensors: list[runtime_pb2.Tensor],
     assembler: Assembler,
-) -> list[torch.Tensor]:
+) -> list[runtime_pb2.Tensor]:
     """One request and its response on an idle session stream to ``peer_id``'s ``stage``
     (a new one if none is idle, or if the idle one turns out closed before any answer: the
     server closed it unread), kept for the next call only if this one was answered whole;
@@ -278,7 +287,7 @@ async def _exchange(
     metadata: bytes,
     tensors: list[runtime_pb2.Tensor],
     assembler: Assembler,
-) -> list[torch.Tensor]:
+) -> list[runtime_pb2.Tensor]:
     """Send the request on ``stream`` and read its response; then keep the stream in
     ``sessions`` if it was answered whole, else close it."""
     answered = False
@@ -312,7 +321,7 @@ async def _call_local(
     metadata: bytes,
     tensors: list[runtime_pb2.Tensor],
     timeout: float,
-) -> list[torch.Tensor]:
+) -> list[runtime_pb2.Tensor]:
     """A call to our own server, with the remote path's errors."""
     try:
         async with asyncio.timeout(timeout):
@@ -323,7 +332,7 @@ async def _call_local(
         raise StageRefused(peer_id, str(e)) from None
     except Exception as e:  # shut down meanwhile (a move), or a fault of this peer
         raise StageUnavailable(peer_id, f"{type(e).__name__}: {e}") from None
-    return [deserialize(t) for t in out]
+    return out
 
 
 async def _send(
@@ -333,7 +342,7 @@ async def _send(
     await write_frames(itertools.chain(messages, [P2P.END_OF_STREAM]), writer)
 
 
-async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[torch.Tensor]:
+async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[runtime_pb2.Tensor]:
     """Read response frames (each capped, like the server's: a hostile server cannot make
     us buffer a frame larger than ``MAX_FRAME_BYTES``) until the response is complete."""
     n_tensors = None
@@ -351,7 +360,7 @@ async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[t
             n_tensors = decode_response_meta(frame.metadata)
         assembler.add(frame)
         if assembler.complete(n_tensors):
-            return [deserialize(t) for t in assembler.tensors()]
+            return assembler.tensors()
 
 
 def _meta(
@@ -361,13 +370,16 @@ def _meta(
 
 
 def _expect(
-    peer_id: PeerID, tensors: list[torch.Tensor], shapes: list[tuple[int, ...]]
-) -> Iterator[torch.Tensor]:
-    """Check a response's tensors: as many as expected, with these shapes, finite floats."""
+    peer_id: PeerID, tensors: list[torch.Tensor | Relayed], shapes: list[tuple[int, ...]]
+) -> Iterator[torch.Tensor | Relayed]:
+    """Check a response's tensors: as many as expected, with these shapes, finite floats
+    (a ``Relayed`` one was checked finite as it arrived)."""
     got = [tuple(t.shape) for t in tensors]
     if got != shapes:
         raise StageUnavailable(peer_id, f"malformed response: expected shapes {shapes}, got {got}")
     for t in tensors:
+        if isinstance(t, Relayed):
+            continue
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise StageUnavailable(peer_id, "malformed response: a non-finite or non-float tensor")
     return iter(tensors)
@@ -376,7 +388,7 @@ def _expect(
 async def forward(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Relayed,
     *,
     run_id: str,
     stage: int,
@@ -387,11 +399,13 @@ async def forward(
     tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
-) -> torch.Tensor:
+    relay: bool = False,
+) -> torch.Tensor | Relayed:
     """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, W) ->
-    hidden states (B, T, W). ``tokens``: the sequences' token ids, which a stage that takes
-    hidden states across a low-rank boundary (``models.boundary``) needs with every request
-    (the same keyword in ``loss``, ``logits`` and ``backward``). ``train``: a backward for
+    hidden states (B, T, W) (``relay``: see ``call``). ``tokens``: the sequences' token
+    ids, which a stage that takes hidden states across a low-rank boundary
+    (``models.boundary``) needs with every request (the same keyword in ``loss``,
+    ``logits`` and ``backward``). ``train``: a backward for
     ``micro_batch`` will follow, and the server may keep the forward's graph for it (sent
     to this peer, it skips the recompute).
     ``infer``: an inference forward (generation), counted apart from training and
@@ -400,10 +414,10 @@ async def forward(
     tensors = [serialize(inputs, compression)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
-        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
+        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local, relay=relay
     )
     b, t = inputs.shape[:2]
-    if len(out) != 1 or out[0].dim() != 3:
+    if len(out) != 1 or len(out[0].shape) != 3:
         raise StageUnavailable(peer_id, f"malformed response: {[tuple(o.shape) for o in out]}")
     return next(_expect(peer_id, out, [(b, t, out[0].shape[2])]))
 
@@ -411,7 +425,7 @@ async def forward(
 async def loss(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Relayed,
     targets: torch.Tensor,
     *,
     run_id: str,
@@ -422,16 +436,18 @@ async def loss(
     tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    relay: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | Relayed | None]:
     """The last stage: the mean loss over the micro-batch and, with ``train``, the
     gradient of ``loss * B`` w.r.t. ``inputs`` (None without ``train``, or when the last
-    stage is also the first and its inputs are token ids). ``train`` also accumulates the
-    stage's parameter gradients on the server; without it nothing changes there."""
+    stage is also the first and its inputs are token ids; ``relay``: see ``call``).
+    ``train`` also accumulates the stage's parameter gradients on the server; without it
+    nothing changes there."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression), serialize(targets)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
-        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local
+        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local, relay=relay
     )
     with_grad = train and inputs.is_floating_point()
     shapes = [()] + ([tuple(inputs.shape)] if with_grad else [])
@@ -442,7 +458,7 @@ async def loss(
 async def logits(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Relayed,
     *,
     run_id: str,
     stage: int,
@@ -468,8 +484,8 @@ async def logits(
 async def backward(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor,
-    grad_outputs: torch.Tensor,
+    inputs: torch.Tensor | Relayed,
+    grad_outputs: torch.Tensor | Relayed,
     *,
     run_id: str,
     stage: int,
@@ -478,15 +494,24 @@ async def backward(
     tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
-) -> torch.Tensor | None:
+    relay: bool = False,
+) -> torch.Tensor | Relayed | None:
     """Stage ``stage`` (not the last) recomputes its forward on ``inputs`` (exactly what
     its forward got), accumulates its parameter gradients and returns the gradient w.r.t.
-    ``inputs`` (None at stage 0, whose inputs are token ids)."""
+    ``inputs`` (None at stage 0, whose inputs are token ids; ``relay``: see ``call``)."""
     meta = _meta(run_id, stage, BACKWARD, micro_batch)
     tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
-        p2p, peer_id, BACKWARD, meta, tensors, stage=stage, timeout=timeout, local=local
+        p2p,
+        peer_id,
+        BACKWARD,
+        meta,
+        tensors,
+        stage=stage,
+        timeout=timeout,
+        local=local,
+        relay=relay,
     )
     if not inputs.is_floating_point():
         _expect(peer_id, out, [])

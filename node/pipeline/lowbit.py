@@ -61,6 +61,26 @@ def encode(tensor: torch.Tensor, bits: int, generator: torch.Generator | None = 
     return lo.float().numpy().tobytes() + step.numpy().tobytes() + packed.numpy().tobytes()
 
 
+def check_decodes_finite(buffer: bytes, bits: int, numel: int) -> None:
+    """Raise ``StageRequestError`` unless ``buffer`` (of the size ``numel`` values need)
+    decodes to finite values, which ``decode`` then returns: every group's minimum and
+    step finite, no step negative, and the group's largest value (minimum plus the top
+    code's steps) within float32. Reads only the groups' minima and steps, so it costs a
+    small share of a decode."""
+    name = wire_name(bits)
+    groups = -(-numel // LOWBIT_GROUP)
+    if len(buffer) != wire_nbytes(name, "float32", numel):
+        raise StageRequestError(f"{name} buffer of {len(buffer)} bytes for {numel} values")
+    lo = np.frombuffer(buffer, np.float32, groups).astype(np.float64)
+    step = np.frombuffer(buffer, np.float32, groups, 4 * groups).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        top = lo + (2**bits - 1) * step
+        ok = np.isfinite(lo).all() and (step >= 0).all() and np.isfinite(step).all()
+        ok = ok and bool((np.abs(top) <= np.finfo(np.float32).max).all())
+    if not ok:
+        raise StageRequestError(f"{name} tensor does not decode to finite values")
+
+
 def decode(buffer: bytes, bits: int, shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 tensor of ``shape`` that ``buffer`` encodes.
 

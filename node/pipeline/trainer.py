@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, TypeVar
 
 import torch
@@ -52,6 +53,7 @@ from node.pipeline.client import (
     StageUnavailable,
 )
 from node.pipeline.server import HOLD_ROUND_S, StageServer
+from node.pipeline.wire import Relayed
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
 from node.rpc.relay import connect_relayed
@@ -123,11 +125,18 @@ class MicroBatchResult:
 @dataclass(frozen=True)
 class StageCalls:
     """The stage RPCs a trainer makes, with ``node.pipeline.client``'s signatures (its
-    functions by default)."""
+    functions by default, relaying: hidden states and gradients in a lossy encoding go
+    on to the next stage as they came, ``node.pipeline.wire.Relayed``)."""
 
-    forward: Callable[..., Awaitable[torch.Tensor]] = stage_client.forward
-    loss: Callable[..., Awaitable[tuple[torch.Tensor, torch.Tensor | None]]] = stage_client.loss
-    backward: Callable[..., Awaitable[torch.Tensor | None]] = stage_client.backward
+    forward: Callable[..., Awaitable[torch.Tensor | Relayed]] = partial(
+        stage_client.forward, relay=True
+    )
+    loss: Callable[..., Awaitable[tuple[torch.Tensor, torch.Tensor | Relayed | None]]] = partial(
+        stage_client.loss, relay=True
+    )
+    backward: Callable[..., Awaitable[torch.Tensor | Relayed | None]] = partial(
+        stage_client.backward, relay=True
+    )
     logits: Callable[..., Awaitable[torch.Tensor]] = stage_client.logits
 
 

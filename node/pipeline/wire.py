@@ -18,6 +18,7 @@ then the end of the stream), and one that the caller closes first does not.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -91,8 +92,56 @@ def narrow_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids.to(getattr(torch, token_dtype(int(ids.max()) if ids.numel() else 0)))
 
 
-def serialize(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
-    """Float tensors compressed as asked; integer tensors (token ids) always exact."""
+@dataclass(frozen=True)
+class Relayed:
+    """A float tensor (hidden states, or their gradient) that a stage sent in a lossy
+    encoding (grouped low-bit, 8-bit), kept as it came for a trainer to send on to the
+    next stage: ``serialize`` with the same compression sends these very bytes, so the
+    trainer spends no CPU on decoding and encoding again, and the next stage gets exactly
+    what this one sent rather than a second stochastic rounding of it. Made only by
+    ``received`` (``relay``), which has checked that it decodes to finite values, as a stage
+    server requires of what it is sent. ``shape`` and ``is_floating_point`` answer as the
+    decoded tensor's would."""
+
+    wire: runtime_pb2.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.wire.size)
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def decode(self) -> torch.Tensor:
+        return deserialize(self.wire)
+
+
+def received(serialized: runtime_pb2.Tensor, relay: bool = False) -> torch.Tensor | Relayed:
+    """A received tensor (an ``Assembler``'s output): decoded, or with ``relay``, if it is
+    a float tensor in a lossy encoding, kept encoded (``Relayed``) once it is known to
+    decode to finite values. ``StageRequestError`` if it does not."""
+    if not relay or serialized.dtype != "float32":
+        return deserialize(serialized)
+    numel = 1
+    for s in serialized.size:
+        numel *= s
+    if serialized.compression in _LOWBIT_NAMES:
+        bits = LOWBIT_BITS[_LOWBIT_NAMES[serialized.compression]]
+        lowbit.check_decodes_finite(serialized.buffer, bits, numel)
+        return Relayed(serialized)
+    if serialized.compression == runtime_pb2.CompressionType.UNIFORM_8BIT:
+        _codebook(serialized.buffer)  # every value decodes to an entry of it
+        return Relayed(serialized)
+    return deserialize(serialized)
+
+
+def serialize(tensor: torch.Tensor | Relayed, compression: str = "none") -> runtime_pb2.Tensor:
+    """Float tensors compressed as asked; integer tensors (token ids) always exact. A
+    ``Relayed`` tensor goes as it came where its encoding is the one asked for."""
+    if isinstance(tensor, Relayed):
+        if tensor.wire.compression == compression_type(compression):
+            return tensor.wire
+        tensor = tensor.decode()
     tensor = tensor.detach().cpu()
     if not tensor.is_floating_point():
         return serialize_torch_tensor(tensor)
@@ -253,12 +302,18 @@ def deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
         return deserialize_torch_tensor(serialized)
     # hivemind 1.1.12's 8-bit extract calls int() on a 1-element array, which numpy 2.4
     # refuses; decode its layout here: int64 codebook size, float32 codebook, uint8 indices.
-    buffer = serialized.buffer
+    codebook = torch.from_numpy(_codebook(serialized.buffer, finite=False))
+    indices = np.frombuffer(serialized.buffer, dtype=np.uint8, offset=8 + 4 * UNIFORM_8BIT_BINS)
+    return codebook[torch.from_numpy(indices.astype(np.int64))].reshape(tuple(serialized.size))
+
+
+def _codebook(buffer: bytes, finite: bool = True) -> np.ndarray:
+    """The codebook of an 8-bit buffer (a copy); ``StageRequestError`` if it has not
+    ``UNIFORM_8BIT_BINS`` entries or, with ``finite``, holds a non-finite one."""
     bins = int(np.frombuffer(buffer, dtype=np.int64, count=1)[0])
     if bins != UNIFORM_8BIT_BINS:
         raise StageRequestError(f"8-bit codebook of {bins} entries, expected {UNIFORM_8BIT_BINS}")
-    codebook = torch.from_numpy(
-        np.frombuffer(buffer, dtype=np.float32, offset=8, count=bins).copy()
-    )
-    indices = np.frombuffer(buffer, dtype=np.uint8, offset=8 + 4 * bins)
-    return codebook[torch.from_numpy(indices.astype(np.int64))].reshape(tuple(serialized.size))
+    codebook = np.frombuffer(buffer, dtype=np.float32, offset=8, count=bins).copy()
+    if finite and not np.isfinite(codebook).all():
+        raise StageRequestError("8-bit codebook holds non-finite values")
+    return codebook

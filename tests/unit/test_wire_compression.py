@@ -20,8 +20,10 @@ from node.limits import stage_bytes_per_sample
 from node.pipeline import lowbit, wire
 from node.pipeline.wire import (
     Assembler,
+    Relayed,
     deserialize,
     generic_header_check,
+    received,
     serialize,
     split_message,
 )
@@ -247,3 +249,56 @@ def test_finite_values_whose_range_overflows_float32_travel(setting):
     y = deserialize(serialize(x, setting))
     step = 6e38 / (2 ** LOWBIT[setting] - 1)
     assert bool(torch.isfinite(y).all()) and float((y - x).abs().max()) <= step * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("setting", ["int4", "int2", "uint8"])
+def test_a_relayed_tensor_goes_on_in_the_bytes_it_came_in(setting):
+    x = _hidden((2, 3, 100))
+    sent = serialize(x, setting)
+    relayed = received(sent, relay=True)
+    assert isinstance(relayed, Relayed) and relayed.shape == x.shape
+    assert relayed.is_floating_point()
+    assert serialize(relayed, setting) is sent  # the same encoding: as it came
+    assert torch.equal(relayed.decode(), deserialize(sent))
+    again = serialize(relayed, "none")  # another encoding: decoded, then encoded
+    assert torch.equal(deserialize(again), deserialize(sent))
+    assert torch.equal(received(sent), deserialize(sent))  # without relay: decoded
+
+
+@pytest.mark.parametrize("setting", ["none", "float16"])
+def test_exact_encodings_and_token_ids_are_decoded_even_when_relaying(setting):
+    sent = serialize(_hidden(), setting)
+    assert torch.equal(received(sent, relay=True), deserialize(sent))
+    ids = torch.arange(12).reshape(3, 4)
+    assert torch.equal(received(serialize(ids, setting), relay=True), ids)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(st.sampled_from(sorted(LOWBIT)), st.lists(st.integers(1, 70), min_size=1, max_size=2),
+       st.data())  # fmt: skip
+def test_a_relayed_buffer_is_one_that_decodes_finite(setting, shape, data):
+    """Relaying checks only the groups' minima and steps, never decoding: what it keeps
+    must decode to finite values (what the next stage checks), or the caller would pass a
+    bad peer's answer on and the next stage would refuse the caller."""
+    name = lowbit.wire_name(LOWBIT[setting])
+    n = wire_nbytes(name, "float32", math.prod(shape))
+    edges = [0.0, 1.0, -2.5, 1e37, 2.3e37, -3e38, 3.4e38, math.inf, -math.inf, math.nan]
+    floats = st.one_of(st.sampled_from(edges), st.floats(width=32))
+    groups = -(-math.prod(shape) // LOWBIT_GROUP)
+    params = data.draw(st.lists(floats, min_size=2 * groups, max_size=2 * groups))
+    head = struct.pack(f"<{2 * groups}f", *params)
+    buffer = head + data.draw(st.binary(min_size=n - len(head), max_size=n - len(head)))
+    try:
+        relayed = received(_wire(setting, buffer, shape), relay=True)
+    except StageRequestError:
+        return
+    assert bool(torch.isfinite(relayed.decode()).all())
+
+
+def test_an_8bit_codebook_with_a_non_finite_entry_is_not_relayed():
+    sent = serialize(_hidden(), "uint8")
+    bad = bytearray(sent.buffer)
+    bad[8:12] = struct.pack("<f", math.nan)
+    with pytest.raises(StageRequestError, match="non-finite"):
+        received(_wire("uint8", bytes(bad), sent.size), relay=True)
