@@ -1,15 +1,16 @@
 """Swarm vs single process, side by side in one run, on this machine's cores.
 
-Measures samples/s of (a) the single-process baseline (the whole model, all cores) and
-(b) a local swarm (``--stages`` x ``--peers`` node processes on 127.0.0.1 and a trainer in
-this process) on the same preset, and the bytes that crossed loopback per sample against
-the activation bytes the stage boundaries require (one hidden state forward and one
-gradient back per boundary), and the CPU seconds each spends per sample (the swarm's: its
-node processes with their ``p2pd``, DHT and averager children, and this process, the trainer,
-with its own ``p2pd``). Prints the ratios: where the swarm's CPU per sample is above one
-process's, the cores it shares bound it below one process however the pipeline is
-scheduled. One more run of the baseline with one torch thread (as each node computes)
-gives the compute alone, against which the nodes' own processes' CPU is set.
+Measures samples/s of (a) the single-process baseline (the whole model, all cores) and (b)
+a local swarm (``--stages`` x ``--peers`` node processes on 127.0.0.1 and a trainer in
+this process, on uvloop as ``swarmtrain train`` runs one) on the same preset, and the
+bytes that crossed loopback per sample against the activation bytes the stage boundaries
+require (one hidden state forward and one gradient back per boundary), and the CPU seconds
+each spends per sample (the swarm's: its node processes with their ``p2pd``, DHT and
+averager children, and this process, the trainer, with its own ``p2pd``). Prints the
+ratios: where the swarm's CPU per sample is above one process's, the cores it shares bound
+it below one process however the pipeline is scheduled. One more run of the baseline with
+one torch thread (as each node computes) gives the compute alone, against which the nodes'
+own processes' CPU is set.
 
 The swarm runs ``--repeats`` rounds of ``--micro-batches`` each way the trainer can call:
 ``reused`` (streams kept open per peer and stage, the default) and ``per-call`` (a new
@@ -37,7 +38,6 @@ per node in the default mode.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import statistics
@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import psutil
 import torch
+import uvloop
 
 from models.config import preset
 from models.data import load_corpus
@@ -268,7 +269,7 @@ def run_swarm(
                 return {way: [] for way in ways}, {}, (0.0, 0.0)
             dht = SwarmDHT.start(nodes[0].run_id, initial_peers=[nodes[0].maddr],
                                  host_maddrs=[LOCAL], client_mode=True)  # fmt: skip
-            rates, window = asyncio.run(
+            rates, window = uvloop.run(  # the event loop ``swarmtrain train`` runs on
                 swarm_rates(dht, args.micro_batches, args.in_flight, args.repeats, ways, pids)
             )
             return rates, round_events(nodes, window), window
