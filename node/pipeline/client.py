@@ -42,7 +42,7 @@ from node.pipeline.wire import (
     MAX_FRAME_BYTES,
     REFUSED,
     Assembler,
-    Relayed,
+    Encoded,
     decode_response_meta,
     generic_header_check,
     narrow_ids,
@@ -103,20 +103,20 @@ async def call(
     timeout: float = DEFAULT_TIMEOUT,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
     local: StageServer | None = None,
-    relay: bool = False,
-) -> list[torch.Tensor | Relayed]:
+    keep_encoded: bool = False,
+) -> list[torch.Tensor | Encoded]:
     """Send one raw ``kind`` request to ``peer_id``'s server of ``stage`` (in a session:
     see the module docstring) and return the response's tensors. ``local``: ``peer_id``
     is this process's own peer and this is its server of ``stage``; the request is served
-    in-process. ``relay``: float tensors that came in a lossy encoding stay encoded
-    (``node.pipeline.wire.Relayed``), for a trainer to send on to the next stage as they
+    in-process. ``keep_encoded``: float tensors that came in a lossy encoding stay encoded
+    (``node.pipeline.wire.Encoded``), for a trainer to pass on to the next stage as they
     are; they are checked to decode finite, so only ``_expect``'s shape check is left."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
     if local is not None:
         out = await _call_local(local, peer_id, kind, metadata, tensors, timeout)
         try:
-            return [received(t, relay) for t in out]
+            return [received(t, keep_encoded) for t in out]
         except StageRequestError as e:
             raise StageUnavailable(peer_id, f"malformed response: {e}") from None
     assembler = Assembler(max_response_bytes, generic_header_check(max_response_bytes))
@@ -125,7 +125,7 @@ async def call(
     try:
         async with asyncio.timeout(timeout):
             out = await _call_on_stream(p2p, peer_id, kind, stage, metadata, tensors, assembler)
-        return [received(t, relay) for t in out]
+        return [received(t, keep_encoded) for t in out]
     except TimeoutError:
         raise StageTimeout(peer_id, f"no response within {timeout} s") from None
     except P2PHandlerError as e:
@@ -370,15 +370,15 @@ def _meta(
 
 
 def _expect(
-    peer_id: PeerID, tensors: list[torch.Tensor | Relayed], shapes: list[tuple[int, ...]]
-) -> Iterator[torch.Tensor | Relayed]:
+    peer_id: PeerID, tensors: list[torch.Tensor | Encoded], shapes: list[tuple[int, ...]]
+) -> Iterator[torch.Tensor | Encoded]:
     """Check a response's tensors: as many as expected, with these shapes, finite floats
-    (a ``Relayed`` one was checked finite as it arrived)."""
+    (a ``Encoded`` one was checked finite as it arrived)."""
     got = [tuple(t.shape) for t in tensors]
     if got != shapes:
         raise StageUnavailable(peer_id, f"malformed response: expected shapes {shapes}, got {got}")
     for t in tensors:
-        if isinstance(t, Relayed):
+        if isinstance(t, Encoded):
             continue
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise StageUnavailable(peer_id, "malformed response: a non-finite or non-float tensor")
@@ -388,7 +388,7 @@ def _expect(
 async def forward(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor | Relayed,
+    inputs: torch.Tensor | Encoded,
     *,
     run_id: str,
     stage: int,
@@ -399,10 +399,10 @@ async def forward(
     tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
-    relay: bool = False,
-) -> torch.Tensor | Relayed:
+    keep_encoded: bool = False,
+) -> torch.Tensor | Encoded:
     """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, W) ->
-    hidden states (B, T, W) (``relay``: see ``call``). ``tokens``: the sequences' token
+    hidden states (B, T, W) (``keep_encoded``: see ``call``). ``tokens``: the sequences' token
     ids, which a stage that takes hidden states across a low-rank boundary
     (``models.boundary``) needs with every request (the same keyword in ``loss``,
     ``logits`` and ``backward``). ``train``: a backward for
@@ -414,7 +414,15 @@ async def forward(
     tensors = [serialize(inputs, compression)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
-        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local, relay=relay
+        p2p,
+        peer_id,
+        FORWARD,
+        meta,
+        tensors,
+        stage=stage,
+        timeout=timeout,
+        local=local,
+        keep_encoded=keep_encoded,
     )
     b, t = inputs.shape[:2]
     if len(out) != 1 or len(out[0].shape) != 3:
@@ -425,7 +433,7 @@ async def forward(
 async def loss(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor | Relayed,
+    inputs: torch.Tensor | Encoded,
     targets: torch.Tensor,
     *,
     run_id: str,
@@ -436,18 +444,26 @@ async def loss(
     tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
-    relay: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | Relayed | None]:
+    keep_encoded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | Encoded | None]:
     """The last stage: the mean loss over the micro-batch and, with ``train``, the
     gradient of ``loss * B`` w.r.t. ``inputs`` (None without ``train``, or when the last
-    stage is also the first and its inputs are token ids; ``relay``: see ``call``).
+    stage is also the first and its inputs are token ids; ``keep_encoded``: see ``call``).
     ``train`` also accumulates the stage's parameter gradients on the server; without it
     nothing changes there."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression), serialize(targets)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
     out = await call(
-        p2p, peer_id, FORWARD, meta, tensors, stage=stage, timeout=timeout, local=local, relay=relay
+        p2p,
+        peer_id,
+        FORWARD,
+        meta,
+        tensors,
+        stage=stage,
+        timeout=timeout,
+        local=local,
+        keep_encoded=keep_encoded,
     )
     with_grad = train and inputs.is_floating_point()
     shapes = [()] + ([tuple(inputs.shape)] if with_grad else [])
@@ -458,7 +474,7 @@ async def loss(
 async def logits(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor | Relayed,
+    inputs: torch.Tensor | Encoded,
     *,
     run_id: str,
     stage: int,
@@ -484,8 +500,8 @@ async def logits(
 async def backward(
     p2p: P2P,
     peer_id: PeerID,
-    inputs: torch.Tensor | Relayed,
-    grad_outputs: torch.Tensor | Relayed,
+    inputs: torch.Tensor | Encoded,
+    grad_outputs: torch.Tensor | Encoded,
     *,
     run_id: str,
     stage: int,
@@ -494,11 +510,11 @@ async def backward(
     tokens: torch.Tensor | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     local: StageServer | None = None,
-    relay: bool = False,
-) -> torch.Tensor | Relayed | None:
+    keep_encoded: bool = False,
+) -> torch.Tensor | Encoded | None:
     """Stage ``stage`` (not the last) recomputes its forward on ``inputs`` (exactly what
     its forward got), accumulates its parameter gradients and returns the gradient w.r.t.
-    ``inputs`` (None at stage 0, whose inputs are token ids; ``relay``: see ``call``)."""
+    ``inputs`` (None at stage 0, whose inputs are token ids; ``keep_encoded``: see ``call``)."""
     meta = _meta(run_id, stage, BACKWARD, micro_batch)
     tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
@@ -511,7 +527,7 @@ async def backward(
         stage=stage,
         timeout=timeout,
         local=local,
-        relay=relay,
+        keep_encoded=keep_encoded,
     )
     if not inputs.is_floating_point():
         _expect(peer_id, out, [])

@@ -53,7 +53,7 @@ from node.pipeline.client import (
     StageUnavailable,
 )
 from node.pipeline.server import HOLD_ROUND_S, StageServer
-from node.pipeline.wire import Relayed
+from node.pipeline.wire import Encoded
 from node.rpc.dht import SwarmDHT
 from node.rpc.membership import NOT_A_MEMBER, present
 from node.rpc.relay import connect_relayed
@@ -125,17 +125,17 @@ class MicroBatchResult:
 @dataclass(frozen=True)
 class StageCalls:
     """The stage RPCs a trainer makes, with ``node.pipeline.client``'s signatures (its
-    functions by default, relaying: hidden states and gradients in a lossy encoding go
-    on to the next stage as they came, ``node.pipeline.wire.Relayed``)."""
+    functions by default, keeping what is encoded: hidden states and gradients in a lossy
+    encoding go on to the next stage as they came, ``node.pipeline.wire.Encoded``)."""
 
-    forward: Callable[..., Awaitable[torch.Tensor | Relayed]] = partial(
-        stage_client.forward, relay=True
+    forward: Callable[..., Awaitable[torch.Tensor | Encoded]] = partial(
+        stage_client.forward, keep_encoded=True
     )
-    loss: Callable[..., Awaitable[tuple[torch.Tensor, torch.Tensor | Relayed | None]]] = partial(
-        stage_client.loss, relay=True
+    loss: Callable[..., Awaitable[tuple[torch.Tensor, torch.Tensor | Encoded | None]]] = partial(
+        stage_client.loss, keep_encoded=True
     )
-    backward: Callable[..., Awaitable[torch.Tensor | Relayed | None]] = partial(
-        stage_client.backward, relay=True
+    backward: Callable[..., Awaitable[torch.Tensor | Encoded | None]] = partial(
+        stage_client.backward, keep_encoded=True
     )
     logits: Callable[..., Awaitable[torch.Tensor]] = stage_client.logits
 

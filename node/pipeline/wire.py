@@ -93,15 +93,14 @@ def narrow_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Relayed:
+class Encoded:
     """A float tensor (hidden states, or their gradient) that a stage sent in a lossy
-    encoding (grouped low-bit, 8-bit), kept as it came for a trainer to send on to the
+    encoding (grouped low-bit, 8-bit), kept as it came for a trainer to pass on to the
     next stage: ``serialize`` with the same compression sends these very bytes, so the
     trainer spends no CPU on decoding and encoding again, and the next stage gets exactly
-    what this one sent rather than a second stochastic rounding of it. Made only by
-    ``received`` (``relay``), which has checked that it decodes to finite values, as a stage
-    server requires of what it is sent. ``shape`` and ``is_floating_point`` answer as the
-    decoded tensor's would."""
+    what this one sent. Made only by ``received`` (``keep_encoded``), which has checked
+    that it decodes to finite values, as a stage server requires of what it is sent.
+    ``shape`` and ``is_floating_point`` answer as the decoded tensor's would."""
 
     wire: runtime_pb2.Tensor
 
@@ -116,11 +115,11 @@ class Relayed:
         return deserialize(self.wire)
 
 
-def received(serialized: runtime_pb2.Tensor, relay: bool = False) -> torch.Tensor | Relayed:
-    """A received tensor (an ``Assembler``'s output): decoded, or with ``relay``, if it is
-    a float tensor in a lossy encoding, kept encoded (``Relayed``) once it is known to
-    decode to finite values. ``StageRequestError`` if it does not."""
-    if not relay or serialized.dtype != "float32":
+def received(serialized: runtime_pb2.Tensor, keep_encoded: bool = False) -> torch.Tensor | Encoded:
+    """A received tensor (an ``Assembler``'s output): decoded, or with ``keep_encoded``, if
+    it is a float tensor in a lossy encoding, kept encoded (``Encoded``) once it is known
+    to decode to finite values. ``StageRequestError`` if it does not."""
+    if not keep_encoded or serialized.dtype != "float32":
         return deserialize(serialized)
     numel = 1
     for s in serialized.size:
@@ -128,17 +127,17 @@ def received(serialized: runtime_pb2.Tensor, relay: bool = False) -> torch.Tenso
     if serialized.compression in _LOWBIT_NAMES:
         bits = LOWBIT_BITS[_LOWBIT_NAMES[serialized.compression]]
         lowbit.check_decodes_finite(serialized.buffer, bits, numel)
-        return Relayed(serialized)
+        return Encoded(serialized)
     if serialized.compression == runtime_pb2.CompressionType.UNIFORM_8BIT:
         _codebook(serialized.buffer)  # every value decodes to an entry of it
-        return Relayed(serialized)
+        return Encoded(serialized)
     return deserialize(serialized)
 
 
-def serialize(tensor: torch.Tensor | Relayed, compression: str = "none") -> runtime_pb2.Tensor:
+def serialize(tensor: torch.Tensor | Encoded, compression: str = "none") -> runtime_pb2.Tensor:
     """Float tensors compressed as asked; integer tensors (token ids) always exact. A
-    ``Relayed`` tensor goes as it came where its encoding is the one asked for."""
-    if isinstance(tensor, Relayed):
+    ``Encoded`` tensor goes as it came where its encoding is the one asked for."""
+    if isinstance(tensor, Encoded):
         if tensor.wire.compression == compression_type(compression):
             return tensor.wire
         tensor = tensor.decode()

@@ -27,7 +27,7 @@ from node.pipeline import lowbit
 from node.pipeline import server as server_module
 from node.pipeline.client import StageBusy, StageRefused, StageTimeout, StageUnavailable
 from node.pipeline.server import SESSION, StageServer, stage_namespace
-from node.pipeline.wire import Relayed, serialize
+from node.pipeline.wire import Encoded, serialize
 from node.rpc.membership import MembershipGate, present
 from node.rpc.service import BAN_AFTER, BAN_WINDOW_S
 from protocol.admission import AdmissionLimits, InFlight
@@ -368,10 +368,10 @@ def test_compressed_activations_and_gradients(compression, atol, loss_tol, cos_m
     _run(body())
 
 
-@pytest.mark.parametrize("relay", [True, False])
-def test_a_relayed_boundary_reaches_the_next_stage_as_it_was_sent(relay, monkeypatch):
-    """With ``relay`` (a trainer's calls) int4 hidden states and gradients go on from stage
-    to stage as they came: the caller neither decodes nor encodes one (without it, it does
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_boundary_kept_encoded_reaches_the_next_stage_as_it_was_sent(keep, monkeypatch):
+    """With ``keep_encoded`` (a trainer's calls) int4 hidden states and gradients go on from
+    stage to stage as they came: the caller neither decodes nor encodes one (without it, it does
     both for each), and the middle stage's backward still gets its forward's inputs and
     reuses the kept graph."""
     x, y = _batch()
@@ -395,19 +395,19 @@ def test_a_relayed_boundary_reaches_the_next_stage_as_it_was_sent(relay, monkeyp
         async with _swarm(THREE, [0, 1, 2]) as (client, (s0, s1, s2)):
             for server in (s0, s1, s2):
                 server.compression = "int4"
-            kw = {"run_id": RUN, "compression": "int4", "micro_batch": 3, "relay": relay}
+            kw = {"run_id": RUN, "compression": "int4", "micro_batch": 3, "keep_encoded": keep}
             a0 = await stage_client.forward(client, _peer(s0), x, stage=0, train=True, **kw)
             a1 = await stage_client.forward(client, _peer(s1), a0, stage=1, train=True, **kw)
-            assert isinstance(a0, Relayed) == isinstance(a1, Relayed) == relay
+            assert isinstance(a0, Encoded) == isinstance(a1, Encoded) == keep
             loss, g1 = await stage_client.loss(client, _peer(s2), a1, y, stage=2, train=True, **kw)
-            assert isinstance(g1, Relayed) == relay and float(loss) > 0
+            assert isinstance(g1, Encoded) == keep and float(loss) > 0
             g0 = await stage_client.backward(client, _peer(s1), a0, g1, stage=1, **kw)
             assert await stage_client.backward(client, _peer(s0), x, g0, stage=0, **kw) is None
             assert s0.counters.reused == s1.counters.reused == 1
             assert all(s.optimizer.samples == B for s in (s0, s1, s2))
 
     _run(body())
-    if relay:
+    if keep:
         assert caller_codecs == []
     else:  # a0 decoded, sent twice; a1, g1, g0 decoded and sent once each
         assert caller_codecs.count("decode") == 4 and caller_codecs.count("encode") == 5

@@ -20,7 +20,7 @@ from node.limits import stage_bytes_per_sample
 from node.pipeline import lowbit, wire
 from node.pipeline.wire import (
     Assembler,
-    Relayed,
+    Encoded,
     deserialize,
     generic_header_check,
     received,
@@ -252,35 +252,35 @@ def test_finite_values_whose_range_overflows_float32_travel(setting):
 
 
 @pytest.mark.parametrize("setting", ["int4", "int2", "uint8"])
-def test_a_relayed_tensor_goes_on_in_the_bytes_it_came_in(setting):
+def test_a_tensor_kept_encoded_goes_on_in_the_bytes_it_came_in(setting):
     x = _hidden((2, 3, 100))
     sent = serialize(x, setting)
-    relayed = received(sent, relay=True)
-    assert isinstance(relayed, Relayed) and relayed.shape == x.shape
-    assert relayed.is_floating_point()
-    assert serialize(relayed, setting) is sent  # the same encoding: as it came
-    assert torch.equal(relayed.decode(), deserialize(sent))
-    again = serialize(relayed, "none")  # another encoding: decoded, then encoded
+    kept = received(sent, keep_encoded=True)
+    assert isinstance(kept, Encoded) and kept.shape == x.shape
+    assert kept.is_floating_point()
+    assert serialize(kept, setting) is sent  # the same encoding: as it came
+    assert torch.equal(kept.decode(), deserialize(sent))
+    again = serialize(kept, "none")  # another encoding: decoded, then encoded
     assert torch.equal(deserialize(again), deserialize(sent))
-    assert torch.equal(received(sent), deserialize(sent))  # without relay: decoded
+    assert torch.equal(received(sent), deserialize(sent))  # not kept: decoded
 
 
 @pytest.mark.parametrize("setting", ["none", "float16"])
-def test_exact_encodings_and_token_ids_are_decoded_even_when_relaying(setting):
+def test_exact_encodings_and_token_ids_are_decoded_even_when_keeping(setting):
     sent = serialize(_hidden(), setting)
-    assert torch.equal(received(sent, relay=True), deserialize(sent))
+    assert torch.equal(received(sent, keep_encoded=True), deserialize(sent))
     ids = torch.arange(12).reshape(3, 4)
-    assert torch.equal(received(serialize(ids, setting), relay=True), ids)
+    assert torch.equal(received(serialize(ids, setting), keep_encoded=True), ids)
 
 
 @settings(max_examples=80, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(st.sampled_from(sorted(LOWBIT)), st.lists(st.integers(1, 70), min_size=1, max_size=2),
        st.data())  # fmt: skip
-def test_a_relayed_buffer_is_one_that_decodes_finite(setting, shape, data):
-    """Relaying checks only the groups' minima and steps, never decoding: what it keeps
-    must decode to finite values (what the next stage checks), or the caller would pass a
-    bad peer's answer on and the next stage would refuse the caller."""
+def test_a_buffer_kept_encoded_is_one_that_decodes_finite(setting, shape, data):
+    """Keeping a tensor encoded checks only the groups' minima and steps, never decoding:
+    what it keeps must decode to finite values (what the next stage checks), or the caller
+    would pass a bad peer's answer on and the next stage would refuse the caller."""
     name = lowbit.wire_name(LOWBIT[setting])
     n = wire_nbytes(name, "float32", math.prod(shape))
     edges = [0.0, 1.0, -2.5, 1e37, 2.3e37, -3e38, 3.4e38, math.inf, -math.inf, math.nan]
@@ -290,15 +290,15 @@ def test_a_relayed_buffer_is_one_that_decodes_finite(setting, shape, data):
     head = struct.pack(f"<{2 * groups}f", *params)
     buffer = head + data.draw(st.binary(min_size=n - len(head), max_size=n - len(head)))
     try:
-        relayed = received(_wire(setting, buffer, shape), relay=True)
+        kept = received(_wire(setting, buffer, shape), keep_encoded=True)
     except StageRequestError:
         return
-    assert bool(torch.isfinite(relayed.decode()).all())
+    assert bool(torch.isfinite(kept.decode()).all())
 
 
-def test_an_8bit_codebook_with_a_non_finite_entry_is_not_relayed():
+def test_an_8bit_codebook_with_a_non_finite_entry_is_not_kept_encoded():
     sent = serialize(_hidden(), "uint8")
     bad = bytearray(sent.buffer)
     bad[8:12] = struct.pack("<f", math.nan)
     with pytest.raises(StageRequestError, match="non-finite"):
-        received(_wire("uint8", bytes(bad), sent.size), relay=True)
+        received(_wire("uint8", bytes(bad), sent.size), keep_encoded=True)
