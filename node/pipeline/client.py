@@ -108,9 +108,10 @@ async def call(
     """Send one raw ``kind`` request to ``peer_id``'s server of ``stage`` (in a session:
     see the module docstring) and return the response's tensors. ``local``: ``peer_id``
     is this process's own peer and this is its server of ``stage``; the request is served
-    in-process. ``keep_encoded``: float tensors that came in a lossy encoding stay encoded
-    (``node.pipeline.wire.Encoded``), for a trainer to pass on to the next stage as they
-    are; they are checked to decode finite, so only ``_expect``'s shape check is left."""
+    in-process. ``keep_encoded``: hidden states and gradients (float, (B, T, W)) that came
+    in a lossy encoding stay encoded (``node.pipeline.wire.received``), for a trainer to
+    pass on to the next stage as they are; they are checked to decode finite, and
+    ``_expect`` checks their shapes."""
     if kind not in (FORWARD, BACKWARD):
         raise ValueError(f"kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
     if local is not None:
@@ -124,8 +125,9 @@ async def call(
     purpose = limits.PURPOSE.set(purpose_of(kind))
     try:
         async with asyncio.timeout(timeout):
-            out = await _call_on_stream(p2p, peer_id, kind, stage, metadata, tensors, assembler)
-        return [received(t, keep_encoded) for t in out]
+            return await _call_on_stream(
+                p2p, peer_id, kind, stage, metadata, tensors, assembler, keep_encoded
+            )
     except TimeoutError:
         raise StageTimeout(peer_id, f"no response within {timeout} s") from None
     except P2PHandlerError as e:
@@ -259,7 +261,8 @@ async def _call_on_stream(
     metadata: bytes,
     tensors: list[runtime_pb2.Tensor],
     assembler: Assembler,
-) -> list[runtime_pb2.Tensor]:
+    keep_encoded: bool,
+) -> list[torch.Tensor | Encoded]:
     """One request and its response on an idle session stream to ``peer_id``'s ``stage``
     (a new one if none is idle, or if the idle one turns out closed before any answer: the
     server closed it unread), kept for the next call only if this one was answered whole;
@@ -272,12 +275,13 @@ async def _call_on_stream(
     idle = sessions.take(key) if sessions is not None else None
     if idle is not None:
         try:
-            return await _exchange(sessions, key, idle, metadata, tensors, assembler)
+            return await _exchange(sessions, key, idle, metadata, tensors, assembler, keep_encoded)
         except (ConnectionError, asyncio.IncompleteReadError):
             if assembler.received:
                 raise  # it was answering: the server broke, not the idle stream
     _, reader, writer = await p2p.call_binary_stream_handler(*key)
-    return await _exchange(sessions, key, _Stream(reader, writer), metadata, tensors, assembler)
+    stream = _Stream(reader, writer)
+    return await _exchange(sessions, key, stream, metadata, tensors, assembler, keep_encoded)
 
 
 async def _exchange(
@@ -287,14 +291,15 @@ async def _exchange(
     metadata: bytes,
     tensors: list[runtime_pb2.Tensor],
     assembler: Assembler,
-) -> list[runtime_pb2.Tensor]:
+    keep_encoded: bool,
+) -> list[torch.Tensor | Encoded]:
     """Send the request on ``stream`` and read its response; then keep the stream in
     ``sessions`` if it was answered whole, else close it."""
     answered = False
     try:
         sending = asyncio.create_task(_send(stream.writer, metadata, tensors))
         try:
-            out = await _receive(stream.reader, assembler)
+            out = await _receive(stream.reader, assembler, keep_encoded)
             await sending  # a server answers once it has read the whole request
         finally:
             sending.cancel()  # done, or the server answered before reading it all
@@ -342,7 +347,9 @@ async def _send(
     await write_frames(itertools.chain(messages, [P2P.END_OF_STREAM]), writer)
 
 
-async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[runtime_pb2.Tensor]:
+async def _receive(
+    reader: asyncio.StreamReader, assembler: Assembler, keep_encoded: bool
+) -> list[torch.Tensor | Encoded]:
     """Read response frames (each capped, like the server's: a hostile server cannot make
     us buffer a frame larger than ``MAX_FRAME_BYTES``) until the response is complete."""
     n_tensors = None
@@ -360,7 +367,7 @@ async def _receive(reader: asyncio.StreamReader, assembler: Assembler) -> list[r
             n_tensors = decode_response_meta(frame.metadata)
         assembler.add(frame)
         if assembler.complete(n_tensors):
-            return assembler.tensors()
+            return [received(t, keep_encoded) for t in assembler.tensors()]
 
 
 def _meta(

@@ -209,7 +209,7 @@ class StageRouter:
         self._probation = Probation(probe_share=0.0)
         self._probation.trust(self._own_id)
         # stage -> an input it took: the call's positional tensors and keyword tensors
-        self._samples: dict[int, tuple[tuple[torch.Tensor, ...], dict]] = {}
+        self._samples: dict[int, tuple[tuple[torch.Tensor | Encoded, ...], dict]] = {}
         self._probes: Counter = Counter()  # stage -> probes of unproven peers in flight
         self._connected: frozenset[str] = frozenset()  # peers our p2p daemon holds a link to
         self._timer = CallTimer(settings.min_call_timeout_s, settings.call_timeout_s)
@@ -327,20 +327,23 @@ class StageRouter:
     async def _forward(
         self,
         stage: int,
-        x: torch.Tensor,
+        x: torch.Tensor | Encoded,
         index: int,
         tokens: torch.Tensor,
         train: bool = False,
         infer: bool = False,
-    ) -> tuple[torch.Tensor, str]:
+    ) -> tuple[torch.Tensor | Encoded, str]:
         """Stage ``stage``'s forward of ``x``, the hidden states (or, at stage 0, the token
-        ids) of the sequences ``tokens``."""
+        ids) of the sequences ``tokens``. Hidden states of another width than the model's
+        boundary are the peer's fault (``StageUnavailable``): sent on, the next stage
+        would refuse them, and the refusal would fall on that stage."""
         with_tokens = self._tokens(stage, tokens)
         self._samples[stage] = ((x,), with_tokens)
         exact = {"compression": "none"} if infer else {}  # generation: deterministic logits
-        return await self._call(
-            stage,
-            lambda peer, opts: self._calls.forward(
+        width = self.spec.model.boundary_width
+
+        async def forward(peer: PeerID, opts: dict) -> torch.Tensor | Encoded:
+            hidden = await self._calls.forward(
                 self.p2p,
                 peer,
                 x,
@@ -349,12 +352,23 @@ class StageRouter:
                 train=train,
                 infer=infer,
                 **opts | exact | with_tokens,
-            ),
-            held=train,
-        )
+            )
+            if hidden.shape[-1] != width:
+                raise StageUnavailable(
+                    peer, f"malformed response: hidden states of width {hidden.shape[-1]}, "
+                    f"the model's boundary carries {width}"
+                )  # fmt: skip
+            return hidden
+
+        return await self._call(stage, forward, held=train)
 
     async def _loss(
-        self, x: torch.Tensor, y: torch.Tensor, index: int, tokens: torch.Tensor, train: bool
+        self,
+        x: torch.Tensor | Encoded,
+        y: torch.Tensor,
+        index: int,
+        tokens: torch.Tensor,
+        train: bool,
     ):
         last = self.spec.n_stages - 1
         with_tokens = self._tokens(last, tokens)

@@ -94,7 +94,7 @@ def narrow_ids(ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A float tensor (hidden states, or their gradient) that a stage sent in a lossy
+    """Hidden states, or their gradient ((B, T, W) float), that a stage sent in a lossy
     encoding (grouped low-bit, 8-bit), kept as it came for a trainer to pass on to the
     next stage: ``serialize`` with the same compression sends these very bytes, so the
     trainer spends no CPU on decoding and encoding again, and the next stage gets exactly
@@ -117,9 +117,10 @@ class Encoded:
 
 def received(serialized: runtime_pb2.Tensor, keep_encoded: bool = False) -> torch.Tensor | Encoded:
     """A received tensor (an ``Assembler``'s output): decoded, or with ``keep_encoded``, if
-    it is a float tensor in a lossy encoding, kept encoded (``Encoded``) once it is known
-    to decode to finite values. ``StageRequestError`` if it does not."""
-    if not keep_encoded or serialized.dtype != "float32":
+    it is a three-dimensional float tensor (hidden states or their gradient, never a loss)
+    in a lossy encoding, kept encoded (``Encoded``) once it is known to decode to finite
+    values. ``StageRequestError`` if it does not."""
+    if not keep_encoded or serialized.dtype != "float32" or len(serialized.size) != 3:
         return deserialize(serialized)
     numel = 1
     for s in serialized.size:

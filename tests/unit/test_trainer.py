@@ -170,6 +170,33 @@ def test_a_failed_call_is_an_event_and_is_rerouted_to_the_stages_other_peer(
     assert [c.peer_id for c in trainer.view[failing_stage]] == [rerouted["peer"]]
 
 
+def test_hidden_states_of_another_width_fail_their_peer_not_the_next_stage(
+    event_log: Path,
+) -> None:
+    """Sent on, hidden states of the wrong width would make the next stage refuse the
+    trainer; the stage-0 peer that answered them is failed and its micro-batch rerouted."""
+    narrowed: list[str] = []  # the peer whose first answer was one value short
+
+    @dataclass
+    class _Narrow(_Stages):
+        async def forward(self, p2p: Any, peer: PeerID, x: torch.Tensor, **kw: Any):
+            hidden = await super().forward(p2p, peer, x, **kw)
+            if kw["stage"] == 0 and not narrowed:
+                narrowed.append(peer.to_base58())
+                return hidden[..., :-1]
+            return hidden
+
+    stages = _Narrow(failing_stage=-1, error=StageUnavailable)
+    trainer, peers = _trainer(stages, [0, 0, 1])
+    asyncio.run(trainer.train(3))
+    assert trainer.stats.micro_batches == 3
+    (failed,) = events.read_events(event_log, "call.failed")
+    assert failed["peer"] == narrowed[0] and failed["stage"] == 0 and "width" in failed["error"]
+    (rerouted,) = events.read_events(event_log, "call.rerouted")
+    assert rerouted["stage"] == 0 and rerouted["peer"] != narrowed[0]
+    assert [c.peer_id for c in trainer.view[0]] == [rerouted["peer"]]
+
+
 def test_a_refusal_that_is_no_peer_failure_is_an_event_and_stops_training(event_log: Path) -> None:
     stages = _Stages(1, StageRefused, "the request is malformed")
     trainer, _ = _trainer(stages, [0, 1, 1])
