@@ -380,7 +380,7 @@ def _expect(
     peer_id: PeerID, tensors: list[torch.Tensor | Encoded], shapes: list[tuple[int, ...]]
 ) -> Iterator[torch.Tensor | Encoded]:
     """Check a response's tensors: as many as expected, with these shapes, finite floats
-    (a ``Encoded`` one was checked finite as it arrived)."""
+    (an ``Encoded`` one was checked finite as it arrived)."""
     got = [tuple(t.shape) for t in tensors]
     if got != shapes:
         raise StageUnavailable(peer_id, f"malformed response: expected shapes {shapes}, got {got}")
