@@ -119,13 +119,20 @@ def round_to_grid(values: torch.Tensor, block: int = GRID_BLOCK) -> torch.Tensor
     -127..127 times the smallest power of two that holds the block's largest magnitude.
     float32. ``block`` a multiple or divisor of ``CODEC_BLOCK`` keeps the rounded values
     exact in ``encode``'s 8-bit blocks."""
-    x = values.detach().float().numpy()
+    x = values.detach().float().reshape(-1)
     n = len(x)
-    pad = (-n) % block
-    blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, block)
-    scale = np.exp2(_exponents(np.abs(blocks).max(axis=1))).astype(np.float32)[:, None]
-    q = np.clip(np.rint(blocks / scale), -LEVELS, LEVELS)
-    return torch.from_numpy((q * scale).astype(np.float32).reshape(-1)[:n].copy())
+    blocks = _padded(x, block).view(-1, block)
+    exponents = _exponents(blocks.abs().amax(dim=1).numpy())
+    scale = torch.from_numpy(np.exp2(exponents).astype(np.float32)).unsqueeze(1)
+    # Dividing by a power of two is exact, and round() rounds half to even, as rint does.
+    q = (blocks / scale).round_().clamp_(-LEVELS, LEVELS).mul_(scale)
+    return q.view(-1)[:n].clone()
+
+
+def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` (1-d) with zeros after it up to a whole number of ``block`` values."""
+    pad = (-len(x)) % block
+    return torch.cat([x, x.new_zeros(pad)]) if pad else x
 
 
 _NO_GRID = 1 << 20  # the grid exponent of 0: on every grid
@@ -133,12 +140,18 @@ _NO_GRID = 1 << 20  # the grid exponent of 0: on every grid
 
 def grid_exponents(values: np.ndarray) -> np.ndarray:
     """Per value (float32, finite), the largest e such that it is a whole multiple of
-    2**e (``_NO_GRID`` for 0)."""
-    mantissa, exponent = np.frexp(values.astype(np.float64))
-    m = np.abs(np.ldexp(mantissa, 24)).astype(np.int64)  # exact: float32 has 24 bits
-    low = m & -m  # the lowest set bit (0 for 0)
-    tz = np.log2(np.where(low > 0, low, 1)).astype(np.int64)
-    return np.where(m > 0, exponent.astype(np.int64) - 24 + tz, _NO_GRID)
+    2**e (``_NO_GRID`` for 0). Read from the float32 bits: a normal value is its 24-bit
+    significand times 2**(field - 150), a subnormal one its 23 bits times 2**-149, and
+    the lowest set bit of the significand adds its place."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.int32)
+    field = (bits >> 23) & 0xFF
+    significand = bits & 0x7FFFFF
+    normal = field > 0
+    significand[normal] |= 0x800000
+    low = significand & -significand  # its lowest set bit: a power of two, or 0
+    place = ((low.astype(np.float32).view(np.int32) >> 23) & 0xFF) - 127  # log2, exactly
+    e = np.where(normal, field - 150, -149) + place
+    return np.where(significand > 0, e, _NO_GRID).astype(np.int64)
 
 
 def snap_mean(mean: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -149,21 +162,22 @@ def snap_mean(mean: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     if there are at most 127), and ``part + (mean - part)`` equals it exactly in float32.
     Unchanged if a value is not finite or a block's grid is finer than float32 can hold
     at its mean (no rounding then)."""
-    m = mean.detach().float().reshape(-1).numpy()
-    xs = [p.detach().float().reshape(-1).numpy() for p in parts]
-    if not xs or not np.isfinite(m).all() or not all(np.isfinite(x).all() for x in xs):
+    m = mean.detach().float().reshape(-1)
+    xs = [p.detach().float().reshape(-1) for p in parts]
+    if not xs or not bool(m.isfinite().all()) or not all(bool(x.isfinite().all()) for x in xs):
         return mean
     n = len(m)
-    pad = (-n) % CODEC_BLOCK
     grid = np.full(math.ceil(n / CODEC_BLOCK), _NO_GRID, np.int64)
     for x in xs:
-        e = grid_exponents(np.concatenate([x, np.zeros(pad, np.float32)]))
+        e = grid_exponents(_padded(x, CODEC_BLOCK).numpy())
         grid = np.minimum(grid, e.reshape(-1, CODEC_BLOCK).min(axis=1))
-    step = np.repeat(np.clip(grid, -1074, MAX_EXP), CODEC_BLOCK)[:n]  # float64's range
-    # In float64, m / 2**step is exact and rint rounds it to a whole number of steps; a
-    # grid finer than m's own last bit leaves m as it is.
-    snapped = np.ldexp(np.rint(np.ldexp(m.astype(np.float64), -step)), step)
-    return torch.from_numpy(snapped.astype(np.float32)).reshape(mean.shape)
+    # Parts are float32, so a grid is never finer than 2**-149; in float64, multiplying by
+    # a power of two of this range is exact, and rint rounds to a whole number of steps (a
+    # grid finer than m's own last bit leaves m as it is).
+    step = np.clip(grid, -149, MAX_EXP)[:, None]
+    blocks = _padded(m, CODEC_BLOCK).numpy().astype(np.float64).reshape(-1, CODEC_BLOCK)
+    snapped = np.rint(blocks * np.ldexp(1.0, -step)) * np.ldexp(1.0, step)
+    return torch.from_numpy(snapped.astype(np.float32).reshape(-1)[:n].copy()).reshape(mean.shape)
 
 
 class CodecError(ValueError):
