@@ -201,7 +201,10 @@ def encode(values: torch.Tensor) -> bytes:
     exps = _exponents(np.abs(safe).max(axis=1))
     q = safe / np.exp2(exps)[:, None].astype(np.float32)
     int8 = finite & (q == np.rint(q)).all(axis=1) & (np.abs(q) <= LEVELS).all(axis=1)
-    f16 = ~int8 & finite & (blocks.astype(np.float16).astype(np.float32) == blocks).all(axis=1)
+    rest = np.flatnonzero(~int8 & finite)  # float16 where exact: checked only where needed
+    exact = (blocks[rest].astype(np.float16).astype(np.float32) == blocks[rest]).all(axis=1)
+    f16 = np.zeros(len(blocks), bool)
+    f16[rest[exact]] = True
     kinds = np.where(int8, _INT8, np.where(f16, _F16, _F32)).astype(np.uint8)
     return b"".join(
         (
