@@ -409,28 +409,18 @@ async def forward(
     keep_encoded: bool = False,
 ) -> torch.Tensor | Encoded:
     """Stage ``stage`` (not the last): token ids (B, T) or hidden states (B, T, W) ->
-    hidden states (B, T, W) (``keep_encoded``: see ``call``). ``tokens``: the sequences' token
-    ids, which a stage that takes hidden states across a low-rank boundary
+    hidden states (B, T, W) (``keep_encoded``: see ``call``). ``tokens``: the sequences'
+    token ids, which a stage that takes hidden states across a low-rank boundary
     (``models.boundary``) needs with every request (the same keyword in ``loss``,
-    ``logits`` and ``backward``). ``train``: a backward for
-    ``micro_batch`` will follow, and the server may keep the forward's graph for it (sent
-    to this peer, it skips the recompute).
-    ``infer``: an inference forward (generation), counted apart from training and
-    validation forwards."""
+    ``logits`` and ``backward``). ``train``: a backward for ``micro_batch`` will follow,
+    and the server may keep the forward's graph for it (sent to this peer, it skips the
+    recompute). ``infer``: an inference forward (generation), counted apart from training
+    and validation forwards."""
     meta = _meta(run_id, stage, FORWARD, micro_batch, train, infer)
     tensors = [serialize(inputs, compression)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
-    out = await call(
-        p2p,
-        peer_id,
-        FORWARD,
-        meta,
-        tensors,
-        stage=stage,
-        timeout=timeout,
-        local=local,
-        keep_encoded=keep_encoded,
-    )
+    how = {"stage": stage, "timeout": timeout, "local": local, "keep_encoded": keep_encoded}
+    out = await call(p2p, peer_id, FORWARD, meta, tensors, **how)
     b, t = inputs.shape[:2]
     if len(out) != 1 or len(out[0].shape) != 3:
         raise StageUnavailable(peer_id, f"malformed response: {[tuple(o.shape) for o in out]}")
@@ -461,17 +451,8 @@ async def loss(
     meta = _meta(run_id, stage, FORWARD, micro_batch, train)
     tensors = [serialize(inputs, compression), serialize(targets)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
-    out = await call(
-        p2p,
-        peer_id,
-        FORWARD,
-        meta,
-        tensors,
-        stage=stage,
-        timeout=timeout,
-        local=local,
-        keep_encoded=keep_encoded,
-    )
+    how = {"stage": stage, "timeout": timeout, "local": local, "keep_encoded": keep_encoded}
+    out = await call(p2p, peer_id, FORWARD, meta, tensors, **how)
     with_grad = train and inputs.is_floating_point()
     shapes = [()] + ([tuple(inputs.shape)] if with_grad else [])
     got = _expect(peer_id, out, shapes)
@@ -525,17 +506,8 @@ async def backward(
     meta = _meta(run_id, stage, BACKWARD, micro_batch)
     tensors = [serialize(inputs, compression), serialize(grad_outputs, compression)]
     tensors += [serialize(narrow_ids(tokens))] if tokens is not None else []
-    out = await call(
-        p2p,
-        peer_id,
-        BACKWARD,
-        meta,
-        tensors,
-        stage=stage,
-        timeout=timeout,
-        local=local,
-        keep_encoded=keep_encoded,
-    )
+    how = {"stage": stage, "timeout": timeout, "local": local, "keep_encoded": keep_encoded}
+    out = await call(p2p, peer_id, BACKWARD, meta, tensors, **how)
     if not inputs.is_floating_point():
         _expect(peer_id, out, [])
         return None
