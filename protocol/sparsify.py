@@ -126,7 +126,7 @@ def round_to_grid(values: torch.Tensor, block: int = GRID_BLOCK) -> torch.Tensor
     scale = torch.from_numpy(np.exp2(exponents).astype(np.float32)).unsqueeze(1)
     # Dividing by a power of two is exact, and round() rounds half to even, as rint does.
     q = (blocks / scale).round_().clamp_(-LEVELS, LEVELS).mul_(scale)
-    return q.view(-1)[:n].clone()
+    return q.view(-1)[:n]
 
 
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:

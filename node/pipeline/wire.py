@@ -136,8 +136,8 @@ def received(serialized: runtime_pb2.Tensor, keep_encoded: bool = False) -> torc
 
 
 def serialize(tensor: torch.Tensor | Encoded, compression: str = "none") -> runtime_pb2.Tensor:
-    """Float tensors compressed as asked; integer tensors (token ids) always exact. A
-    ``Encoded`` tensor goes as it came where its encoding is the one asked for."""
+    """Float tensors compressed as asked; integer tensors (token ids) always exact. An
+    ``Encoded`` one goes as it came where its encoding is the one asked for."""
     if isinstance(tensor, Encoded):
         if tensor.wire.compression == compression_type(compression):
             return tensor.wire
