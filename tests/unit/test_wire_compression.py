@@ -289,7 +289,7 @@ def test_exact_encodings_and_token_ids_are_decoded_even_when_keeping(setting):
        st.data())  # fmt: skip
 def test_a_buffer_kept_encoded_is_one_that_decodes_finite(setting, shape, data):
     """Keeping a tensor encoded checks only the groups' minima and steps, never decoding:
-    what it keeps must decode to finite values (what the next stage checks), or the caller
+    what it keeps must decode to finite values (what the next stage checks of them), or the caller
     would pass a bad peer's answer on and the next stage would refuse the caller."""
     name = lowbit.wire_name(LOWBIT[setting])
     n = wire_nbytes(name, "float32", math.prod(shape))
