@@ -18,7 +18,9 @@ stream per call), alternating in one swarm so that both see the same machine; it
 each way's median [range] and their ratio round by round. The baseline runs
 ``--baselines`` times before the swarm starts. The nodes run with the node's own update
 period (``--update-period``: how often a node republishes its peer record), not the test
-harness's shorter one. ``--idle S`` first counts, over S seconds, the CPU the swarm's
+harness's shorter one. With a diloco ``--config``, ``--inner-steps`` sets H: at the spec's
+50 a run of a few minutes holds no outer round, and the per-node round lines say how many
+fell in the window. ``--idle S`` first counts, over S seconds, the CPU the swarm's
 processes use while they serve and nothing trains (what a node costs its machine between
 runs' work, and a floor under every rate below).
 
@@ -62,7 +64,7 @@ from node.pipeline import client as stage_client
 from node.pipeline.trainer import TrainerSettings
 from node.rpc.dht import SwarmDHT
 from protocol.run_spec import read_spec_file
-from scripts.bench_swarm import CONFIGS, write_spec
+from scripts.bench_swarm import CONFIGS, with_overrides, write_spec
 from scripts.swarm_bench.throttle import tree_cpu_seconds, tree_cpu_times
 
 
@@ -252,7 +254,8 @@ def run_swarm(
         os.environ[EARLY_MATCH_ENV] = PATHS[path]  # the nodes inherit it
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            spec = write_spec(Path(tmp), args.preset, args.stages, CONFIGS[args.config])
+            settings = with_overrides(CONFIGS[args.config], args)
+            spec = write_spec(Path(tmp), args.preset, args.stages, settings)
             for i in range(args.stages * args.peers):
                 stage = i % args.stages
                 extra = ["--stage", str(stage), "--spec", str(spec)]
@@ -331,6 +334,9 @@ def main() -> None:
         choices=sorted(CONFIGS),
         help="the run's settings, as bench_swarm names them (none: uncompressed)",
     )
+    p.add_argument(
+        "--inner-steps", type=int, help="DiLoCo's H, for a diloco --config (default: the spec's)"
+    )
     p.add_argument("--peers", type=int, default=2, help="peers per stage")
     p.add_argument("--micro-batches", type=int, default=120)
     p.add_argument("--in-flight", type=int, default=4)
@@ -347,6 +353,7 @@ def main() -> None:
     p.add_argument("--update-period", type=float, default=NodeSettings.update_period_s,
                    help="the nodes' --update-period (default: the node's own; the test "
                         "harness's 1 s republishes peer records five times as often)")  # fmt: skip
+    p.set_defaults(target_batch=None)  # the preset's (``with_overrides`` reads it)
     args = p.parse_args()
     if not args.repeats and (args.rounds or not args.idle):
         p.error("--repeats 0 measures the idle swarm only: it needs --idle S, not --rounds")

@@ -509,7 +509,7 @@ class Bench:
         a, figures = self.args, {}
         warmup = max(10, a.micro_batches // 5)  # counted, so both runs train the same samples
         phases = [f"warmup:stochastic:{warmup}mb", f"measured:stochastic:{a.micro_batches}mb"]
-        configs = a.configs or [("default", _with(CONFIGS["default"], a))]
+        configs = a.configs or [("default", with_overrides(CONFIGS["default"], a))]
         ref = configs[0][0]
         for name, settings in configs:
             for where in ("loopback", a.link):
@@ -823,7 +823,7 @@ def _spread(xs: list[float], digits: int = 1) -> str:
     return f"{med}  (median of {len(xs)}; {min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
 
-def _with(settings: dict, args: argparse.Namespace) -> dict:
+def with_overrides(settings: dict, args: argparse.Namespace) -> dict:
     """``settings`` with ``--inner-steps`` (diloco only) and ``--target-batch`` applied."""
     settings = dict(settings)
     averaging = dict(settings.get("averaging", {}))
@@ -880,7 +880,7 @@ def main() -> int:
     if args.netem and "links" in args.scenarios:
         p.error("links builds its own network (--link): run it without --netem")
     if args.configs:
-        args.configs = [(name, _with(settings, args)) for name, settings in args.configs]
+        args.configs = [(name, with_overrides(settings, args)) for name, settings in args.configs]
 
     results: dict[str, list[dict[str, float]]] = {}
 

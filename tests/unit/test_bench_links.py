@@ -18,9 +18,9 @@ from scripts.bench_swarm import (
     Record,
     _config,
     _purpose_bytes,
-    _with,
     call_names,
     call_split,
+    with_overrides,
     write_spec,
 )
 from scripts.swarm_bench import wire
@@ -30,7 +30,7 @@ def test_configs_become_signed_specs_with_h_and_target_batch(tmp_path) -> None:
     args = argparse.Namespace(inner_steps=10, target_batch=16)
     runs = set()
     for name in ("default", "diloco-int4-zip"):
-        path = write_spec(tmp_path / name, "tiny", 2, _with(CONFIGS[name], args))
+        path = write_spec(tmp_path / name, "tiny", 2, with_overrides(CONFIGS[name], args))
         spec = read_spec_file(path.read_text()).spec
         runs.add(spec.run)
         assert spec.optim.target_batch_size == 16
@@ -49,7 +49,7 @@ def test_every_named_config_is_a_run_spec_a_node_accepts(tmp_path) -> None:
     for name, settings in CONFIGS.items():
         preset = "small" if "arch" in settings else "tiny"  # a rank is a width's share
         spec = read_spec_file(
-            write_spec(tmp_path / name, preset, 2, _with(settings, args)).read_text()
+            write_spec(tmp_path / name, preset, 2, with_overrides(settings, args)).read_text()
         )
         assert spec.spec.compression == settings.get("compression", DEFAULT_COMPRESSION), name
         for field, value in settings.get("arch", {}).items():
