@@ -355,6 +355,8 @@ def main() -> None:
                         "harness's 1 s republishes peer records five times as often)")  # fmt: skip
     p.set_defaults(target_batch=None)  # the preset's (``with_overrides`` reads it)
     args = p.parse_args()
+    if args.inner_steps and CONFIGS[args.config].get("averaging", {}).get("mode") != "diloco":
+        p.error(f"--inner-steps sets DiLoCo's H: --config {args.config} is not a diloco one")
     if not args.repeats and (args.rounds or not args.idle):
         p.error("--repeats 0 measures the idle swarm only: it needs --idle S, not --rounds")
 
