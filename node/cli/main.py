@@ -8,6 +8,7 @@ hivemind (``node.cli.args``).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import sys
@@ -113,8 +114,19 @@ KNOWN_ERRORS = [
 
 
 def _load(target: str):
+    """``module:name``, imported with the cyclic garbage collector paused: an import
+    allocates objects that all stay alive, and with torch and hivemind loaded the full
+    collections it would trigger walk hundreds of thousands of them for nothing. What
+    the import made is then frozen (``gc.freeze``): later collections skip it."""
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return getattr(importlib.import_module(module), name)
+    finally:
+        if paused:
+            gc.enable()
+            gc.freeze()
 
 
 def _command_in(argv: Sequence[str]) -> str | None:
