@@ -378,6 +378,14 @@ def node_arguments(p: argparse.ArgumentParser) -> None:
         help="log a line saying the node is alive, and what it did, this often",
     )
     p.add_argument(
+        "--stuck-after",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="stop (exit status 2, for a service manager to restart) once the node's DHT "
+        "process has not answered for this long; its averagers get 4x, its event loop 2x",
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=non_negative_float,
         default=300.0,

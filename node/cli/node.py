@@ -87,6 +87,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         update_period_s=args.update_period,
         train=not args.no_train,
         heartbeat_s=args.heartbeat,
+        stuck_after_s=args.stuck_after,
         checkpoint_every_s=args.checkpoint_every,
         checkpoint_dir=args.checkpoint_dir,
         archive=args.archive,

@@ -78,11 +78,11 @@ logger = logging.getLogger(__name__)
 P2PD_GONE_GRACE_S = 2.0  # a stop signal that also stopped p2pd arrives within this
 CHILDREN_CHECK_S = 2.0  # how often the node checks that its DHT and averagers still run
 CHILD_ASK_S = 10.0  # how often the node asks its children something that needs no network
-# An ask unanswered this long: the child is alive but stuck. An averager gets longer: a
-# peer's joiner waits out a busy one (retrying its download) rather than see it restart.
-DHT_PATIENCE_S = 30.0
-AVERAGER_PATIENCE_S = 120.0
-LOOP_STALL_S = 60.0  # an event loop that has not run this long: the node is stuck in a call
+# An ask of the DHT process unanswered for ``NodeSettings.stuck_after_s``: the child is
+# alive but stuck. An averager gets this many times longer: a peer's joiner waits out a
+# busy one (retrying its download) rather than see it restart.
+AVERAGER_PATIENCE = 4.0
+LOOP_STALL = 2.0  # an event loop that has not run this many times that: stuck in a call
 
 
 class Node:
@@ -452,7 +452,7 @@ class Node:
         """Stop the node with a ``NodeError`` once its DHT process or the averager process
         of a stage it holds has exited (the OOM killer, say), or has left an ask that
         needs no network (the size of the DHT's routing table, the averager's group bits)
-        unanswered for ``DHT_PATIENCE_S`` (an averager: ``AVERAGER_PATIENCE_S``; alive but
+        unanswered for ``stuck_after_s`` (an averager: ``AVERAGER_PATIENCE`` times that; alive but
         stuck: stopped, or its event loop blocked). Every record, progress read and
         averaging round goes through them, so without one the node would live on, serving
         nothing or a copy no longer averaged; stopped, a service manager restarts it. A
@@ -464,7 +464,9 @@ class Node:
         # ask along, unanswered for good, and one taken again has a new process.
         asks: dict[tuple[str, int | None], tuple[asyncio.Future, float]] = {}
         next_ask = loop.time()
-        stall = LoopStallWatch(LOOP_STALL_S)
+        stuck_after = self.settings.stuck_after_s
+        ask_every = min(CHILD_ASK_S, stuck_after / 3)
+        stall = LoopStallWatch(LOOP_STALL * stuck_after)
         try:
             while (exited := self._child_exited()) is None:
                 now = loop.time()
@@ -489,7 +491,7 @@ class Node:
                     for key, (question, _) in questions.items():
                         if key not in asks:
                             asks[key] = (asyncio.ensure_future(question()), now)
-                    next_ask = now + CHILD_ASK_S
+                    next_ask = now + ask_every
                 await asyncio.sleep(CHILDREN_CHECK_S)
         finally:
             stall.stop()
@@ -505,7 +507,8 @@ class Node:
         """What the watchdog asks each child process, and how long the answer may take, by
         the child's name and pid."""
         dht = ("DHT process", self.dht.dht.pid)
-        questions = {dht: (self.dht.known_peers, DHT_PATIENCE_S)}
+        patience = self.settings.stuck_after_s
+        questions = {dht: (self.dht.known_peers, patience)}
         for stage, averager in self._averagers():
             process = averager.transport.process
 
@@ -513,7 +516,7 @@ class Node:
                 return await process.get_group_bits(wait=False)
 
             key = (f"averager process of stage {stage}", process.pid)
-            questions[key] = (group_bits, AVERAGER_PATIENCE_S)
+            questions[key] = (group_bits, AVERAGER_PATIENCE * patience)
         return questions
 
     def _averagers(self) -> list[tuple[int, StageAverager]]:

@@ -16,6 +16,7 @@ from protocol.admission import AdmissionLimits
 from protocol.assignment import DEFAULT_PARAMS, Params
 
 HEARTBEAT_S = 60.0  # a serving node logs that it is alive, and what it did, this often
+STUCK_AFTER_S = 30.0  # the node's DHT process unanswered this long: stuck, the node stops
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class NodeSettings:
     events: Path | None = None  # the structured event log (default: in the run's folder)
     dashboard: str = DEFAULT_DASHBOARD  # HOST:PORT, PORT, "auto" or "off" (node.dashboard)
     heartbeat_s: float = HEARTBEAT_S
+    # How long the node's DHT process may leave a question unanswered before the node stops
+    # as stuck; its averager processes get longer, its own event loop twice this
+    # (``Node._watch_children``).
+    stuck_after_s: float = STUCK_AFTER_S
     trainer: TrainerSettings = field(default_factory=lambda: TrainerSettings(in_flight=2))
     # Caps on stage requests in flight and how fast they must arrive (protocol.admission).
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)

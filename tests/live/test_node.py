@@ -180,7 +180,9 @@ def test_a_node_whose_averager_is_stuck_stops_with_one_line(tmp_path):
     waits for it with no timeout): it stops with one line and exit status 2."""
     nodes, frozen = [], None
     try:
-        a = launch_node(tmp_path, "a", "stuck", extra=["--stage", "0"], train=True)
+        # Stuck after 10 s (not 30): the averager's ask waits 40 s, not 120, the loop 20 s.
+        a = launch_node(tmp_path, "a", "stuck", extra=["--stage", "0", "--stuck-after", "10"],
+                        train=True)  # fmt: skip
         nodes.append(a)
         for name, stage in (("b", "0"), ("c", "1")):
             nodes.append(launch_node(tmp_path, name, a.run_id, initial_peers=[a.maddr],
@@ -195,9 +197,9 @@ def test_a_node_whose_averager_is_stuck_stops_with_one_line(tmp_path):
         (line,) = [x for x in a.output().splitlines() if x.startswith("swarmtrain node:")]
         # Which comes first depends on when the next round starts: a round's step into the
         # process, which blocks the loop until the thread that watches it ends the node
-        # (60 s), or the watchdog's ask unanswered for 2 minutes; or the DHT process's
-        # (30 s), when the averager stopped holding the lock that hivemind's MPFuture
-        # shares among all processes to send results (the DHT then blocks on it).
+        # (twice --stuck-after), or the watchdog's ask unanswered (4x); or the DHT
+        # process's (1x), when the averager stopped holding the lock that hivemind's
+        # MPFuture shares among all processes to send results (the DHT then blocks on it).
         assert re.fullmatch(
             r"swarmtrain node: error: this node's (averager process of stage 0 has not "
             r"answered for \d+ s \(it runs but is stuck\)|event loop has not run for \d+ s "
@@ -221,7 +223,8 @@ def test_a_node_whose_dht_or_averager_process_dies_stops_with_one_line(tmp_path,
     DHT process alive but stuck (stopped here): the node does not live on unseen, serving
     nothing or a copy no longer averaged; it checkpoints and exits 2 within a minute,
     naming the process in one line, and leaves no process behind."""
-    node = launch_node(tmp_path, "a", "orphaned", extra=["--stage", "0"], train=True)
+    stuck_after = ["--stuck-after", "10"] if child == "DHT stuck" else []
+    node = launch_node(tmp_path, "a", "orphaned", extra=["--stage", "0", *stuck_after], train=True)
     try:
         node.wait_serving(120)
         dht, averager = _forked(node)
