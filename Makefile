@@ -20,13 +20,15 @@ demo: $(STAMP)
 
 # Everything: ruff, the unit tier, then the live tier (real p2pd daemons and swarms) in
 # three workers, each file whole in one worker, the longest files first (tests/live/
-# conftest.py says why): a live test waits on timers and peers more than on the cores (one
-# uses 0.3-0.8 of a core; three workers, 1.4). Beside those workers, the tests that fork
-# hivemind averagers from the test process itself run in a plain pytest process (its output
-# printed when it ends): forked from an xdist worker (which runs threads of its own), an
-# averager child now and then never started. The floods (a thousand requests, thousands
-# of streams and records) run last, alone: beside them, other tests' timeouts measured the
-# flood, not the code.
+# conftest.py says why). One live test alone waits on timers and peers more than on the
+# cores, but three together keep both cores of a 2-core machine busy (1.93 of 2 over a run,
+# from /proc/stat): the tier is bound by CPU, and a fourth worker does not shorten it. The
+# imports and p2pd daemons of the ~290 processes it starts are about half of that CPU.
+# Beside those workers, the tests that fork hivemind averagers from the test process
+# itself run in a plain pytest process (its output printed when it ends): forked from an
+# xdist worker (which runs threads of its own), an averager child now and then never
+# started. The floods (a thousand requests, thousands of streams and records) run last,
+# alone: beside them, other tests' timeouts measured the flood, not the code.
 FORKS_AVERAGERS := tests/live/test_averaging.py tests/live/test_diloco_load.py
 FLOODS := tests/live/test_flood.py tests/live/test_sybil.py
 APART := $(FORKS_AVERAGERS) $(FLOODS)

@@ -4,8 +4,9 @@
 --no-loadscope-reorder``: each file runs whole in one worker, its tests in file order
 (module-scoped swarms start once), and the files are handed out longest first
 (``SECONDS``), each to the next worker that is nearly done, so that no long file starts
-last while the other workers sit idle. Most of a file's time is spent waiting on timers
-and peers, not on the cores. ``test_averaging.py`` forks hivemind averagers from the test
+last while the other workers sit idle. A file alone spends most of its time waiting on
+timers and peers; three at once keep two cores busy (the Makefile says what that means).
+``test_averaging.py`` forks hivemind averagers from the test
 process itself and runs apart, in a plain pytest process (the Makefile says why).
 
 ``--dist loadgroup`` with ``xdist_group`` marks does not work with pytest 9 and
