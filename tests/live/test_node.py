@@ -236,11 +236,12 @@ def test_a_node_whose_dht_or_averager_process_dies_stops_with_one_line(tmp_path,
         assert node.proc.wait(75) == 2, node.output()[-3000:]
         (line,) = [x for x in node.output().splitlines() if x.startswith("swarmtrain node:")]
         if child == "DHT stuck":
-            assert re.fullmatch(
+            said = re.fullmatch(
                 r"swarmtrain node: error: this node's DHT process has not answered for "
-                r"\d+ s \(it runs but is stuck\)",
+                r"(\d+) s \(it runs but is stuck\)",
                 line,
-            ), line
+            )
+            assert said and int(said[1]) < 30, line  # --stuck-after 10, not the default 30
             assert not dht.is_running() or dht.status() == psutil.STATUS_ZOMBIE
         else:
             what = "DHT process" if child == "DHT" else "averager process of stage 0"

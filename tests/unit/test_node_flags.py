@@ -14,6 +14,7 @@ import pytest
 from node.cli.args import MAX_RESUME_HOLD_S
 from node.cli.main import COMMANDS, build_parser, command_parser
 from node.cli.node import settings_from
+from node.daemon.settings import STUCK_AFTER_S
 from protocol.assignment import DEFAULT_PARAMS, Params
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -88,6 +89,20 @@ def test_resume_hold_reaches_the_placement_rule() -> None:
     assert settings_from(_node()).placement_params == Params(mean_period_s=60.0)
     assert _node().resume_hold == DEFAULT_PARAMS.resume_hold_s  # the flag's default is the rule's
     assert settings_from(_node("--resume-hold", "0")).placement_params.resume_hold_s == 0.0
+
+
+def test_stuck_after_reaches_the_watchdog_and_defaults_to_its_30_s() -> None:
+    assert settings_from(_node("--stuck-after", "10")).stuck_after_s == 10.0
+    assert settings_from(_node()).stuck_after_s == STUCK_AFTER_S == 30.0
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_a_stuck_after_that_is_not_a_positive_number_is_refused_in_one_line(value, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        _node("--stuck-after", value)
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "--stuck-after" in line
 
 
 @pytest.mark.parametrize("value", ["-1", str(MAX_RESUME_HOLD_S + 1), "nan", "soon"])
