@@ -452,8 +452,8 @@ class Node:
         """Stop the node with a ``NodeError`` once its DHT process or the averager process
         of a stage it holds has exited (the OOM killer, say), or has left an ask that
         needs no network (the size of the DHT's routing table, the averager's group bits)
-        unanswered for ``stuck_after_s`` (an averager: ``AVERAGER_PATIENCE`` times that; alive but
-        stuck: stopped, or its event loop blocked). Every record, progress read and
+        unanswered for ``stuck_after_s`` (an averager: ``AVERAGER_PATIENCE`` times that;
+        alive but stuck: stopped, or its event loop blocked). Every record, progress read and
         averaging round goes through them, so without one the node would live on, serving
         nothing or a copy no longer averaged; stopped, a service manager restarts it. A
         stop that follows within ``P2PD_GONE_GRACE_S`` (a Ctrl-C signals the whole process

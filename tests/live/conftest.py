@@ -6,8 +6,8 @@
 (``SECONDS``), each to the next worker that is nearly done, so that no long file starts
 last while the other workers sit idle. A file alone spends most of its time waiting on
 timers and peers; three at once keep two cores busy (the Makefile says what that means).
-``test_averaging.py`` forks hivemind averagers from the test
-process itself and runs apart, in a plain pytest process (the Makefile says why).
+``test_averaging.py`` forks hivemind averagers from the test process itself and runs
+apart, in a plain pytest process (the Makefile says why).
 
 ``--dist loadgroup`` with ``xdist_group`` marks does not work with pytest 9 and
 pytest-xdist 3.8: xdist renames items through ``Item._nodeid``, which pytest 9 no longer
