@@ -21,9 +21,9 @@ demo: $(STAMP)
 # Everything: ruff, the unit tier, then the live tier (real p2pd daemons and swarms) in
 # three workers, each file whole in one worker, the longest files first (tests/live/
 # conftest.py says why). One live test alone waits on timers and peers more than on the
-# cores, but three together keep both cores of a 2-core machine busy (1.93 of 2 over a run,
-# from /proc/stat): the tier is bound by CPU, and a fourth worker does not shorten it. The
-# imports and p2pd daemons of the ~290 processes it starts are about half of that CPU.
+# cores, but three together keep both cores of a 2-core machine busy: the tier is bound by
+# CPU (much of it the imports and p2pd daemons of the processes it starts), so a fourth
+# worker does not shorten it.
 # Beside those workers, the tests that fork hivemind averagers from the test process
 # itself run in a plain pytest process (its output printed when it ends): forked from an
 # xdist worker (which runs threads of its own), an averager child now and then never

@@ -119,12 +119,12 @@ def _load(target: str):
     collections it would trigger walk hundreds of thousands of them for nothing. What
     the import made is then frozen (``gc.freeze``): later collections skip it."""
     module, _, name = target.partition(":")
-    paused = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         return getattr(importlib.import_module(module), name)
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()
             gc.freeze()
 

@@ -82,7 +82,7 @@ CHILD_ASK_S = 10.0  # how often the node asks its children something that needs 
 # alive but stuck. An averager gets this many times longer: a peer's joiner waits out a
 # busy one (retrying its download) rather than see it restart.
 AVERAGER_PATIENCE = 4.0
-LOOP_STALL = 2.0  # an event loop that has not run this many times that: stuck in a call
+LOOP_STALL = 2.0  # the event loop not run for this many times stuck_after_s: stuck in a call
 
 
 class Node:
